@@ -1,0 +1,169 @@
+"""Megatron dist checkpoints (torch_dist) of a Llama model, in Megatron-LM's layout.
+
+    ROOT/latest_checkpointed_iteration.txt   "release" or the last iteration
+    ROOT/release/ or ROOT/iter_0000100/      one dist checkpoint:
+        metadata.json, .metadata, *.distcp, common.pt   (Megatron-Core)
+        megarl_model.json                                (the LlamaSpec)
+        tokenizer/                                       (HF tokenizer files)
+
+Tensors are stored by Megatron's canonical keys as global tensors, so a
+checkpoint saved at one TP/PP loads at any other (Megatron reshards on load;
+vocabulary padding differences are absorbed by its allow_shape_mismatch on the
+embedding and output layer). A save goes to a temporary directory that is
+renamed into place only when complete, so an interrupted save never replaces
+a good checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megarl.errors import CheckpointError
+from megarl.models.spec import LlamaSpec
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+SPEC_FILE = "megarl_model.json"
+TOKENIZER_DIR = "tokenizer"
+CHECKPOINT_VERSION = 3.0  # Megatron-LM's version tag for dist checkpoints
+
+
+def iteration_dir_name(iteration: Optional[int]) -> str:
+    return "release" if iteration is None else f"iter_{iteration:07d}"
+
+
+def resolve_checkpoint_dir(path: os.PathLike, what: str = "--megatron") -> Path:
+    """The dist-checkpoint directory for a root (with a tracker file) or the directory itself."""
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{what} {path}: no such file or directory")
+    tracker = path / TRACKER_FILE
+    if tracker.exists():
+        tag = tracker.read_text().strip()
+        path = path / (tag if tag == "release" else iteration_dir_name(int(tag)))
+        if not path.is_dir():
+            raise CheckpointError(f"{what}: {tracker} points to {path}, which does not exist")
+    if not path.is_dir() or not dist_checkpointing.check_is_distributed_checkpoint(str(path)):
+        raise CheckpointError(
+            f"{what} {path}: not a Megatron dist checkpoint (no metadata.json); expected a directory "
+            f"written by tools/convert_hf_to_megatron.py or by megarl training"
+        )
+    return path
+
+
+def read_spec(ckpt_dir: os.PathLike) -> LlamaSpec:
+    spec_file = Path(ckpt_dir) / SPEC_FILE
+    if not spec_file.exists():
+        raise CheckpointError(f"{ckpt_dir}: no {SPEC_FILE}; this Megatron checkpoint was not written by megarl")
+    return LlamaSpec.load(spec_file)
+
+
+# -- sharded state dicts --------------------------------------------------------------------
+
+
+def model_sharded_state_dict(chunks: List[torch.nn.Module]) -> Dict[str, dict]:
+    """Megatron-LM's structure: {'model': ...} or {'model0': ..., 'model1': ...} with VP.
+
+    ``_extra_state`` entries (Transformer Engine's fp8 metadata, empty for the
+    local spec) are left out: they are layout-specific and would stop a TE
+    model and a local model from loading each other's weights.
+    """
+    out = {}
+    for i, chunk in enumerate(chunks):
+        sd = chunk.sharded_state_dict()
+        sd = {k: v for k, v in sd.items() if not k.endswith("_extra_state")}
+        out["model" if len(chunks) == 1 else f"model{i}"] = sd
+    return out
+
+
+def iter_sharded_tensors(sharded_state_dict) -> Iterator:
+    """Every ShardedTensor of a sharded state dict, with factories (fc1's swiglu) built."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    for value in nested_values(sharded_state_dict):
+        if isinstance(value, ShardedTensorFactory):
+            yield from (t for t in nested_values(value.build()) if isinstance(t, ShardedTensor))
+        elif isinstance(value, ShardedTensor):
+            yield value
+
+
+# -- save / load ----------------------------------------------------------------------------
+
+
+def save_model(
+    chunks: List[torch.nn.Module],
+    root: os.PathLike,
+    spec: LlamaSpec,
+    iteration: Optional[int] = None,
+    tokenizer_src: Optional[Path] = None,
+) -> Path:
+    """Save this rank's model chunks (collective over the world); return the checkpoint dir."""
+    return save_state(model_sharded_state_dict(chunks), root, spec, iteration, tokenizer_src)
+
+
+def save_state(
+    state: dict,
+    root: os.PathLike,
+    spec: LlamaSpec,
+    iteration: Optional[int] = None,
+    tokenizer_src: Optional[Path] = None,
+) -> Path:
+    """Save a sharded state dict as ROOT/<iteration dir>, atomically; update the tracker."""
+    from megatron.core import dist_checkpointing
+
+    root = Path(root)
+    final = root / iteration_dir_name(iteration)
+    staging = root / f".incomplete_{final.name}"
+    rank = dist.get_rank()
+    if rank == 0:
+        if staging.exists():
+            shutil.rmtree(staging)
+        staging.mkdir(parents=True)
+    dist.barrier()
+    state = dict(state, checkpoint_version=CHECKPOINT_VERSION, iteration=iteration or 0)
+    dist_checkpointing.save(state, str(staging))
+    dist.barrier()
+    if rank == 0:
+        spec.save(staging / SPEC_FILE)
+        if tokenizer_src is not None and Path(tokenizer_src).is_dir():
+            shutil.copytree(tokenizer_src, staging / TOKENIZER_DIR)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(staging, final)
+        tmp_tracker = root / (TRACKER_FILE + ".tmp")
+        tmp_tracker.write_text("release\n" if iteration is None else f"{iteration}\n")
+        os.replace(tmp_tracker, root / TRACKER_FILE)
+    dist.barrier()
+    return final
+
+
+def load_model(chunks: List[torch.nn.Module], path: os.PathLike) -> Path:
+    """Load weights into this rank's chunks from a checkpoint saved at any layout."""
+    from megatron.core import dist_checkpointing
+
+    ckpt_dir = resolve_checkpoint_dir(path)
+    state = model_sharded_state_dict(chunks)
+    loaded = dist_checkpointing.load(state, str(ckpt_dir))
+    load_model_state(chunks, loaded, ckpt_dir)
+    return ckpt_dir
+
+
+def load_model_state(chunks: List[torch.nn.Module], loaded: dict, ckpt_dir: Path) -> None:
+    """Copy loaded 'model' / 'modelN' entries into the chunks, checking nothing is missing."""
+    names = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+    for name, chunk in zip(names, chunks):
+        result = chunk.load_state_dict(loaded[name], strict=False)
+        missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+        if missing or result.unexpected_keys:
+            raise CheckpointError(
+                f"{ckpt_dir}: weights do not match the model (missing {missing[:5]}, "
+                f"unexpected {list(result.unexpected_keys)[:5]})"
+            )

@@ -1,0 +1,166 @@
+"""LlamaSpec -> Megatron-Core TransformerConfig and GPTModel.
+
+The model is Megatron's own GPTModel. With Transformer Engine and CUDA present
+it uses the TE layer spec (fused layernorm-linear, TE attention); otherwise
+Megatron's local spec, which is what every CPU run and test uses. Both specs
+save checkpoints under the same (TE-style) keys, so a checkpoint moves freely
+between a CPU test and a GPU cluster.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from megarl.models.spec import LlamaSpec
+from megatron_patches.tp_attributes import mark_tensor_parallel_weights
+
+DEFAULT_VOCAB_DIVISIBLE_BY = 128
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY) -> int:
+    """Megatron-LM's padding: round up to a multiple of divisible_by x TP.
+
+    Checkpoints stay loadable at another TP: Megatron marks the embedding and
+    output layer ``allow_shape_mismatch`` and loads the overlapping rows; the
+    pad rows are zeros and never exported.
+    """
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def transformer_engine_usable() -> bool:
+    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+def transformer_config(
+    spec: LlamaSpec,
+    tp: int = 1,
+    pp: int = 1,
+    vp: Optional[int] = None,
+    params_dtype: torch.dtype = torch.float32,
+    **overrides: Any,
+):
+    """The TransformerConfig of a Llama model at the given parallel layout.
+
+    ``overrides`` are passed through to TransformerConfig (e.g. sequence
+    parallelism or recomputation settings on GPU clusters).
+    """
+    from megatron.core.transformer import TransformerConfig
+
+    spec.check_parallelism(tp, pp, vp)
+    on_gpu = torch.cuda.is_available()
+    kwargs = dict(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_kv_heads,
+        kv_channels=spec.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vp,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        # Fused kernels exist only on GPUs; the unfused paths compute the same math.
+        bias_activation_fusion=on_gpu,
+        bias_dropout_fusion=on_gpu,
+        masked_softmax_fusion=on_gpu,
+        apply_rope_fusion=False,
+        persist_layer_norm=on_gpu,
+        gradient_accumulation_fusion=False,
+        use_cpu_initialization=not on_gpu,
+    )
+    if pp > 1 and vp:
+        # Over gloo, batched p2p pairs same-peer messages in arrival order and
+        # silently swaps micro-batches of the interleaved schedule.
+        kwargs.update(overlap_p2p_comm=True, batch_p2p_comm=False)
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def layer_spec(use_transformer_engine: Optional[bool] = None):
+    """Megatron's layer spec for a Llama block: TE on GPUs with TE, local otherwise."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if use_transformer_engine is None:
+        use_transformer_engine = transformer_engine_usable()
+    if use_transformer_engine:
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def build_model_chunks(
+    spec: LlamaSpec,
+    config,
+    vocab_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY,
+    use_transformer_engine: Optional[bool] = None,
+) -> list:
+    """This rank's GPTModel chunks (one, or one per virtual pipeline stage).
+
+    Megatron's parallel state must already be initialised with the layout in
+    ``config``.
+    """
+    from megatron.core import parallel_state as mpu
+    from megatron.core.models.gpt import GPTModel
+
+    vp = config.virtual_pipeline_model_parallel_size
+    padded = padded_vocab_size(spec.vocab_size, config.tensor_model_parallel_size, vocab_divisible_by)
+    block = layer_spec(use_transformer_engine)
+    chunks = []
+    for vp_stage in range(vp or 1):
+        stage = vp_stage if vp else None
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=block,
+            vocab_size=padded,
+            max_sequence_length=spec.max_position_embeddings,
+            pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            share_embeddings_and_output_weights=spec.tie_embeddings,
+            position_embedding_type="rope",
+            rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
+            rope_scaling=spec.rope_scaling is not None,
+            rope_scaling_factor=spec.rope_scaling.factor if spec.rope_scaling else 8.0,
+            vp_stage=stage,
+        )
+        _apply_llama3_rope_parameters(model, spec)
+        if not config.perform_initialization:
+            mark_tensor_parallel_weights(model)
+        chunks.append(model)
+    return chunks
+
+
+def _apply_llama3_rope_parameters(model, spec: LlamaSpec) -> None:
+    # GPTModel passes only the scaling factor to RotaryEmbedding; the other three
+    # Llama-3 parameters are fixed at Llama 3.1's values (1, 4, 8192). Recompute
+    # the frequencies with Megatron's own _apply_scaling and the model's values.
+    scaling = spec.rope_scaling
+    rope = getattr(model, "rotary_pos_emb", None)
+    if scaling is None or rope is None:
+        return
+    if (scaling.low_freq_factor, scaling.high_freq_factor, scaling.original_max_position_embeddings) == (1, 4, 8192):
+        return
+    dim = spec.head_dim
+    base = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=rope.inv_freq.device) / dim))
+    rope.inv_freq = rope._apply_scaling(
+        base,
+        factor=scaling.factor,
+        low_freq_factor=scaling.low_freq_factor,
+        high_freq_factor=scaling.high_freq_factor,
+        original_max_position_embeddings=scaling.original_max_position_embeddings,
+    )
+

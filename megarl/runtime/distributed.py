@@ -1,0 +1,85 @@
+"""Process-group and Megatron parallel-state set-up for one rank.
+
+Works the same under torchrun (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set),
+under megarl.runtime.launch (which sets them), or alone (a world of one). On a
+machine without a usable GPU it activates the CPU backend from
+megatron_patches and uses gloo; with GPUs it uses NCCL and never patches.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    tp: int = 1
+    pp: int = 1
+    vp: Optional[int] = None
+
+    def __str__(self) -> str:
+        return f"TP{self.tp}xPP{self.pp}" + (f"xVP{self.vp}" if self.vp else "")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(timeout_minutes: float = 10.0) -> int:
+    """Initialise torch.distributed (idempotent) and return this rank."""
+    if not torch.cuda.is_available():
+        import megatron_patches
+
+        megatron_patches.apply_cpu_backend()
+    if dist.is_initialized():
+        return dist.get_rank()
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+    # Without this gloo aborts at interpreter exit and torchrun reports a failure.
+    atexit.register(shutdown)
+    return dist.get_rank()
+
+
+def init_megatron(layout: ParallelLayout, seed: int = 1234) -> None:
+    """(Re)initialise Megatron's parallel state for ``layout`` over the whole world."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    world = dist.get_world_size()
+    if world % (layout.tp * layout.pp):
+        raise ValueError(f"world size {world} is not divisible by TP {layout.tp} x PP {layout.pp}")
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    mpu.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vp,
+    )
+    model_parallel_cuda_manual_seed(seed)
+
+
+def shutdown() -> None:
+    if not dist.is_initialized():
+        return
+    try:
+        from megatron.core import parallel_state as mpu
+
+        mpu.destroy_model_parallel()
+    except ImportError:  # pragma: no cover
+        pass
+    dist.destroy_process_group()
