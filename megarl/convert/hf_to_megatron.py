@@ -1,0 +1,152 @@
+"""Hugging Face Llama (safetensors or GGUF) -> Megatron dist checkpoint.
+
+Runs as a world of TP x PP ranks (spawned locally, or under torchrun). Every
+rank builds its own shard of Megatron's GPTModel, then, one layer at a time,
+reads that layer's HF tensors, forms Megatron's global tensor (fused QKV
+grouped per KV group, [gate; up], padded vocabulary) and copies out only its
+own slice, using the offsets Megatron's own sharded_state_dict reports. So the
+slicing is Megatron's, not a re-implementation, and no rank ever holds more
+than its shard plus one layer of HF tensors: peak memory across all ranks is
+one copy of the model plus one layer per rank (plus ~0.5 GB of torch and
+Megatron per process). GGUF input is first dequantised by transformers (one
+full fp32 copy on rank 0, released before the Megatron model is built).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from megarl.checkpointing.megatron_checkpoint import iter_sharded_tensors, model_sharded_state_dict, save_model
+from megarl.errors import CheckpointError, ConfigError
+from megarl.models.hf_checkpoint import SafetensorsCheckpoint, gguf_spec, materialize_gguf
+from megarl.models.hf_mapping import mapping_by_key, to_megatron
+from megarl.models.megatron_llama import DEFAULT_VOCAB_DIVISIBLE_BY, build_model_chunks, transformer_config
+from megarl.models.spec import LlamaSpec
+from megarl.runtime.distributed import ParallelLayout, init_distributed, init_megatron, shutdown
+from megarl.runtime.launch import run_world, running_under_torchrun
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+GGUF_STAGING = ".hf_from_gguf"
+
+
+@dataclass(frozen=True)
+class HfToMegatron:
+    hf_model: str
+    output: str
+    tp: int = 1
+    pp: int = 1
+    gguf_file: Optional[str] = None
+    dtype: str = "auto"  # auto: the HF checkpoint's dtype
+    vocab_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY
+
+
+def convert(args: HfToMegatron) -> None:
+    """Entry point: validate cheaply here, then run the ranks."""
+    hf = Path(args.hf_model)
+    if not hf.exists():
+        raise CheckpointError(f"--hf-model {hf}: no such file or directory")
+    if args.dtype not in ("auto", *DTYPES):
+        raise ConfigError(f"--dtype {args.dtype!r}: choose one of auto, {', '.join(DTYPES)}")
+    out = Path(args.output)
+    if out.exists() and any(p.name != GGUF_STAGING for p in out.iterdir()):
+        raise CheckpointError(f"--output {out}: directory is not empty; refusing to overwrite it")
+    if args.gguf_file or hf.suffix == ".gguf":
+        gguf_spec(hf, args.gguf_file).check_parallelism(args.tp, args.pp)
+    else:
+        SafetensorsCheckpoint(hf).spec.check_parallelism(args.tp, args.pp)
+    world = args.tp * args.pp
+    if running_under_torchrun():
+        if int(os.environ["WORLD_SIZE"]) != world:
+            raise ConfigError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} but --tp {args.tp} x --pp {args.pp} = {world}")
+        convert_rank(args)
+    else:
+        run_world(convert_rank, world, args)
+
+
+def convert_rank(args: HfToMegatron) -> None:
+    start = time.perf_counter()
+    rank = init_distributed()
+    out = Path(args.output)
+    hf_dir = Path(args.hf_model)
+    staged = None
+    if args.gguf_file or hf_dir.suffix == ".gguf":
+        staged = out / GGUF_STAGING
+        if rank == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            if not (staged / "config.json").exists():
+                materialize_gguf(hf_dir, args.gguf_file, staged)
+        dist.barrier()
+        hf_dir = staged
+    hf = SafetensorsCheckpoint(hf_dir)
+    spec = hf.spec
+    spec.check_parallelism(args.tp, args.pp)
+    dtype = hf.dtype() if args.dtype == "auto" else DTYPES[args.dtype]
+    init_megatron(ParallelLayout(args.tp, args.pp))
+    config = transformer_config(spec, args.tp, args.pp, params_dtype=dtype, perform_initialization=False)
+    chunks = build_model_chunks(spec, config, vocab_divisible_by=args.vocab_divisible_by)
+    fill_from_hf(chunks, spec, hf.get, show_progress=rank == 0)
+    tokenizer_src = None
+    if rank == 0:
+        tokenizer_src = out / ".tokenizer_staging"
+        hf.copy_side_files(tokenizer_src)
+    ckpt_dir = save_model(chunks, out, spec, tokenizer_src=tokenizer_src)
+    peaks = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
+    if rank == 0:
+        shutil.rmtree(tokenizer_src, ignore_errors=True)
+        if staged is not None:
+            shutil.rmtree(staged, ignore_errors=True)
+        print(
+            f"converted {args.hf_model} -> {ckpt_dir} (TP{args.tp} x PP{args.pp}, {dtype}, "
+            f"{spec.num_parameters() / 1e6:.1f}M parameters) in {time.perf_counter() - start:.1f} s; "
+            f"peak RSS per rank GiB: {', '.join(f'{p:.2f}' for p in peaks)}",
+            flush=True,
+        )
+    shutdown()
+
+
+def fill_from_hf(chunks, spec: LlamaSpec, read_hf: Callable[[str], torch.Tensor], show_progress: bool = False) -> None:
+    """Copy each rank's slice of every Megatron global tensor from the HF weights."""
+    by_key = mapping_by_key(spec)
+    groups = defaultdict(list)
+    for shard in iter_sharded_tensors(model_sharded_state_dict(chunks)):
+        if shard.key not in by_key:
+            raise CheckpointError(f"no Hugging Face source known for Megatron tensor {shard.key!r}")
+        layer = shard.global_offset[0] if shard.prepend_axis_num else None
+        groups[(shard.key, layer)].append(shard)
+    with torch.no_grad():
+        # NaN sentinel: afterwards every element of every parameter must have been written.
+        for chunk in chunks:
+            for param in chunk.parameters():
+                param.fill_(float("nan"))
+        order = sorted(groups, key=lambda kl: (-1 if kl[1] is None else kl[1], kl[0]))
+        for key, layer in tqdm(order, desc="convert", unit="tensor", disable=not show_progress):
+            shards = groups[(key, layer)]
+            lead = shards[0].prepend_axis_num
+            full = to_megatron(by_key[key], spec, read_hf, layer, global_rows=shards[0].global_shape[lead])
+            if tuple(full.shape) != tuple(shards[0].global_shape[lead:]):
+                raise CheckpointError(
+                    f"{key} (layer {layer}): Hugging Face weights give shape {tuple(full.shape)}, "
+                    f"the model expects {tuple(shards[0].global_shape[lead:])}"
+                )
+            for shard in shards:
+                index = tuple(slice(o, o + n) for o, n in zip(shard.global_offset[lead:], shard.local_shape))
+                shard.data.copy_(full[index])
+            del full
+        for chunk in chunks:
+            for name, param in chunk.named_parameters():
+                if torch.isnan(param).any():
+                    raise CheckpointError(
+                        f"parameter {name} holds NaN after conversion: not fully written, or NaN in the source"
+                    )

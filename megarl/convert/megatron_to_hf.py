@@ -1,0 +1,119 @@
+"""Megatron dist checkpoint (any TP/PP it was saved at) -> Hugging Face directory.
+
+One process, no process group. It never builds the model: it reads one
+layer's global tensors at a time straight from the checkpoint's storage
+(reassembled from whatever shards were saved), turns them into HF tensors and
+streams them into safetensors files of bounded size. Each stored chunk is read
+once; peak memory is the stored chunks of one pipeline stage (1/PP of the model
+as saved) plus one output file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Optional
+
+import torch
+from tqdm import tqdm
+
+from megarl.checkpointing.dist_checkpoint_reader import DistCheckpointReader
+from megarl.checkpointing.megatron_checkpoint import TOKENIZER_DIR, read_spec, resolve_checkpoint_dir
+from megarl.errors import CheckpointError, ConfigError
+from megarl.models.hf_checkpoint import write_config
+from megarl.models.hf_mapping import tensor_mappings, to_hf
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class MegatronToHf:
+    megatron: str
+    output: str
+    dtype: str = "auto"  # auto: the checkpoint's dtype
+    max_shard_gb: float = 5.0
+
+
+class ShardedSafetensorsWriter:
+    """Writes HF's model-0000i-of-0000n.safetensors files plus the index."""
+
+    def __init__(self, out_dir: Path, max_shard_bytes: int):
+        self.out_dir = out_dir
+        self.max_shard_bytes = max_shard_bytes
+        self.pending: Dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.files: list = []  # (temporary name, tensor names)
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + nbytes > self.max_shard_bytes:
+            self.flush()
+        self.pending[name] = tensor.contiguous()
+        self.pending_bytes += nbytes
+        self.total_bytes += nbytes
+
+    def flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self.pending:
+            return
+        tmp_name = f".part-{len(self.files):05d}.safetensors"
+        save_file(self.pending, str(self.out_dir / tmp_name), metadata={"format": "pt"})
+        self.files.append((tmp_name, list(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self) -> None:
+        self.flush()
+        n = len(self.files)
+        if n == 1:
+            os.replace(self.out_dir / self.files[0][0], self.out_dir / "model.safetensors")
+            return
+        weight_map = {}
+        for i, (tmp_name, names) in enumerate(self.files):
+            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(self.out_dir / tmp_name, self.out_dir / final)
+            weight_map.update({name: final for name in names})
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
+        (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def convert(args: MegatronToHf) -> None:
+    start = time.perf_counter()
+    ckpt_dir = resolve_checkpoint_dir(args.megatron)
+    spec = read_spec(ckpt_dir)
+    if args.dtype not in ("auto", *DTYPES):
+        raise ConfigError(f"--dtype {args.dtype!r}: choose one of auto, {', '.join(DTYPES)}")
+    out = Path(args.output)
+    if out.exists() and any(out.iterdir()):
+        raise CheckpointError(f"--output {out}: directory is not empty; refusing to overwrite it")
+    out.mkdir(parents=True, exist_ok=True)
+    reader = DistCheckpointReader(ckpt_dir)
+    dtype: Optional[torch.dtype] = None if args.dtype == "auto" else DTYPES[args.dtype]
+    writer = ShardedSafetensorsWriter(out, int(args.max_shard_gb * 2**30))
+    mappings = tensor_mappings(spec)
+    global_maps = [m for m in mappings if not m.per_layer]
+    layer_maps = [m for m in mappings if m.per_layer]
+    steps = [None] + list(range(spec.num_layers))
+    for layer in tqdm(steps, desc="export", unit="layer"):
+        for m in global_maps if layer is None else layer_maps:
+            for name, tensor in to_hf(m, spec, reader.read(m.megatron_key, layer), layer).items():
+                dtype = dtype or tensor.dtype
+                writer.add(name, tensor.to(dtype))
+        if layer is not None:
+            reader.release_layers_before(layer + 1)
+    writer.close()
+    write_config(spec, out, dtype)
+    if (ckpt_dir / TOKENIZER_DIR).is_dir():
+        shutil.copytree(ckpt_dir / TOKENIZER_DIR, out, dirs_exist_ok=True)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    print(
+        f"exported {ckpt_dir} -> {out} ({writer.total_bytes / 2**30:.2f} GiB, {dtype}) in "
+        f"{time.perf_counter() - start:.1f} s; peak RSS {peak:.2f} GiB",
+        flush=True,
+    )
