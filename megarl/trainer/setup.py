@@ -1,0 +1,111 @@
+"""Wrap Megatron model chunks for training: DDP, optimizer and schedule hooks.
+
+Everything here is Megatron-Core's own: DistributedDataParallel over a
+contiguous gradient buffer, get_megatron_optimizer (the distributed optimizer
+when configured), finalize_model_grads for the DP / embedding all-reduces and
+per-token loss scaling. This module only wires them together the way
+Megatron-LM's training loop does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List
+
+import torch
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    name: str = "adam"  # adam | sgd
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    sgd_momentum: float = 0.0
+    clip_grad: float = 1.0
+    use_distributed_optimizer: bool = True
+
+
+def wrap_ddp(chunks: List[torch.nn.Module], use_distributed_optimizer: bool = True) -> list:
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    for chunk in chunks:
+        # Losses return (sum, token count) and Megatron divides the gradients by
+        # the global token count, so how a batch is split over micro-batches and
+        # DP ranks changes nothing. DDP reads this flag when it is built (it then
+        # sums rather than averages over DP), so it must be set first.
+        chunk.config.calculate_per_token_loss = True
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        use_distributed_optimizer=use_distributed_optimizer,
+        overlap_grad_reduce=False,
+    )
+    # Megatron-LM disables bucketing for all but the first virtual chunk.
+    return [
+        DistributedDataParallel(chunk.config, ddp_config, chunk, disable_bucketing=i > 0)
+        for i, chunk in enumerate(chunks)
+    ]
+
+
+def build_optimizer(ddp_chunks: list, settings: OptimizerSettings):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    model_config = ddp_chunks[0].config
+    config = OptimizerConfig(
+        optimizer=settings.name,
+        lr=settings.lr,
+        min_lr=settings.lr,
+        weight_decay=settings.weight_decay,
+        adam_beta1=settings.adam_beta1,
+        adam_beta2=settings.adam_beta2,
+        adam_eps=settings.adam_eps,
+        sgd_momentum=settings.sgd_momentum,
+        clip_grad=settings.clip_grad,
+        use_distributed_optimizer=settings.use_distributed_optimizer,
+        bf16=model_config.bf16,
+        fp16=model_config.fp16,
+        params_dtype=model_config.params_dtype,
+    )
+    optimizer = get_megatron_optimizer(config, ddp_chunks)
+    configure_schedule(ddp_chunks, optimizer)
+    return optimizer
+
+
+def configure_schedule(ddp_chunks: list, optimizer) -> None:
+    """Set the TransformerConfig hooks Megatron's schedules call (as Megatron-LM does)."""
+    from megatron.core.distributed import finalize_model_grads
+
+    for chunk in ddp_chunks:
+        config = chunk.config
+        config.grad_scale_func = optimizer.scale_loss
+        config.finalize_model_grads_func = finalize_model_grads
+
+
+def train_step(ddp_chunks: list, optimizer, forward_step_func, data_iterators, num_microbatches: int,
+               seq_length: int, micro_batch_size: int) -> dict:
+    """One optimizer step through Megatron's schedule. Returns losses, grad norm, success."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    for chunk in ddp_chunks:
+        chunk.train()
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    single = len(ddp_chunks) == 1
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step_func,
+        data_iterator=data_iterators[0] if single else data_iterators,
+        model=ddp_chunks[0] if single else ddp_chunks,
+        num_microbatches=num_microbatches,
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        forward_only=False,
+    )
+    success, grad_norm, _ = optimizer.step()
+    return {"losses": losses, "grad_norm": grad_norm, "success": success}
+
+
+def unwrap(ddp_chunks: list) -> List[torch.nn.Module]:
+    return [chunk.module for chunk in ddp_chunks]
