@@ -1,0 +1,121 @@
+"""Shared fixtures: tiny random Llamas, converted checkpoints, and multi-rank launches.
+
+Multi-rank work runs in separate torchrun worlds (tests/workers/*.py): the
+pytest process itself never initialises torch.distributed or the CPU backend,
+so the Hugging Face references it computes are independent of megarl's
+runtime. Each process spends ~6 s importing torch and Megatron, so each world
+runs a whole group of cases.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKERS = ROOT / "tests" / "workers"
+sys.path.insert(0, str(ROOT))
+
+from megarl.cli_common import EXPECTED_UPSTREAM_WARNINGS  # noqa: E402
+from megarl.runtime.distributed import free_port  # noqa: E402
+
+RANK_TIMEOUT_S = 900
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONWARNINGS"] = ",".join(f"ignore:{p}" for p in EXPECTED_UPSTREAM_WARNINGS)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    return env
+
+
+def run_command(args, expect_rc: int = 0, timeout: int = RANK_TIMEOUT_S) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [str(a) for a in args], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout
+    )
+    if proc.returncode != expect_rc:
+        raise AssertionError(
+            f"{' '.join(map(str, args))}\nexit {proc.returncode} (expected {expect_rc})\n"
+            f"--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-8000:]}"
+        )
+    return proc
+
+
+def run_ranks(nproc: int, worker: str, *args, timeout: int = RANK_TIMEOUT_S) -> subprocess.CompletedProcess:
+    """Run tests/workers/<worker> on ``nproc`` ranks under torchrun; fail with its output."""
+    return run_command(
+        [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+         f"--master-port={free_port()}", WORKERS / worker, *args],
+        timeout=timeout,
+    )
+
+
+def run_tool(tool: str, *args, expect_rc: int = 0) -> subprocess.CompletedProcess:
+    return run_command([sys.executable, ROOT / "tools" / tool, *args], expect_rc=expect_rc)
+
+
+# -- models -----------------------------------------------------------------------------------
+
+TINY_CONFIG = dict(
+    vocab_size=300,  # not a multiple of 128: Megatron pads it
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,  # GQA
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    rope_theta=500000.0,
+    # Llama-3 scaling with non-default parameters (Megatron hardcodes 1/4/8192).
+    rope_scaling={
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
+    initializer_range=0.2,  # logits of order 10, so a 1e-4 tolerance means something
+)
+
+
+def make_tiny_llama(path: Path, seed: int = 0, **overrides) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**{**TINY_CONFIG, **overrides}))
+    with torch.no_grad():  # norms start at 1.0: give them values a wrong mapping would show
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tmp_path_factory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny_hf") / "model")
+
+
+@pytest.fixture(scope="session")
+def tiny_megatron(tiny_hf, tmp_path_factory) -> Path:
+    """The tiny Llama converted at TP2 x PP2 (four ranks)."""
+    out = tmp_path_factory.mktemp("tiny_megatron") / "ckpt"
+    run_tool("convert_hf_to_megatron.py", "--hf-model", tiny_hf, "--output", out, "--tp", 2, "--pp", 2)
+    return out
+
+
+def hf_logits(model_dir: Path, tokens: torch.Tensor, **load_kwargs) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **load_kwargs).eval()
+    with torch.no_grad():
+        return model(tokens).logits

