@@ -35,15 +35,12 @@ re-import the main module.
 from __future__ import annotations
 
 import contextlib
-import logging
 import threading
 import time
 import warnings
 
 import torch
 from torch.overrides import TorchFunctionMode
-
-logger = logging.getLogger(__name__)
 
 WRITTEN_FOR_MEGATRON_CORE = "0.16.1"
 
@@ -243,14 +240,12 @@ def _patch_torch_cuda():
 
 
 def _patch_megatron_rng():
+    # Megatron's own helpers would queue the state change through
+    # torch.cuda._lazy_call, which on a CPU build silently never runs.
     from megatron.core.tensor_parallel import random as mcore_random
 
-    mcore_random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: (
-        torch.default_generator.get_state()
-    )
-    mcore_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: (
-        torch.default_generator.set_state(new_state)
-    )
+    mcore_random._get_cuda_rng_state = _stand_in("_get_cuda_rng_state", _get_rng_state)
+    mcore_random._set_cuda_rng_state = _stand_in("_set_cuda_rng_state", _set_rng_state)
 
 
 def _check_megatron_version():
@@ -277,15 +272,8 @@ def is_active() -> bool:
     return bool(getattr(_state, "mode", None))
 
 
-def apply() -> bool:
-    """Activate the CPU backend in this process (main thread). Idempotent.
-
-    Returns True when the backend is active, False when CUDA is usable (then
-    nothing is patched: real GPUs never go through this shim).
-    """
+def _install_patches() -> None:
     global _applied
-    if cuda_usable():
-        return False
     with _apply_lock:
         if not _applied:
             _check_megatron_version()
@@ -293,33 +281,34 @@ def apply() -> bool:
             _patch_autograd_entry()
             _patch_megatron_rng()
             _applied = True
-    _enter_mode()
-    return True
 
 
-def _enter_mode():
+def apply() -> bool:
+    """Activate the CPU backend in this process's calling thread. Idempotent.
+
+    Returns True when the backend is active, False when CUDA is usable (then
+    nothing is patched: real GPUs never go through this shim).
+    """
+    if cuda_usable():
+        return False
+    _install_patches()
     if not is_active():
         mode = CudaToCpuMode()
         mode.__enter__()
         _state.mode = mode
+    return True
 
 
 @contextlib.contextmanager
 def cpu_device_mode():
-    """Enter the CPU backend in the current thread (the mode is thread-local)."""
-    if cuda_usable():
+    """Run a block under the CPU backend in the current thread (the mode is thread-local)."""
+    if cuda_usable() or is_active():
         yield
         return
-    apply_needed = not _applied
-    if apply_needed:
-        apply()
-    if is_active():
-        yield
-        return
-    mode = CudaToCpuMode()
-    _state.mode = mode
+    _install_patches()
+    _state.mode = CudaToCpuMode()
     try:
-        with mode:
+        with _state.mode:
             yield
     finally:
         _state.mode = None

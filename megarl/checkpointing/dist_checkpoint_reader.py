@@ -96,9 +96,6 @@ class DistCheckpointReader:
             if offsets[0] + data.shape[0] <= layer:
                 del self._chunks[(key, offsets)]
 
-    def release_all(self) -> None:
-        self._chunks.clear()
-
     @staticmethod
     def _is_layer_stacked(key: str) -> bool:
         # Only layer-stacked chunks are worth keeping: the next layers reuse them.

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -103,10 +103,10 @@ def save_model(
     root: os.PathLike,
     spec: LlamaSpec,
     iteration: Optional[int] = None,
-    tokenizer_src: Optional[Path] = None,
+    tokenizer_files: Sequence[Path] = (),
 ) -> Path:
     """Save this rank's model chunks (collective over the world); return the checkpoint dir."""
-    return save_state(model_sharded_state_dict(chunks), root, spec, iteration, tokenizer_src)
+    return save_state(model_sharded_state_dict(chunks), root, spec, iteration, tokenizer_files)
 
 
 def save_state(
@@ -114,9 +114,12 @@ def save_state(
     root: os.PathLike,
     spec: LlamaSpec,
     iteration: Optional[int] = None,
-    tokenizer_src: Optional[Path] = None,
+    tokenizer_files: Sequence[Path] = (),
 ) -> Path:
-    """Save a sharded state dict as ROOT/<iteration dir>, atomically; update the tracker."""
+    """Save a sharded state dict as ROOT/<iteration dir>, atomically; update the tracker.
+
+    ``tokenizer_files`` (rank 0's list counts) are copied into ``tokenizer/``.
+    """
     from megatron.core import dist_checkpointing
 
     root = Path(root)
@@ -133,8 +136,10 @@ def save_state(
     dist.barrier()
     if rank == 0:
         spec.save(staging / SPEC_FILE)
-        if tokenizer_src is not None and Path(tokenizer_src).is_dir():
-            shutil.copytree(tokenizer_src, staging / TOKENIZER_DIR)
+        if tokenizer_files:
+            (staging / TOKENIZER_DIR).mkdir()
+            for path in tokenizer_files:
+                shutil.copy2(path, staging / TOKENIZER_DIR / Path(path).name)
         if final.exists():
             shutil.rmtree(final)
         os.replace(staging, final)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
@@ -40,13 +40,13 @@ def save_training_state(
     spec: LlamaSpec,
     iteration: int,
     loop_state: Optional[Dict[str, Any]] = None,
-    tokenizer_src: Optional[Path] = None,
+    tokenizer_files: Sequence[Path] = (),
 ) -> Path:
     """Collective save. ``loop_state`` must be identical on every rank (rank 0 writes it)."""
     state = model_sharded_state_dict(chunks)
     state["optimizer"] = _optimizer_sharded_state_dict(optimizer, state, is_loading=False)
     state["loop_state"] = dict(loop_state or {})
-    return save_state(state, root, spec, iteration, tokenizer_src)
+    return save_state(state, root, spec, iteration, tokenizer_files)
 
 
 def load_training_state(chunks: List[torch.nn.Module], optimizer, path: os.PathLike) -> Dict[str, Any]:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from megarl.convert.hf_to_megatron import DTYPES, HfToMegatron
+from megarl.convert import DTYPES
+from megarl.convert.hf_to_megatron import HfToMegatron
 from megarl.convert.megatron_to_hf import MegatronToHf
 
 

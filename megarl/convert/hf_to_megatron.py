@@ -28,6 +28,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from megarl.checkpointing.megatron_checkpoint import iter_sharded_tensors, model_sharded_state_dict, save_model
+from megarl.convert import parse_dtype
 from megarl.errors import CheckpointError, ConfigError
 from megarl.models.hf_checkpoint import SafetensorsCheckpoint, gguf_spec, materialize_gguf
 from megarl.models.hf_mapping import mapping_by_key, to_megatron
@@ -36,7 +37,6 @@ from megarl.models.spec import LlamaSpec
 from megarl.runtime.distributed import ParallelLayout, init_distributed, init_megatron, shutdown
 from megarl.runtime.launch import run_world, running_under_torchrun
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 GGUF_STAGING = ".hf_from_gguf"
 
 
@@ -56,10 +56,10 @@ def convert(args: HfToMegatron) -> None:
     hf = Path(args.hf_model)
     if not hf.exists():
         raise CheckpointError(f"--hf-model {hf}: no such file or directory")
-    if args.dtype not in ("auto", *DTYPES):
-        raise ConfigError(f"--dtype {args.dtype!r}: choose one of auto, {', '.join(DTYPES)}")
+    parse_dtype(args.dtype)
     out = Path(args.output)
-    if out.exists() and any(p.name != GGUF_STAGING for p in out.iterdir()):
+    # Hidden entries are this tool's own staging (an interrupted run's leftovers).
+    if out.exists() and any(not p.name.startswith(".") for p in out.iterdir()):
         raise CheckpointError(f"--output {out}: directory is not empty; refusing to overwrite it")
     if args.gguf_file or hf.suffix == ".gguf":
         gguf_spec(hf, args.gguf_file).check_parallelism(args.tp, args.pp)
@@ -91,22 +91,16 @@ def convert_rank(args: HfToMegatron) -> None:
     hf = SafetensorsCheckpoint(hf_dir)
     spec = hf.spec
     spec.check_parallelism(args.tp, args.pp)
-    dtype = hf.dtype() if args.dtype == "auto" else DTYPES[args.dtype]
+    dtype = parse_dtype(args.dtype) or hf.dtype()
     init_megatron(ParallelLayout(args.tp, args.pp))
     config = transformer_config(spec, args.tp, args.pp, params_dtype=dtype, perform_initialization=False)
     chunks = build_model_chunks(spec, config, vocab_divisible_by=args.vocab_divisible_by)
     fill_from_hf(chunks, spec, hf.get, show_progress=rank == 0)
-    tokenizer_src = None
-    if rank == 0:
-        tokenizer_src = out / ".tokenizer_staging"
-        hf.copy_side_files(tokenizer_src)
-    ckpt_dir = save_model(chunks, out, spec, tokenizer_src=tokenizer_src)
+    ckpt_dir = save_model(chunks, out, spec, tokenizer_files=hf.side_files())
     peaks = [None] * dist.get_world_size()
     dist.all_gather_object(peaks, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
-    if rank == 0:
-        shutil.rmtree(tokenizer_src, ignore_errors=True)
-        if staged is not None:
-            shutil.rmtree(staged, ignore_errors=True)
+    if rank == 0 and staged is not None:
+        shutil.rmtree(staged, ignore_errors=True)
         print(
             f"converted {args.hf_model} -> {ckpt_dir} (TP{args.tp} x PP{args.pp}, {dtype}, "
             f"{spec.num_parameters() / 1e6:.1f}M parameters) in {time.perf_counter() - start:.1f} s; "

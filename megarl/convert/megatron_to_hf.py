@@ -1,6 +1,6 @@
 """Megatron dist checkpoint (any TP/PP it was saved at) -> Hugging Face directory.
 
-One process, no process group. It never builds the model: it reads one
+One process, no process group. The output appears only when complete. It never builds the model: it reads one
 layer's global tensors at a time straight from the checkpoint's storage
 (reassembled from whatever shards were saved), turns them into HF tensors and
 streams them into safetensors files of bounded size. Each stored chunk is read
@@ -24,11 +24,11 @@ from tqdm import tqdm
 
 from megarl.checkpointing.dist_checkpoint_reader import DistCheckpointReader
 from megarl.checkpointing.megatron_checkpoint import TOKENIZER_DIR, read_spec, resolve_checkpoint_dir
-from megarl.errors import CheckpointError, ConfigError
+from megarl.convert import parse_dtype
+from megarl.errors import CheckpointError
 from megarl.models.hf_checkpoint import write_config
 from megarl.models.hf_mapping import tensor_mappings, to_hf
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -87,15 +87,16 @@ def convert(args: MegatronToHf) -> None:
     start = time.perf_counter()
     ckpt_dir = resolve_checkpoint_dir(args.megatron)
     spec = read_spec(ckpt_dir)
-    if args.dtype not in ("auto", *DTYPES):
-        raise ConfigError(f"--dtype {args.dtype!r}: choose one of auto, {', '.join(DTYPES)}")
+    dtype: Optional[torch.dtype] = parse_dtype(args.dtype)
     out = Path(args.output)
     if out.exists() and any(out.iterdir()):
         raise CheckpointError(f"--output {out}: directory is not empty; refusing to overwrite it")
-    out.mkdir(parents=True, exist_ok=True)
+    # Written beside the destination and renamed into place when complete.
+    staging = out.parent / f".{out.name}.incomplete"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
     reader = DistCheckpointReader(ckpt_dir)
-    dtype: Optional[torch.dtype] = None if args.dtype == "auto" else DTYPES[args.dtype]
-    writer = ShardedSafetensorsWriter(out, int(args.max_shard_gb * 2**30))
+    writer = ShardedSafetensorsWriter(staging, int(args.max_shard_gb * 2**30))
     mappings = tensor_mappings(spec)
     global_maps = [m for m in mappings if not m.per_layer]
     layer_maps = [m for m in mappings if m.per_layer]
@@ -108,9 +109,12 @@ def convert(args: MegatronToHf) -> None:
         if layer is not None:
             reader.release_layers_before(layer + 1)
     writer.close()
-    write_config(spec, out, dtype)
+    write_config(spec, staging, dtype)
     if (ckpt_dir / TOKENIZER_DIR).is_dir():
-        shutil.copytree(ckpt_dir / TOKENIZER_DIR, out, dirs_exist_ok=True)
+        shutil.copytree(ckpt_dir / TOKENIZER_DIR, staging, dirs_exist_ok=True)
+    if out.exists():
+        out.rmdir()  # empty, checked above
+    os.replace(staging, out)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print(
         f"exported {ckpt_dir} -> {out} ({writer.total_bytes / 2**30:.2f} GiB, {dtype}) in "

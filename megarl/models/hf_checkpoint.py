@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
-from typing import Dict, Iterable, Optional
+from typing import Dict, Iterable, List, Optional
 
 import torch
 
@@ -84,12 +83,9 @@ class SafetensorsCheckpoint:
     def dtype(self) -> torch.dtype:
         return self.get("model.norm.weight").dtype
 
-    def copy_side_files(self, dest: Path) -> None:
-        """Copy tokenizer and generation files (the weights are written separately)."""
-        dest.mkdir(parents=True, exist_ok=True)
-        for name in TOKENIZER_FILES:
-            if (self.path / name).exists():
-                shutil.copy2(self.path / name, dest / name)
+    def side_files(self) -> List[Path]:
+        """Tokenizer and generation files that travel with the weights."""
+        return [self.path / name for name in TOKENIZER_FILES if (self.path / name).exists()]
 
 
 def _gguf_location(path: os.PathLike, gguf_file: Optional[str]):
