@@ -1,0 +1,25 @@
+"""A user-defined RL loss: AIPO plus an entropy bonus.
+
+Select it in a run config with its dotted path (the module must be importable,
+e.g. run from the repository root or put its package on PYTHONPATH):
+
+    loss:
+      name: examples.losses.entropy_bonus:aipo_with_entropy_bonus
+      params: {rho: 4.0, entropy_coef: 0.01}
+
+A loss receives the response tokens of one micro-batch (megarl.trainer.losses.LossInputs:
+log pi with gradient, log mu, advantages, entropy of pi with gradient, and the
+reference policy's log-probs when configured) and returns a per-token loss.
+megarl sums it over the tokens and Megatron normalises by the number of
+response tokens in the whole optimizer step, so write it per token, unreduced.
+"""
+
+from megarl.trainer.losses import LossInputs, LossOutput, aipo
+
+
+def aipo_with_entropy_bonus(inputs: LossInputs, params: dict) -> LossOutput:
+    base = aipo(inputs, params)
+    coef = float(params.get("entropy_coef", 0.01))
+    # Subtracting the entropy rewards keeping the policy spread out; its gradient
+    # flows through the fused vocab-parallel entropy.
+    return LossOutput(base.per_token_loss - coef * inputs.entropy, clipped=base.clipped)
