@@ -1,0 +1,178 @@
+"""Pack variable-length samples into Megatron micro-batches without padding waste.
+
+Each optimizer step's samples are split over the data-parallel ranks (balanced
+by token count), then packed first-fit-decreasing into rows of at most
+``max_tokens`` positions: one row is one micro-batch (micro_batch_size 1), and
+several samples share it without attending to each other.
+
+- With Transformer Engine the row is Megatron's packed ``thd`` format
+  (PackedSeqParams with cu_seqlens): attention and RoPE restart per sample.
+- With Megatron's local layer spec (CPU) the row carries a block-diagonal
+  causal attention mask instead. RoPE then sees each sample at an offset
+  within the row; attention scores under RoPE depend only on the distance
+  between positions, so this is the same function (up to float rounding).
+
+Every rank builds the plan of every DP rank from the full batch (identical on
+all ranks, no communication), so all ranks agree on the number of
+micro-batches; DP ranks with fewer bins get empty rows (loss mask 0). With
+pipeline parallelism rows are padded to ``max_tokens`` (the schedule sends
+fixed-shape activations); without it they are exactly as long as their samples.
+Packing efficiency = real tokens / row positions processed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+
+from megarl.errors import ConfigError
+from megarl.rollout import Sample
+
+
+@dataclass
+class MicroBatch:
+    input_ids: torch.Tensor  # [1, L]
+    position_ids: torch.Tensor  # [1, L], restarting at 0 for each sample
+    targets: torch.Tensor  # [1, L] next token at each position
+    loss_mask: torch.Tensor  # [1, L] 1.0 where the target is a response token
+    behaviour_logprobs: torch.Tensor  # [1, L] log mu of the target (0 off the mask)
+    advantages: torch.Tensor  # [1, L]
+    policy_versions: torch.Tensor  # [1, L] (-1 off the mask)
+    attention_mask: Optional[torch.Tensor]  # [1, 1, L, L] True = masked (local spec)
+    packed_seq_params: Optional[object]  # megatron PackedSeqParams (TE spec)
+    sample_indices: List[int]
+    real_tokens: int
+    ref_logprobs: Optional[torch.Tensor] = None  # [1, L], filled by a reference-model pass
+
+    @property
+    def length(self) -> int:
+        return self.input_ids.shape[1]
+
+
+def split_across_dp(lengths: Sequence[int], dp_size: int) -> List[List[int]]:
+    """Sample indices per DP rank, longest first to the least-loaded rank."""
+    loads = [0] * dp_size
+    parts: List[List[int]] = [[] for _ in range(dp_size)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        rank = min(range(dp_size), key=lambda r: (loads[r], r))
+        parts[rank].append(i)
+        loads[rank] += lengths[i]
+    return parts
+
+
+def first_fit_decreasing(indices: Sequence[int], lengths: Sequence[int], capacity: int) -> List[List[int]]:
+    bins: List[List[int]] = []
+    room: List[int] = []
+    for i in sorted(indices, key=lambda i: (-lengths[i], i)):
+        for b, free in enumerate(room):
+            if lengths[i] <= free:
+                bins[b].append(i)
+                room[b] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            room.append(capacity - lengths[i])
+    return bins
+
+
+def _segments_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+    """Causal within a segment, nothing across segments; True = masked (Megatron's convention)."""
+    same = segment_ids[:, None] == segment_ids[None, :]
+    causal = torch.ones(len(segment_ids), len(segment_ids), dtype=torch.bool).tril()
+    return ~(same & causal)[None, None]
+
+
+def _packed_seq_params(seq_lengths: List[int]):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = torch.tensor([0] + seq_lengths, dtype=torch.int32).cumsum(0).to(torch.int32)
+    longest = max(seq_lengths)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest)
+
+
+def build_micro_batch(
+    samples: Sequence[Sample], advantages: Sequence[float], indices: Sequence[int], row_length: int, thd: bool
+) -> MicroBatch:
+    ids, pos, tgt, mask, mu, adv, ver, seg = ([] for _ in range(8))
+    for segment, i in enumerate(indices):
+        s = samples[i]
+        tokens = list(s.prompt_tokens) + list(s.response_tokens)
+        n, p = len(tokens) - 1, len(s.prompt_tokens)
+        ids += tokens[:-1]
+        tgt += tokens[1:]
+        pos += range(n)
+        seg += [segment] * n
+        # position t predicts tokens[t + 1]; response token j sits at t = p - 1 + j
+        mask += [0.0] * (p - 1) + [1.0] * len(s.response_tokens)
+        mu += [0.0] * (p - 1) + list(map(float, s.behaviour_logprobs))
+        adv += [0.0] * (p - 1) + [float(advantages[i])] * len(s.response_tokens)
+        ver += [-1] * (p - 1) + list(map(int, s.policy_versions))
+    real = len(ids)
+    pad = row_length - real
+    seq_lengths = [len(samples[i]) for i in indices] + ([pad] if pad else [])
+    seg += [len(indices)] * pad
+    ids, tgt, pos = ids + [0] * pad, tgt + [0] * pad, pos + list(range(pad))
+    mask, mu, adv, ver = mask + [0.0] * pad, mu + [0.0] * pad, adv + [0.0] * pad, ver + [-1] * pad
+
+    def row(values, dtype):
+        return torch.tensor(values, dtype=dtype).unsqueeze(0)
+
+    return MicroBatch(
+        input_ids=row(ids, torch.long),
+        position_ids=row(pos, torch.long),
+        targets=row(tgt, torch.long),
+        loss_mask=row(mask, torch.float32),
+        behaviour_logprobs=row(mu, torch.float32),
+        advantages=row(adv, torch.float32),
+        policy_versions=row(ver, torch.long),
+        attention_mask=None if thd else _segments_mask(torch.tensor(seg)),
+        packed_seq_params=_packed_seq_params(seq_lengths) if thd and seq_lengths else None,
+        sample_indices=list(indices),
+        real_tokens=real,
+    )
+
+
+@dataclass
+class PackingPlan:
+    micro_batches: List[MicroBatch]  # this DP rank's
+    seq_length: int  # the row length Megatron's schedule is told (max over rows)
+    efficiency: float  # real tokens / positions processed, over all DP ranks
+
+
+def plan_micro_batches(
+    samples: Sequence[Sample],
+    advantages: Sequence[float],
+    dp_rank: int,
+    dp_size: int,
+    max_tokens: int,
+    fixed_row_length: bool,
+    thd: bool,
+    count_multiple: int = 1,
+) -> PackingPlan:
+    """This DP rank's micro-batches. ``fixed_row_length``: pad every row to max_tokens (PP > 1)."""
+    lengths = [len(s) for s in samples]
+    for i, n in enumerate(lengths):
+        if n > max_tokens:
+            raise ConfigError(
+                f"sample {i} spans {n} positions (prompt {len(samples[i].prompt_tokens)} + response "
+                f"{len(samples[i].response_tokens)} - 1), more than max_tokens_per_microbatch={max_tokens}"
+            )
+    bins_per_rank = [first_fit_decreasing(part, lengths, max_tokens) for part in split_across_dp(lengths, dp_size)]
+    count = max(len(bins) for bins in bins_per_rank)
+    count = -(-max(count, 1) // count_multiple) * count_multiple
+    row_lengths = [
+        [max_tokens if fixed_row_length else sum(lengths[i] for i in b) for b in bins] for bins in bins_per_rank
+    ]
+    empty_row = max_tokens if fixed_row_length else 1
+    processed = sum(sum(r) + (count - len(r)) * empty_row for r in row_lengths)
+    mine = bins_per_rank[dp_rank]
+    micro_batches = [build_micro_batch(samples, advantages, b, n, thd) for b, n in zip(mine, row_lengths[dp_rank])]
+    while len(micro_batches) < count:
+        micro_batches.append(build_micro_batch(samples, advantages, [], empty_row, thd))
+    return PackingPlan(
+        micro_batches=micro_batches,
+        seq_length=max(mb.length for mb in micro_batches),
+        efficiency=sum(lengths) / processed,
+    )
