@@ -1,0 +1,163 @@
+"""`megarl bench train-step`: RL train-step throughput, Megatron path vs plain transformers.
+
+Both sides take the same AIPO optimizer step (Adam, fp32) on the same batch of
+synthetic rollouts of the same model, on this machine, in one run:
+
+- transformers: LlamaForCausalLM, micro-batches of samples padded to their
+  longest, log_softmax over the full vocabulary, loss, backward, AdamW step --
+  what a plain PyTorch RL trainer does;
+- megarl: PolicyTrainer on Megatron-Core (GPTModel, schedule, DDP, distributed
+  optimizer) at TP1 in one process, samples packed into rows of
+  --max-tokens positions, fused vocab-parallel log-probs.
+
+The transformers side runs first: on CPU the Megatron side activates the CPU
+backend's TorchFunctionMode for the rest of the process. Reports tokens/s of
+each (real tokens, prompt + response) and their ratio.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megarl.rollout import Sample
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    workdir: str = "runs/bench"
+    samples: int = 8
+    prompt_len: int = 48
+    min_response: int = 32
+    max_response: int = 160
+    micro_batch_samples: int = 4
+    max_tokens: int = 256
+    steps: int = 3
+    lr: float = 1e-6
+    rho: float = 4.0
+    temperature: float = 1.0
+    seed: int = 0
+
+
+def synthetic_samples(s: BenchSettings, vocab_size: int):
+    g = torch.Generator().manual_seed(s.seed)
+    out = []
+    for i in range(s.samples):
+        n = int(torch.randint(s.min_response, s.max_response + 1, (1,), generator=g))
+        prompt = torch.randint(0, vocab_size, (s.prompt_len,), generator=g).tolist()
+        response = torch.randint(0, vocab_size, (n,), generator=g).tolist()
+        mu = (-torch.rand(n, generator=g) * 8).tolist()
+        out.append(Sample(prompt, response, mu, [0] * n, reward=float(i % 2), group_id=i // 4))
+    return out
+
+
+def _transformers_step(model, optimizer, batch, advantages, s: BenchSettings) -> None:
+    optimizer.zero_grad()
+    total = sum(len(x.response_tokens) for x in batch)
+    for start in range(0, len(batch), s.micro_batch_samples):
+        group = list(zip(batch, advantages))[start : start + s.micro_batch_samples]
+        width = max(len(x.prompt_tokens) + len(x.response_tokens) for x, _ in group)
+        ids = torch.zeros(len(group), width, dtype=torch.long)
+        attn = torch.zeros(len(group), width, dtype=torch.long)
+        for row, (x, _) in enumerate(group):
+            tokens = x.prompt_tokens + x.response_tokens
+            ids[row, : len(tokens)] = torch.tensor(tokens)
+            attn[row, : len(tokens)] = 1
+        logp_all = torch.log_softmax(model(ids, attention_mask=attn).logits[:, :-1].float() / s.temperature, -1)
+        loss = torch.zeros(())
+        for row, (x, adv) in enumerate(group):
+            p, r = len(x.prompt_tokens), len(x.response_tokens)
+            logp = logp_all[row, p - 1 : p - 1 + r].gather(-1, torch.tensor(x.response_tokens)[:, None]).squeeze(-1)
+            weight = torch.exp(logp.detach() - torch.tensor(x.behaviour_logprobs)).clamp(max=s.rho)
+            loss = loss - (weight * adv * logp).sum()
+        (loss / total).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+
+
+def _timed(step, steps: int) -> float:
+    step()  # warm-up
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def run(s: BenchSettings) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from megarl.checkpointing.megatron_checkpoint import TRACKER_FILE
+    from megarl.convert.hf_to_megatron import HfToMegatron, convert
+    from megarl.models.hf_checkpoint import smollm2_gguf_path
+    from megarl.trainer.advantages import compute_advantages
+
+    gguf = smollm2_gguf_path()
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    vocab = model.config.vocab_size
+    batch = synthetic_samples(s, vocab)
+    advantages = compute_advantages(batch)
+    real_tokens = sum(len(x.prompt_tokens) + len(x.response_tokens) for x in batch)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.0)
+    hf_s = _timed(lambda: _transformers_step(model, optimizer, batch, advantages, s), s.steps)
+    del model, optimizer
+
+    ckpt = Path(s.workdir) / "smollm2_tp1"
+    if not (ckpt / TRACKER_FILE).exists():
+        convert(HfToMegatron(str(gguf.parent), str(ckpt), gguf_file=gguf.name))
+    mg_s, plan_efficiency = _megatron_step_time(ckpt, batch, s)
+    result = {
+        "model": "SmolLM2-135M-Instruct",
+        "samples": len(batch),
+        "real_tokens": real_tokens,
+        "transformers_tokens_per_s": real_tokens / hf_s,
+        "megatron_tokens_per_s": real_tokens / mg_s,
+        "megatron_over_transformers": hf_s / mg_s,
+        "megatron_packing_efficiency": plan_efficiency,
+        "transformers_padding_efficiency": _padding_efficiency(batch, s.micro_batch_samples),
+        "threads": torch.get_num_threads(),
+    }
+    print(
+        f"train step, {len(batch)} samples, {real_tokens} tokens, median of {s.steps}:\n"
+        f"  transformers      {result['transformers_tokens_per_s']:8.1f} tokens/s\n"
+        f"  megarl (Megatron) {result['megatron_tokens_per_s']:8.1f} tokens/s   "
+        f"ratio {result['megatron_over_transformers']:.2f}x",
+        flush=True,
+    )
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def _padding_efficiency(batch, per_micro_batch: int) -> float:
+    lengths = [len(x.prompt_tokens) + len(x.response_tokens) for x in batch]
+    padded = sum(max(lengths[i : i + per_micro_batch]) * len(lengths[i : i + per_micro_batch])
+                 for i in range(0, len(lengths), per_micro_batch))
+    return sum(lengths) / padded
+
+
+def _megatron_step_time(ckpt: Path, batch, s: BenchSettings):
+    from megarl.models.loading import load_llama
+    from megarl.runtime.distributed import ParallelLayout, init_distributed, init_megatron, shutdown
+    from megarl.trainer.hooks import LossConfig
+    from megarl.trainer.policy_trainer import PolicyTrainer
+    from megarl.trainer.setup import OptimizerSettings, build_optimizer, wrap_ddp
+
+    init_distributed()
+    layout = ParallelLayout(1, 1)
+    init_megatron(layout)
+    spec, chunks = load_llama(ckpt, layout)
+    ddp = wrap_ddp(chunks)
+    optimizer = build_optimizer(ddp, OptimizerSettings(lr=s.lr, clip_grad=1.0))
+    loss = LossConfig(params={"rho": s.rho}, temperature=s.temperature)
+    trainer = PolicyTrainer(ddp, optimizer, spec.vocab_size, loss, s.max_tokens)
+    efficiency = trainer.plan(batch).efficiency
+    seconds = _timed(lambda: trainer.step(batch), s.steps)
+    shutdown()
+    return seconds, efficiency
