@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from tests.conftest import hf_logits, run_ranks, run_tool
 
-LAYOUTS = ["1x1", "2x1", "1x2", "2x2"]
+LAYOUTS = ["1x1", "2x1", "1x2", "2x2", "4x1"]  # 4x1: more TP ranks than KV heads
 
 
 @pytest.fixture(scope="module")

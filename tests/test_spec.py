@@ -59,8 +59,13 @@ def test_tp_that_does_not_divide_heads_names_both_numbers():
     spec = LlamaSpec.from_hf_config(llama_config())
     with pytest.raises(ConfigError, match=r"tensor_model_parallel_size=3 does not divide num_attention_heads=4"):
         spec.check_parallelism(3, 1)
-    with pytest.raises(ConfigError, match=r"tensor_model_parallel_size=4 does not divide num_key_value_heads=2"):
-        spec.check_parallelism(4, 1)
+    spec.check_parallelism(4, 1)  # tp > n_kv: Megatron all-gathers QKV
+    wide = LlamaSpec.from_hf_config(llama_config(num_attention_heads=6, num_key_value_heads=2, hidden_size=96))
+    with pytest.raises(ConfigError, match=r"tensor_model_parallel_size=4 does not divide num_attention_heads=6"):
+        wide.check_parallelism(4, 1)
+    odd = LlamaSpec.from_hf_config(llama_config(num_attention_heads=6, num_key_value_heads=2, hidden_size=96))
+    with pytest.raises(ConfigError, match=r"tensor_model_parallel_size=3 is larger than num_key_value_heads=2"):
+        odd.check_parallelism(3, 1)
     with pytest.raises(ConfigError, match=r"pipeline_model_parallel_size=3 does not divide num_hidden_layers=4"):
         spec.check_parallelism(1, 3)
     spec.check_parallelism(2, 4)

@@ -69,18 +69,26 @@ class LlamaSpec:
         for name, value in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp)):
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        checks = (
+        checks = [
             ("num_attention_heads", self.num_attention_heads, "tensor_model_parallel_size", tp),
-            ("num_key_value_heads", self.num_kv_heads, "tensor_model_parallel_size", tp),
             ("intermediate_size", self.ffn_hidden_size, "tensor_model_parallel_size", tp),
             ("num_hidden_layers", self.num_layers, "pipeline_model_parallel_size", pp),
-        )
+        ]
+        if tp <= self.num_kv_heads:
+            checks.insert(1, ("num_key_value_heads", self.num_kv_heads, "tensor_model_parallel_size", tp))
         for field, count, par_name, par in checks:
             if count % par:
                 raise ConfigError(
                     f"{par_name}={par} does not divide {field}={count}: each rank must hold a "
                     f"whole number of them (choose a {par_name} that divides {count})"
                 )
+        if tp > self.num_kv_heads and tp % self.num_kv_heads:
+            # Megatron-Core runs tp > n_kv (each rank all-gathers QKV and keeps one group),
+            # but only when every KV group spans a whole number of ranks.
+            raise ConfigError(
+                f"tensor_model_parallel_size={tp} is larger than num_key_value_heads={self.num_kv_heads} "
+                f"and not a multiple of it"
+            )
         if vp is not None and self.num_layers % (pp * vp):
             raise ConfigError(
                 f"pipeline_model_parallel_size={pp} x virtual_pipeline_model_parallel_size={vp} "
