@@ -119,3 +119,34 @@ def hf_logits(model_dir: Path, tokens: torch.Tensor, **load_kwargs) -> torch.Ten
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **load_kwargs).eval()
     with torch.no_grad():
         return model(tokens).logits
+
+
+def run_two_worlds(first: tuple, second: tuple, timeout: int = RANK_TIMEOUT_S):
+    """Run two torchrun worlds at once (e.g. trainer and generator workers meeting at a
+    TCP store). Each tuple is (nproc, worker, *args). If either fails, the other is killed."""
+    procs = []
+    for nproc, worker, *args in (first, second):
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+               f"--master-port={free_port()}", str(WORKERS / worker), *map(str, args)]
+        procs.append((cmd, subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                                            stderr=subprocess.STDOUT, text=True)))
+    import time
+
+    deadline = time.monotonic() + timeout
+    outputs = {}
+    try:
+        while len(outputs) < len(procs):
+            for cmd, proc in procs:
+                if id(proc) not in outputs and proc.poll() is not None:
+                    outputs[id(proc)] = proc.stdout.read()
+                    if proc.returncode != 0:
+                        raise AssertionError(f"{' '.join(cmd)}\nexit {proc.returncode}\n{outputs[id(proc)][-8000:]}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"two-world run timed out after {timeout} s")
+            time.sleep(0.2)
+    finally:
+        for _, proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return [outputs[id(p)] for _, p in procs]

@@ -1,0 +1,75 @@
+"""The two ends of a weight sync, as a trainer rank and a generator worker see them.
+
+Trainer rank: ``TrainerSync(spec, trainer, generator, chunks, group).push(version)``
+sends this rank's part of the plan straight from its Megatron parameters.
+
+Generator worker: ``allocate_generator_params`` gives the SGLang-layout tensors
+of one TP rank (what megarl's reference engine holds; inside SGLang the
+model's own parameters play this role), and
+``GeneratorSync(..., params, group).pull()`` fills them in place.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+
+from megarl.models.spec import LlamaSpec
+from megarl.weight_sync import fp8 as fp8_format
+from megarl.weight_sync.layouts import sglang_rank_layout
+from megarl.weight_sync.planner import GeneratorTopology, SyncPlan, TrainerTopology, build_plan
+from megarl.weight_sync.transport import DEFAULT_BUCKET_BYTES, SyncStats, WeightReceiver, WeightSender
+
+
+def megatron_params(chunks: List[torch.nn.Module]) -> Dict[str, torch.Tensor]:
+    """This rank's Megatron parameters by their GPTModel names (DDP wrappers removed)."""
+    if len(chunks) != 1:
+        raise NotImplementedError("weight sync from virtual-pipeline (interleaved) models is not supported yet")
+    model = getattr(chunks[0], "module", chunks[0])
+    return {name: p.data for name, p in model.named_parameters()}
+
+
+def allocate_generator_params(
+    spec: LlamaSpec, tp: int, tp_rank: int, dtype: torch.dtype = torch.bfloat16, fp8: bool = False,
+    device: str | torch.device = "cpu",
+) -> Dict[str, torch.Tensor]:
+    """Zero-filled parameters of SGLang TP rank ``tp_rank``, named and shaped as SGLang holds them."""
+    params = {}
+    for t in sglang_rank_layout(spec, tp, tp_rank):
+        if fp8 and fp8_format.is_fp8_param(t.name):
+            params[t.name] = torch.zeros(t.shape, dtype=fp8_format.FP8_DTYPE, device=device)
+            params[fp8_format.scale_name(t.name)] = torch.zeros(
+                fp8_format.scale_shape(t.shape), dtype=torch.float32, device=device
+            )
+        else:
+            params[t.name] = torch.zeros(t.shape, dtype=dtype, device=device)
+    return params
+
+
+class TrainerSync:
+    def __init__(self, spec: LlamaSpec, trainer: TrainerTopology, generator: GeneratorTopology,
+                 chunks: List[torch.nn.Module], group, sync_rank: int, fp8: bool = False,
+                 wire_dtype: torch.dtype = torch.bfloat16, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 verify: bool = False, plan: SyncPlan | None = None):
+        self.plan = plan or build_plan(spec, trainer, generator)
+        self.sender = WeightSender(self.plan, sync_rank, group, megatron_params(chunks), fp8, wire_dtype,
+                                   bucket_bytes, verify)
+
+    @torch.no_grad()
+    def push(self, version: int) -> SyncStats:
+        return self.sender.send(version)
+
+
+class GeneratorSync:
+    def __init__(self, spec: LlamaSpec, trainer: TrainerTopology, generator: GeneratorTopology,
+                 replica: int, tp_rank: int, params: Dict[str, torch.Tensor], group, fp8: bool = False,
+                 wire_dtype: torch.dtype = torch.bfloat16, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 verify: bool = False, plan: SyncPlan | None = None):
+        self.plan = plan or build_plan(spec, trainer, generator)
+        self.sync_rank = generator.rank(replica, tp_rank)
+        self.receiver = WeightReceiver(self.plan, self.sync_rank, group, params, fp8, wire_dtype, bucket_bytes, verify)
+
+    @torch.no_grad()
+    def pull(self, expected_version: int | None = None) -> SyncStats:
+        return self.receiver.receive(expected_version)

@@ -1,0 +1,251 @@
+"""Where every element of every weight lives, on the trainer and on the generators.
+
+A rank's local tensor is described as row blocks of logical (Hugging Face)
+tensors: ``Block(logical, rows, cols, local_row)`` says that local rows
+``[local_row, local_row + rows[1] - rows[0])`` hold ``logical[rows[0]:rows[1],
+cols[0]:cols[1]]``. Every layout in an RL weight sync is of that form:
+
+Megatron (trainer), rank (tp, pp), local layer i = global layer pp_offset + i:
+    linear_qkv   rows [t R/tp, (t+1) R/tp) of the fused [q heads of g; k_g; v_g]
+                 for all KV groups g (R rows): whole groups when tp <= n_kv, part
+                 of one group when tp > n_kv (Megatron all-gathers QKV then)
+    linear_fc1   [gate rows of this rank; up rows of this rank]
+    linear_proj, linear_fc2   row-parallel: all rows, this rank's columns
+    word_embeddings / output_layer   rows [t V'/tp, (t+1) V'/tp) of Megatron's
+                 padded vocabulary V' (rows >= V are padding: no logical source)
+    norms        replicated on every TP rank of the stage
+
+SGLang (generator), TP rank r (its Llama loader's layout, HF-derived names):
+    qkv_proj     [its q heads; its k heads; its v heads], KV heads replicated
+                 when tp > num_kv_heads (rank r holds head r // (tp / n_kv))
+    gate_up_proj [gate shard; up shard];  o_proj, down_proj row-parallel
+    embed_tokens / lm_head   rows of SGLang's padded vocabulary (64, or 64 x tp)
+
+Shapes only: a layout for Llama 3.1 405B is built on a laptop in milliseconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Tuple
+
+from megarl.models.megatron_llama import DEFAULT_VOCAB_DIVISIBLE_BY, padded_vocab_size
+from megarl.models.spec import LlamaSpec
+
+Range = Tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Block:
+    logical: str  # Hugging Face tensor name
+    rows: Range  # rows of the logical tensor
+    cols: Range  # columns of the logical tensor ((0, 1) for 1-D tensors)
+    local_row: int  # first row of the block in the local tensor
+
+    @property
+    def num_rows(self) -> int:
+        return self.rows[1] - self.rows[0]
+
+
+@dataclass(frozen=True)
+class LocalTensor:
+    name: str  # the parameter's name on that rank
+    shape: Tuple[int, ...]  # local shape (1-D tensors are viewed as [n, 1])
+    blocks: Tuple[Block, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def covered_numel(self) -> int:
+        """Elements that hold model weights (the rest is vocabulary padding)."""
+        return sum(b.num_rows * (b.cols[1] - b.cols[0]) for b in self.blocks)
+
+
+def logical_shapes(spec: LlamaSpec) -> Dict[str, Tuple[int, ...]]:
+    h, f, d = spec.hidden_size, spec.ffn_hidden_size, spec.head_dim
+    shapes = {"model.embed_tokens.weight": (spec.vocab_size, h), "model.norm.weight": (h,)}
+    if not spec.tie_embeddings:
+        shapes["lm_head.weight"] = (spec.vocab_size, h)
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "self_attn.q_proj.weight": (spec.num_attention_heads * d, h),
+            p + "self_attn.k_proj.weight": (spec.num_kv_heads * d, h),
+            p + "self_attn.v_proj.weight": (spec.num_kv_heads * d, h),
+            p + "self_attn.o_proj.weight": (h, spec.num_attention_heads * d),
+            p + "mlp.gate_proj.weight": (f, h),
+            p + "mlp.up_proj.weight": (f, h),
+            p + "mlp.down_proj.weight": (h, f),
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+        })
+    return shapes
+
+
+def _full(logical: str, shape: Tuple[int, ...], local_row: int = 0, rows: Range = None) -> Block:
+    rows = rows or (0, shape[0])
+    return Block(logical, rows, (0, shape[1] if len(shape) > 1 else 1), local_row)
+
+
+def _stack(name: str, parts: List[Tuple[str, Range, Range]], ncols: int) -> LocalTensor:
+    """Local tensor made of row blocks (logical, rows, cols) stacked in order."""
+    blocks, row = [], 0
+    for logical, rows, cols in parts:
+        blocks.append(Block(logical, rows, cols, row))
+        row += rows[1] - rows[0]
+    return LocalTensor(name, (row, ncols), tuple(blocks))
+
+
+def _cut(parts: List[Tuple[str, Range, Range]], start: int, end: int) -> List[Tuple[str, Range, Range]]:
+    """Rows [start, end) of the tensor made by stacking ``parts``, as parts again."""
+    out, offset = [], 0
+    for logical, rows, cols in parts:
+        n = rows[1] - rows[0]
+        lo, hi = max(start, offset), min(end, offset + n)
+        if lo < hi:
+            out.append((logical, (rows[0] + lo - offset, rows[0] + hi - offset), cols))
+        offset += n
+    return out
+
+
+def _vocab_shard(name: str, logical: str, spec: LlamaSpec, padded: int, tp: int, rank: int) -> LocalTensor:
+    per_rank = padded // tp
+    start = rank * per_rank
+    real = (start, min(start + per_rank, spec.vocab_size))
+    blocks = (Block(logical, real, (0, spec.hidden_size), 0),) if real[1] > real[0] else ()
+    return LocalTensor(name, (per_rank, spec.hidden_size), blocks)
+
+
+def _col_split(name: str, logical: str, shape: Tuple[int, int], tp: int, rank: int) -> LocalTensor:
+    width = shape[1] // tp
+    return LocalTensor(name, (shape[0], width), (Block(logical, (0, shape[0]), (rank * width, (rank + 1) * width), 0),))
+
+
+def _replicated(name: str, logical: str, size: int) -> LocalTensor:
+    return LocalTensor(name, (size,), (Block(logical, (0, size), (0, 1), 0),))
+
+
+# -- Megatron ---------------------------------------------------------------------------------
+
+MEGATRON_NORM_NAMES = {
+    # Megatron's local layer spec vs the Transformer Engine spec (fused into the linears)
+    "local": ("input_layernorm.weight", "pre_mlp_layernorm.weight"),
+    "te": ("self_attention.linear_qkv.layer_norm_weight", "mlp.linear_fc1.layer_norm_weight"),
+}
+
+
+def megatron_rank_layout(
+    spec: LlamaSpec, tp: int, pp: int, tp_rank: int, pp_rank: int,
+    vocab_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY, norm_names: str = "local",
+) -> List[LocalTensor]:
+    """The parameters of Megatron rank (tp_rank, pp_rank), by their names in GPTModel."""
+    h, f, d = spec.hidden_size, spec.ffn_hidden_size, spec.head_dim
+    shapes = logical_shapes(spec)
+    qpg = spec.q_per_kv
+    qkv_rows = spec.qkv_rows // tp  # TP splits the grouped rows evenly, even mid-group (tp > n_kv)
+    per_stage = spec.num_layers // pp
+    attn_norm, mlp_norm = MEGATRON_NORM_NAMES[norm_names]
+    out: List[LocalTensor] = []
+    padded = padded_vocab_size(spec.vocab_size, tp, vocab_divisible_by)
+    if pp_rank == 0:
+        out.append(_vocab_shard("embedding.word_embeddings.weight", "model.embed_tokens.weight", spec, padded, tp, tp_rank))
+    for local in range(per_stage):
+        i = pp_rank * per_stage + local
+        hf, mg = f"model.layers.{i}.", f"decoder.layers.{local}."
+        grouped = []  # the global fused QKV: [q heads of g; k_g; v_g] for every KV group g
+        for g in range(spec.num_kv_heads):
+            grouped.append((hf + "self_attn.q_proj.weight", (g * qpg * d, (g + 1) * qpg * d), (0, h)))
+            grouped.append((hf + "self_attn.k_proj.weight", (g * d, (g + 1) * d), (0, h)))
+            grouped.append((hf + "self_attn.v_proj.weight", (g * d, (g + 1) * d), (0, h)))
+        qkv = _cut(grouped, tp_rank * qkv_rows, (tp_rank + 1) * qkv_rows)
+        ff = (tp_rank * f // tp, (tp_rank + 1) * f // tp)
+        out += [
+            _replicated(mg + attn_norm, hf + "input_layernorm.weight", h),
+            _stack(mg + "self_attention.linear_qkv.weight", qkv, h),
+            _col_split(mg + "self_attention.linear_proj.weight", hf + "self_attn.o_proj.weight",
+                       shapes[hf + "self_attn.o_proj.weight"], tp, tp_rank),
+            _replicated(mg + mlp_norm, hf + "post_attention_layernorm.weight", h),
+            _stack(mg + "mlp.linear_fc1.weight", [(hf + "mlp.gate_proj.weight", ff, (0, h)),
+                                                   (hf + "mlp.up_proj.weight", ff, (0, h))], h),
+            _col_split(mg + "mlp.linear_fc2.weight", hf + "mlp.down_proj.weight", (h, f), tp, tp_rank),
+        ]
+    if pp_rank == pp - 1:
+        out.append(_replicated("decoder.final_layernorm.weight", "model.norm.weight", h))
+        # Tied embeddings: the last stage's output_layer is a synchronised copy of the
+        # embedding (Megatron keeps the two equal), so it can serve embed_tokens too.
+        logical = "model.embed_tokens.weight" if spec.tie_embeddings else "lm_head.weight"
+        if not spec.tie_embeddings or pp > 1:
+            out.append(_vocab_shard("output_layer.weight", logical, spec, padded, tp, tp_rank))
+    return out
+
+
+# -- SGLang -----------------------------------------------------------------------------------
+
+SGLANG_VOCAB_PADDING = 64
+
+
+def sglang_padded_vocab(vocab_size: int, tp: int) -> int:
+    """SGLang's VocabParallelEmbedding: pad to 64, or to 64 x tp when 64 does not split evenly."""
+    padding = SGLANG_VOCAB_PADDING
+    if (-(-vocab_size // padding) * padding) % tp:
+        padding *= tp
+    return -(-vocab_size // padding) * padding
+
+
+def sglang_kv_head_of(spec: LlamaSpec, tp: int, rank: int) -> Tuple[int, int]:
+    """[first, last) KV heads held by SGLang TP rank ``rank`` (replicated when tp > n_kv)."""
+    if tp >= spec.num_kv_heads:
+        head = rank // (tp // spec.num_kv_heads)
+        return head, head + 1
+    per = spec.num_kv_heads // tp
+    return rank * per, (rank + 1) * per
+
+
+def check_sglang_tp(spec: LlamaSpec, tp: int) -> None:
+    from megarl.errors import ConfigError
+
+    if spec.num_attention_heads % tp:
+        raise ConfigError(f"generator tensor_parallel={tp} does not divide num_attention_heads={spec.num_attention_heads}")
+    if tp >= spec.num_kv_heads and tp % spec.num_kv_heads:
+        raise ConfigError(f"generator tensor_parallel={tp} is not a multiple of num_key_value_heads={spec.num_kv_heads}")
+    if tp < spec.num_kv_heads and spec.num_kv_heads % tp:
+        raise ConfigError(f"generator tensor_parallel={tp} does not divide num_key_value_heads={spec.num_kv_heads}")
+    if spec.ffn_hidden_size % tp:
+        raise ConfigError(f"generator tensor_parallel={tp} does not divide intermediate_size={spec.ffn_hidden_size}")
+
+
+def sglang_rank_layout(spec: LlamaSpec, tp: int, rank: int) -> List[LocalTensor]:
+    """The parameters of SGLang TP rank ``rank`` of one generator replica, by SGLang's names."""
+    check_sglang_tp(spec, tp)
+    h, f, d = spec.hidden_size, spec.ffn_hidden_size, spec.head_dim
+    shapes = logical_shapes(spec)
+    heads = spec.num_attention_heads // tp
+    kv0, kv1 = sglang_kv_head_of(spec, tp, rank)
+    padded = sglang_padded_vocab(spec.vocab_size, tp)
+    out = [_vocab_shard("model.embed_tokens.weight", "model.embed_tokens.weight", spec, padded, tp, rank)]
+    ff = (rank * f // tp, (rank + 1) * f // tp)
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        out += [
+            _replicated(p + "input_layernorm.weight", p + "input_layernorm.weight", h),
+            _stack(p + "self_attn.qkv_proj.weight", [
+                (p + "self_attn.q_proj.weight", (rank * heads * d, (rank + 1) * heads * d), (0, h)),
+                (p + "self_attn.k_proj.weight", (kv0 * d, kv1 * d), (0, h)),
+                (p + "self_attn.v_proj.weight", (kv0 * d, kv1 * d), (0, h)),
+            ], h),
+            _col_split(p + "self_attn.o_proj.weight", p + "self_attn.o_proj.weight",
+                       shapes[p + "self_attn.o_proj.weight"], tp, rank),
+            _replicated(p + "post_attention_layernorm.weight", p + "post_attention_layernorm.weight", h),
+            _stack(p + "mlp.gate_up_proj.weight", [(p + "mlp.gate_proj.weight", ff, (0, h)),
+                                                    (p + "mlp.up_proj.weight", ff, (0, h))], h),
+            _col_split(p + "mlp.down_proj.weight", p + "mlp.down_proj.weight", (h, f), tp, rank),
+        ]
+    out.append(_replicated("model.norm.weight", "model.norm.weight", h))
+    if not spec.tie_embeddings:
+        out.append(_vocab_shard("lm_head.weight", "lm_head.weight", spec, padded, tp, rank))
+    return out

@@ -1,0 +1,160 @@
+"""Which bytes go from which trainer rank to which generator rank.
+
+The planner intersects the trainer's layout (Megatron TP x PP, replicated over
+DP) with the generators' layout (SGLang TP, one or more replicas), logical
+tensor by logical tensor, and emits for every (source rank, destination rank)
+pair the rectangles to move: rows and columns in the source's local tensor
+and where they land in the destination's. Where several trainer ranks hold the
+same bytes (DP replicas, TP-replicated norms, the tied output layer of the last
+stage) the least-loaded one is chosen -- once per destination parameter, so
+one destination weight's pieces of a shard come from one rank -- and sending
+is spread over all of them.
+Every destination receives exactly its own elements; the only duplication is
+SGLang's replicated KV heads, which each replica rank needs for itself.
+
+Ranks are numbered in the sync group: trainer ranks first, in Megatron's
+order (tp fastest, then dp, then pp), then generator replica 0's TP ranks,
+replica 1's, and so on. Built from shapes only.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+from megarl.models.spec import LlamaSpec
+from megarl.weight_sync.layouts import Block, LocalTensor, Range, megatron_rank_layout, sglang_rank_layout
+
+
+@dataclass(frozen=True)
+class TrainerTopology:
+    tp: int
+    pp: int
+    dp: int = 1
+    vocab_divisible_by: int = 128
+    norm_names: str = "local"  # "te" for Transformer Engine layer specs
+
+    @property
+    def size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def rank(self, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
+        return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
+
+
+@dataclass(frozen=True)
+class GeneratorTopology:
+    tp: int
+    replicas: int = 1
+    first_rank: int = 0  # sync-group rank of replica 0, TP rank 0
+
+    @property
+    def size(self) -> int:
+        return self.tp * self.replicas
+
+    def rank(self, replica: int, tp_rank: int) -> int:
+        return self.first_rank + replica * self.tp + tp_rank
+
+
+@dataclass(frozen=True)
+class Transfer:
+    src_param: str
+    src_rows: Range  # in the source's local tensor
+    src_cols: Range
+    dst_param: str
+    dst_rows: Range  # in the destination's local tensor
+    dst_cols: Range
+
+    @property
+    def numel(self) -> int:
+        return (self.src_rows[1] - self.src_rows[0]) * (self.src_cols[1] - self.src_cols[0])
+
+
+@dataclass
+class SyncPlan:
+    trainer: TrainerTopology
+    generator: GeneratorTopology
+    # (source rank, destination rank) -> transfers, in a fixed order both sides agree on
+    transfers: Dict[Tuple[int, int], List[Transfer]] = field(default_factory=dict)
+    dst_layouts: Dict[int, List[LocalTensor]] = field(default_factory=dict)  # sync rank -> params
+
+    def sends_of(self, rank: int) -> Dict[int, List[Transfer]]:
+        return {dst: t for (src, dst), t in self.transfers.items() if src == rank}
+
+    def recvs_of(self, rank: int) -> Dict[int, List[Transfer]]:
+        return {src: t for (src, dst), t in self.transfers.items() if dst == rank}
+
+    def elements_received(self) -> Dict[int, int]:
+        out: Dict[int, int] = defaultdict(int)
+        for (_, dst), ts in self.transfers.items():
+            out[dst] += sum(t.numel for t in ts)
+        return dict(out)
+
+    def elements_sent(self) -> Dict[int, int]:
+        out: Dict[int, int] = defaultdict(int)
+        for (src, _), ts in self.transfers.items():
+            out[src] += sum(t.numel for t in ts)
+        return dict(out)
+
+
+def _overlap(a: Range, b: Range) -> Optional[Range]:
+    lo, hi = max(a[0], b[0]), min(a[1], b[1])
+    return (lo, hi) if lo < hi else None
+
+
+def build_plan(spec: LlamaSpec, trainer: TrainerTopology, generator: GeneratorTopology) -> SyncPlan:
+    """Plan one weight sync from the trainer's shards to every generator replica."""
+    spec.check_parallelism(trainer.tp, trainer.pp)
+    # Source copies by logical tensor and region: every (rank, local tensor, block) holding
+    # those same elements -- DP replicas, TP-replicated norms, a tied last-stage output layer.
+    sources: Dict[str, Dict[Tuple[Range, Range], List[Tuple[int, LocalTensor, Block]]]] = defaultdict(dict)
+    for pp_rank in range(trainer.pp):
+        for tp_rank in range(trainer.tp):
+            layout = megatron_rank_layout(
+                spec, trainer.tp, trainer.pp, tp_rank, pp_rank, trainer.vocab_divisible_by, trainer.norm_names
+            )
+            for dp_rank in range(trainer.dp):
+                rank = trainer.rank(tp_rank, dp_rank, pp_rank)
+                for tensor in layout:
+                    for block in tensor.blocks:
+                        copies = sources[block.logical].setdefault((block.rows, block.cols), [])
+                        copies.append((rank, tensor, block))
+
+    plan = SyncPlan(trainer, generator)
+    load: Dict[int, int] = defaultdict(int)  # elements assigned per source rank
+    # One source copy per (destination parameter, source shard): all pieces a destination
+    # weight needs from one trainer shard come from the same replica, so the sender can
+    # assemble (and fp8-quantise) whole destination blocks.
+    chosen: Dict[Tuple, int] = {}
+    for replica in range(generator.replicas):
+        for tp_rank in range(generator.tp):
+            dst_rank = generator.rank(replica, tp_rank)
+            layout = sglang_rank_layout(spec, generator.tp, tp_rank)
+            plan.dst_layouts[dst_rank] = layout
+            for tensor in layout:
+                for block in tensor.blocks:
+                    for (src_rows, src_cols), copies in sources[block.logical].items():
+                        rows = _overlap(block.rows, src_rows)
+                        cols = _overlap(block.cols, src_cols)
+                        if rows is None or cols is None:
+                            continue
+                        numel = (rows[1] - rows[0]) * (cols[1] - cols[0])
+                        key = (dst_rank, tensor.name, tuple(sorted(c[0] for c in copies)))
+                        if key not in chosen:
+                            chosen[key] = min(copies, key=lambda c: (load[c[0]], c[0]))[0]
+                        src_rank, src_tensor, src_block = next(c for c in copies if c[0] == chosen[key])
+                        load[src_rank] += numel
+                        plan.transfers.setdefault((src_rank, dst_rank), []).append(Transfer(
+                            src_param=src_tensor.name,
+                            src_rows=_local(rows, src_block.rows[0], src_block.local_row),
+                            src_cols=(cols[0] - src_block.cols[0], cols[1] - src_block.cols[0]),
+                            dst_param=tensor.name,
+                            dst_rows=_local(rows, block.rows[0], block.local_row),
+                            dst_cols=(cols[0] - block.cols[0], cols[1] - block.cols[0]),
+                        ))
+    return plan
+
+
+def _local(rows: Range, logical_start: int, local_start: int) -> Range:
+    return (rows[0] - logical_start + local_start, rows[1] - logical_start + local_start)

@@ -1,0 +1,110 @@
+"""Generator side of the weight-sync tests: SGLang-layout receivers in their own torchrun
+world, checked against tests/sglang_reference.py (the HF tensors sliced SGLang's way).
+
+Takes the trainer worker's arguments plus --trainers N and --out DIR; TP rank r of
+replica q is sync rank N + q * tp + r. Writes OUT/results_rank<r>.json.
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+from weight_sync_cases import cases  # noqa: E402
+from weight_sync_trainer import parse  # noqa: E402
+
+from megarl.checkpointing.megatron_checkpoint import read_spec, resolve_checkpoint_dir  # noqa: E402
+from megarl.runtime.distributed import init_distributed, shutdown  # noqa: E402
+from megarl.weight_sync import fp8 as fp8_format  # noqa: E402
+from megarl.weight_sync.endpoints import GeneratorSync, allocate_generator_params  # noqa: E402
+from megarl.weight_sync.planner import GeneratorTopology, TrainerTopology, build_plan  # noqa: E402
+from megarl.weight_sync.rendezvous import init_sync_group  # noqa: E402
+from tests.sglang_reference import sglang_shard  # noqa: E402
+
+
+def hf_tensors(model_dir):
+    """The HF model the Megatron checkpoint was converted from (its sibling 'hf' directory)."""
+    hf = os.path.join(os.path.dirname(model_dir.rstrip("/")), "hf")
+    full = {}
+    for f in sorted(os.listdir(hf)):
+        if f.endswith(".safetensors"):
+            full.update(load_file(os.path.join(hf, f)))
+    return full, json.load(open(os.path.join(hf, "config.json")))
+
+
+def main():
+    args = parse_with_trainers()
+    rank = init_distributed()
+    sync_rank = args.trainers + rank
+    group = init_sync_group("127.0.0.1", args.port, args.trainers + args.generators, sync_rank)
+    results = []
+    version = 0
+    for case in cases(args, args.trainers):
+        spec = read_spec(resolve_checkpoint_dir(case.model))
+        from lm_batch import parse_layout
+
+        t = parse_layout(case.layout)
+        trainer = TrainerTopology(t.tp, t.pp, args.trainers // (t.tp * t.pp))
+        generator = GeneratorTopology(case.dst_tp, args.generators // case.dst_tp, first_rank=args.trainers)
+        replica, tp_rank = divmod(rank, case.dst_tp)
+        params = allocate_generator_params(spec, case.dst_tp, tp_rank, case.dtype, case.fp8)
+        plan = build_plan(spec, trainer, generator)
+        version += 1
+        stats = GeneratorSync(spec, trainer, generator, replica, tp_rank, params, group, fp8=case.fp8,
+                              wire_dtype=case.dtype, verify=True, plan=plan, bucket_bytes=args.bucket_bytes
+                              ).pull(expected_version=version)
+        full, config = hf_tensors(case.model)
+        reference = sglang_shard(full, config, case.dst_tp, tp_rank)
+        record = {"case": case.name, "rank": rank, "version": stats.version, "bytes_received": stats.bytes_received,
+                  "rounds": stats.rounds, "mismatches": [], "max_fp8_error": 0.0, "scale_mismatches": []}
+        # The shard's size: every element SGLang's loader writes (not the vocabulary padding).
+        real = 0
+        for name, ref in reference.items():
+            if name in ("model.embed_tokens.weight", "lm_head.weight"):
+                start = tp_rank * ref.shape[0]
+                real += max(0, min(config["vocab_size"], start + ref.shape[0]) - start) * ref.shape[1]
+            else:
+                real += ref.numel()
+        record["expected_bytes"] = real * case.dtype.itemsize
+        for name, ref in reference.items():
+            got = params[name]
+            if case.fp8 and fp8_format.is_fp8_param(name):
+                want_q, want_scale = fp8_format.quantize(ref.to(case.dtype))
+                scale = params[fp8_format.scale_name(name)]
+                if not torch.equal(scale, want_scale):
+                    record["scale_mismatches"].append(name)
+                deq = fp8_format.dequantize(got, scale)
+                # e4m3 keeps 3 mantissa bits: |error| <= half a unit in the last place, 2^-4 relative
+                bound = (ref.to(case.dtype).float().abs() * 2**-4 + scale.max() * 2**-9).max()
+                err = (deq - ref.to(case.dtype).float()).abs().max().item()
+                record["max_fp8_error"] = max(record["max_fp8_error"], err / bound.item())
+                if not torch.equal(got.view(torch.uint8), want_q.view(torch.uint8)):
+                    record["mismatches"].append(name + " (fp8 bytes)")
+                continue
+            if got.dtype != case.dtype or not torch.equal(got, ref.to(case.dtype)):
+                record["mismatches"].append(name)
+        results.append(record)
+    with open(os.path.join(args.out, f"results_rank{rank}.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    dist.barrier(group=group)
+    shutdown()
+
+
+def parse_with_trainers():
+    sys_argv = list(sys.argv)
+    trainers = int(sys_argv[sys_argv.index("--trainers") + 1])
+    i = sys_argv.index("--trainers")
+    del sys_argv[i : i + 2]
+    sys.argv = sys_argv
+    args = parse()
+    args.trainers = trainers
+    return args
+
+
+if __name__ == "__main__":
+    main()
