@@ -34,6 +34,7 @@ def models(tmp_path_factory):
 
 
 def run_sync(models, out, extra=(), layouts=LAYOUTS, dst_tps=DST_TPS, trainers=8, generators=4):
+    out.mkdir(parents=True, exist_ok=True)
     common = ["--port", free_port(), "--generators", generators, "--models", *models,
               "--layouts", *layouts, "--dst-tps", *dst_tps, *extra]
     run_two_worlds((trainers, "weight_sync_trainer.py", *common),
@@ -66,6 +67,17 @@ def test_fp8_blocks_and_scales(tmp_path_factory, models, tmp_path):
     # sender quantisation halves the wire bytes of the linears vs bf16
     aligned_fp8 = [r for r in results if r["case"].startswith("aligned")]
     assert all(r["bytes_received"] < 0.6 * r["expected_bytes"] for r in aligned_fp8)
+
+
+def test_colocated_pairs_go_through_shared_memory(models, tmp_path):
+    # Every (trainer, generator) pair treated as sharing a device: the path NCCL cannot
+    # take on one GPU, exercised here with CPU shared memory instead of CUDA IPC.
+    results = run_sync(models[:1], tmp_path, extra=["--ipc"], layouts=["2x2", "4x1"], dst_tps=["1", "4"])
+    assert len(results) == 2 * 2 * 2 * 4
+    for r in results:
+        assert not r["mismatches"] and r["bytes_received"] == r["expected_bytes"], r
+    fp8 = run_sync(models[:1], tmp_path / "fp8", extra=["--ipc", "--fp8"], layouts=["2x1"], dst_tps=["2"])
+    assert all(not r["mismatches"] and not r["scale_mismatches"] for r in fp8)
 
 
 def test_smollm2_tp3_to_tp1_and_tp1_to_tp3(tmp_path_factory, tmp_path):

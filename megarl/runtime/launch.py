@@ -20,7 +20,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, List, Tuple
 
 import torch.multiprocessing as mp
 
@@ -34,7 +34,14 @@ def running_under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _child(local_rank: int, world_size: int, port: int, fn: Callable, args: tuple, error_dir: str) -> None:
+def _child(index: int, worlds: list, error_dir: str) -> None:
+    # worlds: [(fn, size, port, args)]; process ``index`` is rank index - offset of its world.
+    offset = 0
+    for fn, world_size, port, args in worlds:
+        if index < offset + world_size:
+            break
+        offset += world_size
+    local_rank = index - offset
     os.environ.update(
         RANK=str(local_rank),
         LOCAL_RANK=str(local_rank),
@@ -43,7 +50,7 @@ def _child(local_rank: int, world_size: int, port: int, fn: Callable, args: tupl
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
-    report = Path(error_dir) / f"rank{local_rank}"
+    report = Path(error_dir) / f"rank{index}"
     try:
         fn(*args)
     except MegarlError as err:
@@ -73,18 +80,21 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
     if world_size == 1 and not running_under_torchrun():
         fn(*args)
         return
+    run_worlds([(fn, world_size, args)])
+
+
+def run_worlds(worlds: List[Tuple[Callable[..., Any], int, tuple]]) -> None:
+    """Run several independent worlds at once, e.g. trainer ranks and generator workers
+    that meet through their own sync group. Process numbers (as named in errors) run
+    through all worlds in order; each process sees only its own world's RANK/WORLD_SIZE."""
+    total = sum(size for _, size, _ in worlds)
     # Ranks share this machine's cores: split them rather than oversubscribe
     # (children read this when torch starts, before any of our code runs).
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // total)))
+    spec = [(fn, size, free_port(), args) for fn, size, args in worlds]
     with tempfile.TemporaryDirectory(prefix="megarl_ranks_") as error_dir:
         try:
-            mp.start_processes(
-                _child,
-                args=(world_size, free_port(), fn, args, error_dir),
-                nprocs=world_size,
-                join=True,
-                start_method="spawn",
-            )
+            mp.start_processes(_child, args=(spec, error_dir), nprocs=total, join=True, start_method="spawn")
         except mp.ProcessRaisedException as err:
             raise MegarlError(_failure_message(Path(error_dir), f"rank {err.error_index} failed:\n{err}")) from None
         except mp.ProcessExitedException as err:

@@ -3,6 +3,10 @@
 Trainer rank: ``TrainerSync(spec, trainer, generator, chunks, group).push(version)``
 sends this rank's part of the plan straight from its Megatron parameters.
 
+Both take ``ipc_peers``: the sync ranks on this same GPU (find them with
+``ipc.colocated_peers``, a collective over the group), whose bytes then go
+through shared memory; that needs a gloo sync group.
+
 Generator worker: ``allocate_generator_params`` gives the SGLang-layout tensors
 of one TP rank (what megarl's reference engine holds; inside SGLang the
 model's own parameters play this role), and
@@ -11,7 +15,7 @@ model's own parameters play this role), and
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Optional, Set
 
 import torch
 
@@ -51,10 +55,10 @@ class TrainerSync:
     def __init__(self, spec: LlamaSpec, trainer: TrainerTopology, generator: GeneratorTopology,
                  chunks: List[torch.nn.Module], group, sync_rank: int, fp8: bool = False,
                  wire_dtype: torch.dtype = torch.bfloat16, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 verify: bool = False, plan: SyncPlan | None = None):
+                 verify: bool = False, plan: SyncPlan | None = None, ipc_peers: Optional[Set[int]] = None):
         self.plan = plan or build_plan(spec, trainer, generator)
         self.sender = WeightSender(self.plan, sync_rank, group, megatron_params(chunks), fp8, wire_dtype,
-                                   bucket_bytes, verify)
+                                   bucket_bytes, verify, ipc_peers)
 
     @torch.no_grad()
     def push(self, version: int) -> SyncStats:
@@ -65,10 +69,11 @@ class GeneratorSync:
     def __init__(self, spec: LlamaSpec, trainer: TrainerTopology, generator: GeneratorTopology,
                  replica: int, tp_rank: int, params: Dict[str, torch.Tensor], group, fp8: bool = False,
                  wire_dtype: torch.dtype = torch.bfloat16, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 verify: bool = False, plan: SyncPlan | None = None):
+                 verify: bool = False, plan: SyncPlan | None = None, ipc_peers: Optional[Set[int]] = None):
         self.plan = plan or build_plan(spec, trainer, generator)
         self.sync_rank = generator.rank(replica, tp_rank)
-        self.receiver = WeightReceiver(self.plan, self.sync_rank, group, params, fp8, wire_dtype, bucket_bytes, verify)
+        self.receiver = WeightReceiver(self.plan, self.sync_rank, group, params, fp8, wire_dtype, bucket_bytes, verify,
+                                       ipc_peers)
 
     @torch.no_grad()
     def pull(self, expected_version: int | None = None) -> SyncStats:

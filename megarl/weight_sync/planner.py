@@ -121,38 +121,54 @@ def build_plan(spec: LlamaSpec, trainer: TrainerTopology, generator: GeneratorTo
                         copies = sources[block.logical].setdefault((block.rows, block.cols), [])
                         copies.append((rank, tensor, block))
 
+    # Per region: its copies by rank, and an id of its set of holders (q, k and v of one
+    # Megatron shard share holders, so they share a sender choice below).
+    holder_ids: Dict[frozenset, int] = {}
+    regions = {}
+    for logical, by_region in sources.items():
+        regions[logical] = []
+        for (rows, cols), copies in by_region.items():
+            holders = holder_ids.setdefault(frozenset(c[0] for c in copies), len(holder_ids))
+            regions[logical].append((rows, cols, holders, copies, {c[0]: c for c in copies}))
+
+    # The intersections depend only on the generator TP rank, not on the replica.
+    layouts = [sglang_rank_layout(spec, generator.tp, r) for r in range(generator.tp)]
+    overlaps = []
+    for layout in layouts:
+        found = []
+        for tensor in layout:
+            for block in tensor.blocks:
+                for src_rows, src_cols, holders, copies, by_rank in regions[block.logical]:
+                    rows, cols = _overlap(block.rows, src_rows), _overlap(block.cols, src_cols)
+                    if rows is not None and cols is not None:
+                        found.append((tensor, block, rows, cols, holders, copies, by_rank))
+        overlaps.append(found)
+
     plan = SyncPlan(trainer, generator)
     load: Dict[int, int] = defaultdict(int)  # elements assigned per source rank
-    # One source copy per (destination parameter, source shard): all pieces a destination
-    # weight needs from one trainer shard come from the same replica, so the sender can
-    # assemble (and fp8-quantise) whole destination blocks.
-    chosen: Dict[Tuple, int] = {}
     for replica in range(generator.replicas):
         for tp_rank in range(generator.tp):
             dst_rank = generator.rank(replica, tp_rank)
-            layout = sglang_rank_layout(spec, generator.tp, tp_rank)
-            plan.dst_layouts[dst_rank] = layout
-            for tensor in layout:
-                for block in tensor.blocks:
-                    for (src_rows, src_cols), copies in sources[block.logical].items():
-                        rows = _overlap(block.rows, src_rows)
-                        cols = _overlap(block.cols, src_cols)
-                        if rows is None or cols is None:
-                            continue
-                        numel = (rows[1] - rows[0]) * (cols[1] - cols[0])
-                        key = (dst_rank, tensor.name, tuple(sorted(c[0] for c in copies)))
-                        if key not in chosen:
-                            chosen[key] = min(copies, key=lambda c: (load[c[0]], c[0]))[0]
-                        src_rank, src_tensor, src_block = next(c for c in copies if c[0] == chosen[key])
-                        load[src_rank] += numel
-                        plan.transfers.setdefault((src_rank, dst_rank), []).append(Transfer(
-                            src_param=src_tensor.name,
-                            src_rows=_local(rows, src_block.rows[0], src_block.local_row),
-                            src_cols=(cols[0] - src_block.cols[0], cols[1] - src_block.cols[0]),
-                            dst_param=tensor.name,
-                            dst_rows=_local(rows, block.rows[0], block.local_row),
-                            dst_cols=(cols[0] - block.cols[0], cols[1] - block.cols[0]),
-                        ))
+            plan.dst_layouts[dst_rank] = layouts[tp_rank]
+            # One source copy per (destination parameter, holder set): all pieces a destination
+            # weight needs from one trainer shard come from the same rank, so the sender can
+            # assemble (and fp8-quantise) whole destination blocks.
+            chosen: Dict[Tuple[str, int], int] = {}
+            for tensor, block, rows, cols, holders, copies, by_rank in overlaps[tp_rank]:
+                key = (tensor.name, holders)
+                if key not in chosen:
+                    chosen[key] = min(copies, key=lambda c: (load[c[0]], c[0]))[0]
+                src_rank = chosen[key]
+                _, src_tensor, src_block = by_rank[src_rank]
+                load[src_rank] += (rows[1] - rows[0]) * (cols[1] - cols[0])
+                plan.transfers.setdefault((src_rank, dst_rank), []).append(Transfer(
+                    src_param=src_tensor.name,
+                    src_rows=_local(rows, src_block.rows[0], src_block.local_row),
+                    src_cols=(cols[0] - src_block.cols[0], cols[1] - src_block.cols[0]),
+                    dst_param=tensor.name,
+                    dst_rows=_local(rows, block.rows[0], block.local_row),
+                    dst_cols=(cols[0] - block.cols[0], cols[1] - block.cols[0]),
+                ))
     return plan
 
 

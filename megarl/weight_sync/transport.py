@@ -12,6 +12,10 @@ sender's parameter (and already in the wire dtype) is sent from the parameter
 itself, and one contiguous in the receiver's parameter is received straight
 into it; only column-split rectangles go through a staging buffer.
 
+Pairs on one device (``ipc_peers``; NCCL refuses two ranks on one GPU) move
+their rounds through a shared staging buffer instead (ipc.py), synchronised by
+"ready"/"done" flags over the group, which must then be a gloo group.
+
 With ``verify`` every message carries a checksum computed by the sender; the
 receiver recomputes it over what landed and raises naming the parameter and
 both ranks on any difference.
@@ -21,13 +25,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
 
 from megarl.errors import MegarlError
 from megarl.weight_sync import fp8 as fp8_format
+from megarl.weight_sync import ipc
 from megarl.weight_sync.planner import SyncPlan
 from megarl.weight_sync.schedule import (
     Message,
@@ -101,10 +106,25 @@ def _message_bytes(m: Message, wire_dtype: torch.dtype) -> int:
 
 class _Endpoint:
     def __init__(self, plan: SyncPlan, rank: int, group, fp8: bool, wire_dtype: torch.dtype,
-                 bucket_bytes: int, verify: bool):
+                 bucket_bytes: int, verify: bool, ipc_peers: Optional[Set[int]]):
         self.plan, self.rank, self.group = plan, rank, group
         self.fp8, self.wire_dtype, self.bucket_bytes, self.verify = fp8, wire_dtype, bucket_bytes, verify
         self.boxes = sender_quantised_boxes(plan) if fp8 else {}
+        # Peers on this same device: their bytes go through shared memory (ipc.py).
+        self.ipc_peers = set(ipc_peers or ())
+        self.staging: Dict[int, torch.Tensor] = {}
+
+    def _rounds_by_peer(self, peers: Dict[int, List[Message]]) -> Dict[int, List[List[Message]]]:
+        return {peer: _rounds(ms, lambda m: _message_bytes(m, self.wire_dtype), self.bucket_bytes)
+                for peer, ms in peers.items()}
+
+    def _flag(self, op, peer: int, value: int = 0) -> torch.Tensor:
+        flag = torch.tensor([value], dtype=torch.int64)
+        if op == "send":
+            dist.send(flag, group=self.group, group_dst=peer)
+        else:
+            dist.recv(flag, group=self.group, group_src=peer)
+        return flag
 
     def _p2p(self, op, tensor: torch.Tensor, peer: int) -> dist.P2POp:
         return dist.P2POp(op, tensor, group=self.group, group_peer=peer)
@@ -120,8 +140,8 @@ class WeightSender(_Endpoint):
 
     def __init__(self, plan: SyncPlan, rank: int, group, params: Dict[str, torch.Tensor], fp8: bool = False,
                  wire_dtype: torch.dtype = torch.bfloat16, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 verify: bool = False):
-        super().__init__(plan, rank, group, fp8, wire_dtype, bucket_bytes, verify)
+                 verify: bool = False, ipc_peers: Optional[Set[int]] = None):
+        super().__init__(plan, rank, group, fp8, wire_dtype, bucket_bytes, verify, ipc_peers)
         self.params = {name: as_2d(t) for name, t in params.items()}
         self.peers = {dst: pair_messages(plan, rank, dst, fp8, self.boxes) for (src, dst) in plan.transfers if src == rank}
         missing = {t.src_param for ms in plan.sends_of(rank).values() for t in ms} - set(self.params)
@@ -144,19 +164,43 @@ class WeightSender(_Endpoint):
         q, scale_inv = fp8_format.quantize(box)
         return [q.view(torch.uint8), scale_inv]
 
+    def _share_staging(self, ipc_peers: List[int], rounds) -> None:
+        for peer in ipc_peers:
+            if peer in self.staging:
+                continue
+            size = max(ipc.layout([p for m in r for p in self._payload_shapes(m)])[1] for r in rounds[peer])
+            self.staging[peer], handle = ipc.create_staging(size, self._device())
+            ipc.send_bytes(handle, peer, self.group)
+
+    def _device(self):
+        return next(iter(self.params.values())).device
+
+    def _payload_shapes(self, m: Message) -> List[torch.Tensor]:
+        """Empty stand-ins with each payload tensor's shape and dtype (for buffer sizing)."""
+        if m.kind == "copy":
+            t = m.transfer
+            return [torch.empty(t.src_rows[1] - t.src_rows[0], t.src_cols[1] - t.src_cols[0], dtype=self.wire_dtype,
+                                device="meta")]
+        h, w = m.box_rows[1] - m.box_rows[0], m.box_cols[1] - m.box_cols[0]
+        return [torch.empty(h, w, dtype=torch.uint8, device="meta"),
+                torch.empty(fp8_format.scale_shape((h, w)), dtype=torch.float32, device="meta")]
+
     def send(self, version: int) -> SyncStats:
         stats = SyncStats(version=version)
         start = time.perf_counter()
         headers = [torch.tensor([version, len(ms)], dtype=torch.int64) for ms in self.peers.values()]
         self._exchange([self._p2p(dist.isend, h, peer) for h, peer in zip(headers, self.peers)])
-        rounds = {peer: _rounds(ms, lambda m: _message_bytes(m, self.wire_dtype), self.bucket_bytes)
-                  for peer, ms in self.peers.items()}
+        rounds = self._rounds_by_peer(self.peers)
         n_rounds = max((len(r) for r in rounds.values()), default=0)
         sums: Dict[int, List[torch.Tensor]] = {peer: [] for peer in self.peers}
+        ipc_peers = sorted(self.ipc_peers & set(self.peers))
+        self._share_staging(ipc_peers, rounds)
 
         def pack(k):
             out = []
             for peer, rs in rounds.items():
+                if peer in self.ipc_peers:
+                    continue
                 for m in rs[k] if k < len(rs) else []:
                     payload = self._payload(m)
                     if self.verify:
@@ -171,6 +215,18 @@ class WeightSender(_Endpoint):
             for req in reqs:
                 req.wait()
             stats.bytes_sent += sum(p.numel() * p.element_size() for _, p in sent)
+            for peer in ipc_peers:  # in a global (sender, receiver) order: no cycles between pairs
+                if k < len(rounds[peer]):
+                    payloads = [self._payload(m) for m in rounds[peer][k]]
+                    if self.verify:
+                        sums[peer] += [message_checksum(p) for p in payloads]
+                    flat = [p for ps in payloads for p in ps]
+                    spans, _ = ipc.layout(flat)
+                    for (offset, _), p in zip(spans, flat):
+                        ipc.region(self.staging[peer], offset, p).copy_(p)
+                    self._flag("send", peer, k)  # ready
+                    self._flag("recv", peer)  # done: the buffer may be reused
+                    stats.bytes_sent += sum(p.numel() * p.element_size() for p in flat)
             stats.messages += sum(len(rs[k]) for rs in rounds.values() if k < len(rs))
         if self.verify:
             self._exchange([self._p2p(dist.isend, torch.stack(s), peer) for peer, s in sums.items()])
@@ -186,8 +242,8 @@ class WeightReceiver(_Endpoint):
 
     def __init__(self, plan: SyncPlan, rank: int, group, params: Dict[str, torch.Tensor], fp8: bool = False,
                  wire_dtype: torch.dtype = torch.bfloat16, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 verify: bool = False):
-        super().__init__(plan, rank, group, fp8, wire_dtype, bucket_bytes, verify)
+                 verify: bool = False, ipc_peers: Optional[Set[int]] = None):
+        super().__init__(plan, rank, group, fp8, wire_dtype, bucket_bytes, verify, ipc_peers)
         self.params = {name: as_2d(t) for name, t in params.items()}
         self.peers = {src: pair_messages(plan, src, rank, fp8, self.boxes) for (src, dst) in plan.transfers if dst == rank}
         self.late_quantised = receiver_quantised_params(plan, rank, self.boxes) if fp8 else set()
@@ -229,14 +285,19 @@ class WeightReceiver(_Endpoint):
         stats.version = versions.pop() if versions else -1
         staging = {name: torch.empty(self.params[name].shape, dtype=self.wire_dtype, device=self.params[name].device)
                    for name in self.late_quantised}
-        rounds = {peer: _rounds(ms, lambda m: _message_bytes(m, self.wire_dtype), self.bucket_bytes)
-                  for peer, ms in self.peers.items()}
+        rounds = self._rounds_by_peer(self.peers)
         n_rounds = max((len(r) for r in rounds.values()), default=0)
         landed: Dict[int, List[Tuple[Message, List[torch.Tensor]]]] = {peer: [] for peer in self.peers}
         pending: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        ipc_peers = sorted(self.ipc_peers & set(self.peers))
+        for peer in ipc_peers:
+            if peer not in self.staging:
+                self.staging[peer] = ipc.open_staging(ipc.recv_bytes(peer, self.group))
         for k in range(n_rounds):
             ops, copies = [], []
             for peer, rs in rounds.items():
+                if peer in self.ipc_peers:
+                    continue
                 for m in rs[k] if k < len(rs) else []:
                     targets = self._targets(m, staging)
                     ops += [self._p2p(dist.irecv, buf, peer) for buf, _ in targets]
@@ -252,6 +313,23 @@ class WeightReceiver(_Endpoint):
                 req.wait()
             pending = copies
             stats.bytes_received += sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
+            for peer in ipc_peers:
+                if k < len(rounds[peer]):
+                    self._flag("recv", peer)  # ready
+                    targets = [(m, self._targets(m, staging)) for m in rounds[peer][k]]
+                    flat = [pair for _, ts in targets for pair in ts]
+                    spans, _ = ipc.layout([buf for buf, _ in flat])
+                    for (offset, _), (buf, view) in zip(spans, flat):
+                        buf.copy_(ipc.region(self.staging[peer], offset, buf))
+                        if view is not None:
+                            view.copy_(buf)
+                    self._flag("send", peer)  # done
+                    for m, ts in targets:
+                        landed[peer].append((m, [view if view is not None else buf for buf, view in ts]))
+                        stats.per_param_received[m.dst_param] = stats.per_param_received.get(m.dst_param, 0) + \
+                            sum(buf.numel() * buf.element_size() for buf, _ in ts)
+                        stats.messages += 1
+                    stats.bytes_received += sum(buf.numel() * buf.element_size() for buf, _ in flat)
         for buf, view in pending:
             view.copy_(buf)
         for name, bf16 in staging.items():

@@ -56,7 +56,8 @@ def main():
         plan = build_plan(spec, trainer, generator)
         version += 1
         stats = GeneratorSync(spec, trainer, generator, replica, tp_rank, params, group, fp8=case.fp8,
-                              wire_dtype=case.dtype, verify=True, plan=plan, bucket_bytes=args.bucket_bytes
+                              wire_dtype=case.dtype, verify=True, plan=plan, bucket_bytes=args.bucket_bytes,
+                              ipc_peers=set(range(args.trainers)) if args.ipc else None,
                               ).pull(expected_version=version)
         full, config = hf_tensors(case.model)
         reference = sglang_shard(full, config, case.dst_tp, tp_rank)

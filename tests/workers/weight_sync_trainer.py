@@ -43,8 +43,10 @@ def main():
         trainer = TrainerTopology(t.tp, t.pp, world // (t.tp * t.pp))
         generator = GeneratorTopology(case.dst_tp, args.generators // case.dst_tp, first_rank=world)
         version += 1
+        ipc_peers = set(range(world, world + args.generators)) if args.ipc else None
         TrainerSync(spec, trainer, generator, chunks, group, rank, fp8=case.fp8, wire_dtype=case.dtype,
-                    verify=True, plan=build_plan(spec, trainer, generator), bucket_bytes=args.bucket_bytes).push(version)
+                    verify=True, plan=build_plan(spec, trainer, generator), bucket_bytes=args.bucket_bytes,
+                    ipc_peers=ipc_peers).push(version)
     dist.barrier(group=group)
     shutdown()
 
@@ -58,6 +60,7 @@ def parse():
     p.add_argument("--dst-tps", nargs="+", type=int, required=True)
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"])
     p.add_argument("--fp8", action="store_true")
+    p.add_argument("--ipc", action="store_true", help="treat every pair as colocated (shared-memory path)")
     p.add_argument("--bucket-bytes", type=int, default=1 << 16)
     p.add_argument("--out", default=None)
     return p.parse_args()

@@ -1,0 +1,88 @@
+"""The weight-sync planner on shapes alone: exact coverage, exact byte counts, balance,
+fp8 boxes, and the 405B plan of LlamaRL's setting (no processes started)."""
+
+import pytest
+import torch
+
+from megarl.models.presets import preset_spec
+from megarl.models.spec import LlamaSpec
+from megarl.weight_sync.layouts import sglang_padded_vocab
+from megarl.weight_sync.planner import GeneratorTopology, TrainerTopology, build_plan
+from megarl.weight_sync.predict import Links, predict_seconds
+from megarl.weight_sync.schedule import pair_messages, receiver_quantised_params, sender_quantised_boxes
+from tests.conftest import TINY_CONFIG
+
+
+def tiny(**overrides):
+    return LlamaSpec.from_hf_config({**TINY_CONFIG, "model_type": "llama", **overrides})
+
+
+@pytest.mark.parametrize("tp, pp, dp, dst_tp, replicas", [(1, 1, 2, 4, 2), (2, 2, 2, 1, 3), (4, 2, 1, 2, 2), (2, 1, 3, 4, 1)])
+@pytest.mark.parametrize("tied", [False, True])
+def test_every_destination_element_is_written_exactly_once(tp, pp, dp, dst_tp, replicas, tied):
+    spec = tiny(tie_word_embeddings=tied)
+    plan = build_plan(spec, TrainerTopology(tp, pp, dp), GeneratorTopology(dst_tp, replicas, first_rank=tp * pp * dp))
+    for dst, layout in plan.dst_layouts.items():
+        counts = {t.name: torch.zeros(t.shape[0], t.shape[1] if len(t.shape) > 1 else 1, dtype=torch.int32) for t in layout}
+        for src, transfers in plan.recvs_of(dst).items():
+            assert src < tp * pp * dp  # only trainer ranks send
+            for t in transfers:
+                counts[t.dst_param][t.dst_rows[0] : t.dst_rows[1], t.dst_cols[0] : t.dst_cols[1]] += 1
+        for t in layout:
+            covered = torch.zeros_like(counts[t.name])
+            for b in t.blocks:
+                covered[b.local_row : b.local_row + b.num_rows] = 1
+            assert torch.equal(counts[t.name], covered), t.name  # once where weights live, never in padding
+        assert plan.elements_received()[dst] == sum(t.covered_numel for t in layout)
+
+
+def expected_sglang_elements(spec: LlamaSpec, tp: int, rank: int) -> int:
+    """Elements SGLang's loaders write on TP rank ``rank`` (computed from the config alone)."""
+    h, f, d = spec.hidden_size, spec.ffn_hidden_size, spec.head_dim
+    kv_per_rank = max(1, spec.num_kv_heads // tp)
+    per_layer = (spec.num_attention_heads // tp + 2 * kv_per_rank) * d * h  # qkv_proj
+    per_layer += h * spec.num_attention_heads * d // tp + 3 * h * f // tp + 2 * h  # o, gate_up, down, norms
+    rows = sglang_padded_vocab(spec.vocab_size, tp) // tp
+    real_rows = max(0, min(spec.vocab_size, (rank + 1) * rows) - rank * rows)
+    vocab = real_rows * h * (1 if spec.tie_embeddings else 2)
+    return spec.num_layers * per_layer + vocab + h
+
+
+def test_llama3_405b_plan_at_1024_gpus():
+    spec = preset_spec("llama3-405b")
+    trainer = TrainerTopology(tp=16, pp=9, dp=4)  # 576 GPUs, TP16 over 8 KV heads
+    generator = GeneratorTopology(tp=8, replicas=56, first_rank=trainer.size)  # 448 GPUs, fp8
+    plan = build_plan(spec, trainer, generator)
+    received = plan.elements_received()
+    for replica in (0, 55):
+        for r in range(8):
+            assert received[generator.rank(replica, r)] == expected_sglang_elements(spec, 8, r)
+    sent = plan.elements_sent()
+    assert len(sent) == trainer.size and max(sent.values()) / min(sent.values()) < 1.2  # every rank sends, evenly
+    seconds = predict_seconds(plan, fp8=True, links=Links())
+    # the busiest generator GPU receives ~51 GB of fp8 over a 50 GB/s NIC
+    assert seconds == pytest.approx(max(received.values()) * (1 + 4 / 128**2) / 50e9, rel=0.05)
+
+
+def test_fp8_senders_quantise_every_block_of_llama_shapes():
+    spec = preset_spec("llama3-405b")
+    plan = build_plan(spec, TrainerTopology(16, 9, 1), GeneratorTopology(8, 1, first_rank=144))
+    boxes = sender_quantised_boxes(plan)
+    for r in range(8):
+        assert not receiver_quantised_params(plan, 144 + r, boxes)  # head_dim 128: no block has two senders
+
+
+def test_fp8_boxes_fall_back_to_the_receiver_for_unaligned_toy_shapes():
+    spec = tiny()
+    plan = build_plan(spec, TrainerTopology(2, 1, 1), GeneratorTopology(1, 1, first_rank=2))
+    boxes = sender_quantised_boxes(plan)
+    late = receiver_quantised_params(plan, 2, boxes)
+    assert "model.layers.0.self_attn.qkv_proj.weight" in late  # k heads of 16 rows from two senders in one block
+    kinds = {m.kind for src in (0, 1) for m in pair_messages(plan, src, 2, True, boxes)}
+    assert kinds == {"copy"}
+
+
+def test_tp_beyond_kv_heads_on_both_sides():
+    spec = preset_spec("llama3-8b")
+    plan = build_plan(spec, TrainerTopology(16, 2, 1), GeneratorTopology(16, 1, first_rank=32))
+    assert plan.elements_received()[32] == expected_sglang_elements(spec, 16, 0)
