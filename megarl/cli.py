@@ -27,6 +27,21 @@ def build_parser() -> argparse.ArgumentParser:
     train_step.add_argument("--steps", type=int, default=3, help="timed steps per side (after one warm-up)")
     train_step.add_argument("--max-tokens", type=int, default=256, help="Megatron micro-batch row length")
 
+    ws = bench_sub.add_parser("weight-sync", help="shard-to-shard weight sync vs gather+broadcast (or --plan-only)")
+    ws.add_argument("--model", default="llama-mini", help="preset (llama3-8b/70b/405b, llama-mini, tiny), smollm2, or a path")
+    ws.add_argument("--src-tp", type=int, default=4)
+    ws.add_argument("--src-pp", type=int, default=1)
+    ws.add_argument("--src-dp", type=int, default=1)
+    ws.add_argument("--dst-tp", type=int, default=2)
+    ws.add_argument("--dst-replicas", type=int, default=2)
+    ws.add_argument("--fp8", action="store_true", help="generators serve block fp8 (senders quantise)")
+    ws.add_argument("--verify", action="store_true", help="checksum every destination shard")
+    ws.add_argument("--iters", type=int, default=3)
+    ws.add_argument("--plan-only", action="store_true", help="plan from shapes and predict the time; start nothing")
+    ws.add_argument("--gpus-per-node", type=int, default=8)
+    ws.add_argument("--nvlink-gb-s", type=float, default=450.0, help="per GPU, within a node")
+    ws.add_argument("--network-gb-s", type=float, default=50.0, help="per GPU, across nodes")
+
     convert = sub.add_parser("convert", help="checkpoint conversion (same as tools/convert_*.py)")
     convert_sub = convert.add_subparsers(dest="direction", required=True)
     add_hf_to_megatron_args(convert_sub.add_parser("hf-to-megatron", help="Hugging Face / GGUF -> Megatron"))
@@ -39,11 +54,20 @@ def dispatch(args: argparse.Namespace) -> None:
         from megarl.demo import run_demo
 
         run_demo(args.workdir, args.tp, args.max_new_tokens)
-    elif args.command == "bench":
+    elif args.command == "bench" and args.benchmark == "train-step":
         from megarl.bench import train_step
 
         train_step.run(train_step.BenchSettings(
             workdir=args.workdir, samples=args.samples, steps=args.steps, max_tokens=args.max_tokens
+        ))
+    elif args.command == "bench" and args.benchmark == "weight-sync":
+        from megarl.bench.weight_sync import WeightSyncBench, run
+
+        run(WeightSyncBench(
+            model=args.model, src_tp=args.src_tp, src_pp=args.src_pp, src_dp=args.src_dp, dst_tp=args.dst_tp,
+            dst_replicas=args.dst_replicas, fp8=args.fp8, verify=args.verify, iters=args.iters,
+            plan_only=args.plan_only, gpus_per_node=args.gpus_per_node, nvlink_gb_s=args.nvlink_gb_s,
+            network_gb_s=args.network_gb_s,
         ))
     elif args.command == "convert":
         from megarl.convert import cli, hf_to_megatron, megatron_to_hf
