@@ -61,3 +61,19 @@ def sglang_shard(full: dict, config: dict, tp: int, rank: int) -> dict:
             p + "post_attention_layernorm.weight": full[p + "post_attention_layernorm.weight"],
         })
     return out
+
+
+def block_fp8(weight: torch.Tensor, block: int = 128):
+    """Block-fp8 of a 2-D weight, block by block: scale_inv = max(amax, 1e-4) / 448, q = w / scale_inv."""
+    rows, cols = weight.shape
+    rb, cb = -(-rows // block), -(-cols // block)
+    q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    scale_inv = torch.empty(rb, cb, dtype=torch.float32)
+    w = weight.float()
+    for i in range(rb):
+        for j in range(cb):
+            tile = w[i * block : (i + 1) * block, j * block : (j + 1) * block]
+            s = max(tile.abs().max().item(), 1e-4) / 448.0
+            scale_inv[i, j] = s
+            q[i * block : (i + 1) * block, j * block : (j + 1) * block] = (tile / scale_inv[i, j]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return q, scale_inv

@@ -24,7 +24,7 @@ from megarl.weight_sync import fp8 as fp8_format  # noqa: E402
 from megarl.weight_sync.endpoints import GeneratorSync, allocate_generator_params  # noqa: E402
 from megarl.weight_sync.planner import GeneratorTopology, TrainerTopology, build_plan  # noqa: E402
 from megarl.weight_sync.rendezvous import init_sync_group  # noqa: E402
-from tests.sglang_reference import sglang_shard  # noqa: E402
+from tests.sglang_reference import block_fp8, sglang_shard  # noqa: E402
 
 
 def hf_tensors(model_dir):
@@ -75,7 +75,7 @@ def main():
         for name, ref in reference.items():
             got = params[name]
             if case.fp8 and fp8_format.is_fp8_param(name):
-                want_q, want_scale = fp8_format.quantize(ref.to(case.dtype))
+                want_q, want_scale = block_fp8(ref.to(case.dtype))
                 scale = params[fp8_format.scale_name(name)]
                 if not torch.equal(scale, want_scale):
                     record["scale_mismatches"].append(name)
