@@ -5,7 +5,6 @@ however the batch is split into micro-batches."""
 import json
 
 import pytest
-import torch
 
 from megarl.checkpointing.dist_checkpoint_reader import DistCheckpointReader
 from megarl.checkpointing.megatron_checkpoint import read_spec

@@ -5,7 +5,6 @@ and a run reloaded from a training checkpoint continues exactly like an unbroken
 import json
 
 import pytest
-import torch
 
 from megarl.checkpointing.dist_checkpoint_reader import DistCheckpointReader
 from tests.conftest import run_ranks

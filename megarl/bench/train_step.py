@@ -91,23 +91,16 @@ def _timed(step, steps: int) -> float:
 
 
 def run(s: BenchSettings) -> dict:
-    from transformers import AutoModelForCausalLM
-
     from megarl.checkpointing.megatron_checkpoint import TRACKER_FILE
     from megarl.convert.hf_to_megatron import HfToMegatron, convert
-    from megarl.models.hf_checkpoint import smollm2_gguf_path
+    from megarl.models.hf_checkpoint import gguf_spec, smollm2_gguf_path
     from megarl.trainer.advantages import compute_advantages
 
     gguf = smollm2_gguf_path()
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    vocab = model.config.vocab_size
+    vocab = gguf_spec(gguf.parent, gguf.name).vocab_size
     batch = synthetic_samples(s, vocab)
-    advantages = compute_advantages(batch)
     real_tokens = sum(len(x.prompt_tokens) + len(x.response_tokens) for x in batch)
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.0)
-    hf_s = _timed(lambda: _transformers_step(model, optimizer, batch, advantages, s), s.steps)
-    del model, optimizer
+    hf_s = _transformers_step_time(gguf, batch, compute_advantages(batch), s)
 
     ckpt = Path(s.workdir) / "smollm2_tp1"
     if not (ckpt / TRACKER_FILE).exists():
@@ -133,6 +126,15 @@ def run(s: BenchSettings) -> dict:
     )
     print(json.dumps(result), flush=True)
     return result
+
+
+def _transformers_step_time(gguf: Path, batch, advantages, s: BenchSettings) -> float:
+    """Median seconds of a plain transformers step (the model is freed on return)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.0)
+    return _timed(lambda: _transformers_step(model, optimizer, batch, advantages, s), s.steps)
 
 
 def _padding_efficiency(batch, per_micro_batch: int) -> float:

@@ -12,7 +12,6 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from lm_batch import parse_layout  # noqa: E402
 
