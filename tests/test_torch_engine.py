@@ -148,3 +148,19 @@ def test_block_fp8_logits_stay_close_to_bf16(smol):
     # <= 0.1 nats per position and the greedy token unchanged at >= 85% of positions.
     assert kl.mean() <= 0.1
     assert agree >= 0.85
+
+
+@pytest.mark.slow
+def test_tensor_parallel_engine_tp3_matches_transformers(smol, smollm2_hf, tmp_path):
+    import json
+
+    from tests.conftest import run_ranks
+
+    _, prompts, stops = smol
+    (tmp_path / "prompts.json").write_text(json.dumps({"prompts": prompts, "stops": list(stops)}))
+    run_ranks(3, "engine_worker.py", "--hf", smollm2_hf, "--prompts", tmp_path / "prompts.json",
+              "--out", tmp_path / "out.json")
+    got = json.loads((tmp_path / "out.json").read_text())
+    for i, (tokens, logp) in enumerate(transformers_greedy(smollm2_hf, prompts, MAX_NEW, stops)):
+        assert got[str(i)]["tokens"] == tokens, i
+        assert (torch.tensor(got[str(i)]["logprobs"]) - logp).abs().max().item() <= 1e-4
