@@ -27,6 +27,12 @@ def build_parser() -> argparse.ArgumentParser:
     train_step.add_argument("--steps", type=int, default=3, help="timed steps per side (after one warm-up)")
     train_step.add_argument("--max-tokens", type=int, default=256, help="Megatron micro-batch row length")
 
+    gen = bench_sub.add_parser("generate", help="generation tokens/s: megarl's engine vs transformers' generate")
+    gen.add_argument("--backend", default="torch", choices=["torch", "sglang"])
+    gen.add_argument("--batch", type=int, default=64)
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+
     ws = bench_sub.add_parser("weight-sync", help="shard-to-shard weight sync vs gather+broadcast (or --plan-only)")
     ws.add_argument("--model", default="llama-mini", help="preset (llama3-8b/70b/405b, llama-mini, tiny), smollm2, or a path")
     ws.add_argument("--src-tp", type=int, default=4)
@@ -60,6 +66,10 @@ def dispatch(args: argparse.Namespace) -> None:
         train_step.run(train_step.BenchSettings(
             workdir=args.workdir, samples=args.samples, steps=args.steps, max_tokens=args.max_tokens
         ))
+    elif args.command == "bench" and args.benchmark == "generate":
+        from megarl.bench import generate
+
+        generate.run(generate.GenerateBench(args.backend, args.batch, args.max_new_tokens, args.dtype))
     elif args.command == "bench" and args.benchmark == "weight-sync":
         from megarl.bench.weight_sync import WeightSyncBench, run
 

@@ -113,12 +113,14 @@ class TorchEngine(GeneratorBackend):
             seq.slot = self.free_slots.pop()
             self.running[seq.slot] = seq
             admitted.append(seq)
-        decoding = [s for s in self.running.values() if s not in admitted]
+        # in slot order, so consecutive slots let the decode read the cache as a view
+        decoding = sorted((s for s in self.running.values() if s not in admitted), key=lambda s: s.slot)
         finished: List[Completion] = []
-        if admitted:  # batched prefill of the whole prompt, sampling the first token
-            finished += self._advance(admitted, [(s, 0, len(s.tokens)) for s in admitted])
-        if decoding:
-            finished += self._advance(decoding, [(s, s.cached, 1) for s in decoding])
+        # One forward per step: the admitted prompts are prefilled (and their first token
+        # sampled) in the same pass that decodes one token for every other sequence.
+        work = [(s, 0, len(s.tokens)) for s in admitted] + [(s, s.cached, 1) for s in decoding]
+        if work:
+            finished += self._advance([w[0] for w in work], work)
         self.busy_seconds += time.perf_counter() - start
         return finished
 

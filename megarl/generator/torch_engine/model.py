@@ -142,7 +142,11 @@ class SglangLayoutLlama:
         d = self.spec.head_dim
         x = self._embed(tokens).to(self.dtype)
         cos, sin = self._rope(positions)
-        decode = all(s.length == 1 for s in segments)
+        # One pass over the weights per step: sequences decoding one token attend in one batched
+        # call, sequences being prefilled one by one; the linear layers see all rows at once.
+        decode = [s for s in segments if s.length == 1]
+        ragged = [s for s in segments if s.length != 1]
+        decode_rows = torch.tensor([s.offset for s in decode], dtype=torch.long, device=tokens.device)
         for i in range(self.spec.num_layers):
             p = f"model.layers.{i}."
             h = self._norm(x, p + "input_layernorm.weight")
@@ -153,8 +157,11 @@ class SglangLayoutLlama:
             q = q * cos[:, None] + _rotate_half(q) * sin[:, None]
             k = k * cos[:, None] + _rotate_half(k) * sin[:, None]
             v = v.view(-1, self.kv_heads, d)
-            attn = self._attend_decode(q, k, v, segments, cache, i) if decode else \
-                self._attend_ragged(q, k, v, segments, cache, i)
+            attn = torch.empty_like(q)
+            if ragged:
+                self._attend_ragged(q, k, v, ragged, cache, i, attn)
+            if decode:
+                attn[decode_rows] = self._attend_decode(q[decode_rows], k[decode_rows], v[decode_rows], decode, cache, i)
             x = x + self._all_reduce(self._linear(attn.reshape(-1, self.heads * d), p + "self_attn.o_proj.weight"))
             h = self._norm(x, p + "post_attention_layernorm.weight")
             gate, up = self._linear(h, p + "mlp.gate_up_proj.weight").chunk(2, dim=-1)
@@ -164,9 +171,8 @@ class SglangLayoutLlama:
             x = x[logit_rows]
         return self._logits(x)
 
-    def _attend_ragged(self, q, k, v, segments: List[Segment], cache: KVCache, layer: int) -> torch.Tensor:
-        """Prefill (or mixed) batch: each sequence attends causally to its cache prefix and new tokens."""
-        out = torch.empty_like(q)
+    def _attend_ragged(self, q, k, v, segments: List[Segment], cache: KVCache, layer: int, out: torch.Tensor) -> None:
+        """Sequences with several new tokens: each attends causally to its cache prefix and new tokens."""
         scale = 1.0 / math.sqrt(self.spec.head_dim)
         for s in segments:
             rows = slice(s.offset, s.offset + s.length)
@@ -181,17 +187,22 @@ class SglangLayoutLlama:
             o = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale,
                                                enable_gqa=self.heads != self.kv_heads)
             out[rows] = o[0].transpose(0, 1)
-        return out
 
     def _attend_decode(self, q, k, v, segments: List[Segment], cache: KVCache, layer: int) -> torch.Tensor:
-        """One new token per sequence: one batched attention over the slots' cached prefixes."""
-        slots = torch.tensor([s.slot for s in segments], device=q.device)
+        """One new token per sequence (rows of q, k, v in segment order): one batched attention
+        over the slots' cached prefixes."""
+        slot_list = [s.slot for s in segments]
+        slots = torch.tensor(slot_list, device=q.device)
         starts = torch.tensor([s.start for s in segments], device=q.device)
         cache.k[layer][slots, :, starts] = k
         cache.v[layer][slots, :, starts] = v
         longest = int(starts.max()) + 1
-        keys = cache.k[layer][slots, :, :longest]
-        values = cache.v[layer][slots, :, :longest]
+        if slot_list == list(range(slot_list[0], slot_list[0] + len(slot_list))):
+            rows = slice(slot_list[0], slot_list[0] + len(slot_list))  # a view: no copy of the cache
+        else:
+            rows = slots
+        keys = cache.k[layer][rows, :, :longest]
+        values = cache.v[layer][rows, :, :longest]
         mask = (torch.arange(longest, device=q.device)[None, :] <= starts[:, None])[:, None, None, :]
         o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask,
                                            scale=1.0 / math.sqrt(self.spec.head_dim),

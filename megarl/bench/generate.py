@@ -1,0 +1,117 @@
+"""`megarl bench generate`: generation throughput of a backend vs transformers' generate.
+
+One run on this machine, greedy, the same prompts on both sides, two settings:
+
+- ``equal_work``: --batch prompts, exactly --max-new-tokens each (end of
+  sequence ignored), so both sides do the same arithmetic;
+- ``rollouts``: 4 x --batch prompts, each stopping at its end-of-sequence
+  token, as RL rollouts do: transformers runs them --batch at a time, each
+  batch until its longest answer ends; the engine keeps --batch sequences in
+  flight and admits the next prompt as soon as one finishes. Tokens/s counts
+  the tokens actually generated.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+import torch
+
+from megarl.generator.interface import GenerationRequest, SamplingParams
+
+QUESTIONS = [
+    "What is {a} + {b}?", "Compute {a} times {b}.", "A shop has {a} apples and sells {b}. How many are left?",
+    "Is {a} larger than {b}? Explain briefly.", "Write a short poem about the number {a}.",
+    "Give {b} reasons to learn arithmetic.", "What is {a} minus {b}? Show your work.",
+    "Tom has {a} marbles and gets {b} more. How many does he have?",
+]
+
+
+def bench_prompts(tokenizer, n: int):
+    from megarl.generator.tokenizer import encode_prompt
+
+    prompts = []
+    for i in range(n):
+        text = QUESTIONS[i % len(QUESTIONS)].format(a=17 * i + 3, b=(i * 7) % 50 + 2)
+        prompts.append(encode_prompt(tokenizer, text))
+    return prompts
+
+
+@dataclass(frozen=True)
+class GenerateBench:
+    backend: str = "torch"
+    batch: int = 64
+    max_new_tokens: int = 128
+    dtype: str = "fp32"
+
+
+def _transformers_run(model, prompts, max_new: int, batch: int, stops) -> tuple:
+    """(seconds, tokens generated up to each sequence's end) for generate() in batches."""
+    seconds, tokens = 0.0, 0
+    for first in range(0, len(prompts), batch):
+        chunk = prompts[first : first + batch]
+        width = max(len(p) for p in chunk)
+        ids = torch.zeros(len(chunk), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(chunk):  # left padding, as generate expects
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False, pad_token_id=0,
+                                 eos_token_id=list(stops) or None, min_new_tokens=0 if stops else max_new)
+        seconds += time.perf_counter() - start
+        for row in out[:, width:].tolist():
+            ends = [i for i, t in enumerate(row) if t in stops]
+            tokens += ends[0] + 1 if ends else len(row)
+    return seconds, tokens
+
+
+def _engine_run(engine, prompts, max_new: int, stops) -> tuple:
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_new, stop_token_ids=tuple(stops))
+    engine.submit([GenerationRequest(str(i), p, params) for i, p in enumerate(prompts)])
+    start = time.perf_counter()
+    done = engine.run_until_idle()
+    return time.perf_counter() - start, sum(len(c.output_ids) for c in done)
+
+
+def run(b: GenerateBench) -> dict:
+    from megarl.errors import ConfigError
+    from megarl.generator.tokenizer import load_tokenizer
+    from megarl.models.hf_checkpoint import SafetensorsCheckpoint, materialize_gguf, smollm2_gguf_path
+
+    if b.backend != "torch":
+        raise ConfigError(f"--backend {b.backend!r}: only 'torch' runs without a GPU (sglang: see scripts/)")
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    from megarl.generator.tokenizer import stop_ids
+    from megarl.generator.torch_engine.engine import TorchEngine
+    from megarl.generator.weights import load_generator_params
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[b.dtype]
+    result = {"model": "SmolLM2-135M-Instruct", "backend": b.backend, "batch": b.batch, "dtype": b.dtype,
+              "max_new_tokens": b.max_new_tokens, "threads": torch.get_num_threads()}
+    with tempfile.TemporaryDirectory() as tmp:
+        gguf = smollm2_gguf_path()
+        model_dir = materialize_gguf(gguf.parent, gguf.name, f"{tmp}/hf")
+        tokenizer = load_tokenizer(model_dir)
+        prompts = bench_prompts(tokenizer, 4 * b.batch)
+        stops = stop_ids(tokenizer)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        hf = SafetensorsCheckpoint(model_dir)
+        engine = TorchEngine(hf.spec, load_generator_params(hf, 1, 0, dtype), max_running=b.batch,
+                             max_seq_len=max(len(p) for p in prompts) + b.max_new_tokens + 1)
+        for name, chunk, stop in (("equal_work", prompts[: b.batch], ()), ("rollouts", prompts, stops)):
+            hf_s, hf_tokens = _transformers_run(model, chunk, b.max_new_tokens, b.batch, stop)
+            engine_s, engine_tokens = _engine_run(engine, chunk, b.max_new_tokens, stop)
+            result[name] = {
+                "prompts": len(chunk), "transformers_tokens": hf_tokens, "engine_tokens": engine_tokens,
+                "transformers_tokens_per_s": hf_tokens / hf_s, "engine_tokens_per_s": engine_tokens / engine_s,
+                "engine_over_transformers": (engine_tokens / engine_s) / (hf_tokens / hf_s),
+            }
+    print(json.dumps(result), flush=True)
+    return result
