@@ -22,8 +22,9 @@ def full_logits(chunks: List[torch.nn.Module], tokens: torch.Tensor, vocab_size:
     Every rank must pass the same ``tokens`` (one micro-batch).
     """
     from megatron.core import parallel_state as mpu
-    from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from megarl.trainer.setup import run_schedule
 
     positions = position_ids_for(tokens)
 
@@ -38,16 +39,8 @@ def full_logits(chunks: List[torch.nn.Module], tokens: torch.Tensor, vocab_size:
     for chunk in chunks:
         chunk.eval()
     with torch.no_grad():
-        collected = get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=[iter([None]) for _ in chunks] if len(chunks) > 1 else iter([None]),
-            model=chunks if len(chunks) > 1 else chunks[0],
-            num_microbatches=1,
-            seq_length=tokens.shape[1],
-            micro_batch_size=tokens.shape[0],
-            forward_only=True,
-            collect_non_loss_data=True,
-        )
+        collected = run_schedule(chunks, forward_step, [None], tokens.shape[1], tokens.shape[0],
+                                 forward_only=True, collect_non_loss_data=True)
     if not mpu.is_pipeline_last_stage(ignore_virtual=True):
         return None
     return collected[0]

@@ -25,9 +25,6 @@ class ParallelLayout:
     pp: int = 1
     vp: Optional[int] = None
 
-    def __str__(self) -> str:
-        return f"TP{self.tp}xPP{self.pp}" + (f"xVP{self.vp}" if self.vp else "")
-
 
 def free_port() -> int:
     with socket.socket() as s:

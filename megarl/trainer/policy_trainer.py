@@ -24,6 +24,7 @@ from megarl.trainer.advantages import compute_advantages
 from megarl.trainer.hooks import STAT_FIELDS, LossConfig, make_forward_step, make_logprob_collector
 from megarl.trainer.losses import check_loss_params, resolve_loss
 from megarl.trainer.packing import PackingPlan, plan_micro_batches
+from megarl.trainer.setup import run_schedule, zero_grads
 
 logger = logging.getLogger(__name__)
 RATIO_MAX = STAT_FIELDS.index("ratio_max")
@@ -68,22 +69,6 @@ class PolicyTrainer:
             self.max_tokens, fixed_row_length=pp > 1, thd=self.thd, count_multiple=pp if vp else 1,
         )
 
-    def _run_schedule(self, forward_step, chunks, plan: PackingPlan, forward_only: bool, **kwargs):
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        iterators = [iter(plan.micro_batches) for _ in chunks]
-        single = len(chunks) == 1
-        return get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iterators[0] if single else iterators,
-            model=chunks[0] if single else chunks,
-            num_microbatches=len(plan.micro_batches),
-            seq_length=plan.seq_length,
-            micro_batch_size=1,
-            forward_only=forward_only,
-            **kwargs,
-        )
-
     # -- the step ----------------------------------------------------------------------------
 
     def forward_backward(self, samples: Sequence[Sample]):
@@ -92,14 +77,11 @@ class PolicyTrainer:
         if self.ref_chunks is not None:
             collector = make_logprob_collector(self.vocab_size, self.loss.temperature)
             with torch.no_grad():
-                self._run_schedule(collector, self.ref_chunks, plan, forward_only=True, collect_non_loss_data=True)
-        for chunk in self.ddp_chunks:
-            chunk.train()
-            chunk.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        outputs = self._run_schedule(
-            make_forward_step(self.loss_fn, self.loss, self.vocab_size), self.ddp_chunks, plan, forward_only=False
-        )
+                run_schedule(self.ref_chunks, collector, plan.micro_batches, plan.seq_length, 1,
+                             forward_only=True, collect_non_loss_data=True)
+        zero_grads(self.ddp_chunks, self.optimizer)
+        outputs = run_schedule(self.ddp_chunks, make_forward_step(self.loss_fn, self.loss, self.vocab_size),
+                               plan.micro_batches, plan.seq_length, 1, forward_only=False)
         return plan, [o["stats"] for o in outputs]
 
     def step(self, samples: Sequence[Sample]) -> dict:
@@ -113,9 +95,7 @@ class PolicyTrainer:
                 reason = "optimizer reported a non-finite gradient"
         if reason is not None:
             grad_norm = float("nan")
-            for chunk in self.ddp_chunks:
-                chunk.zero_grad_buffer()
-            self.optimizer.zero_grad()
+            zero_grads(self.ddp_chunks, self.optimizer)
             logger.warning("optimizer step skipped, weights unchanged: %s", reason)
         elapsed = time.perf_counter() - start
         real_tokens = sum(len(s) for s in samples)

@@ -84,25 +84,37 @@ def configure_schedule(ddp_chunks: list, optimizer) -> None:
         config.finalize_model_grads_func = finalize_model_grads
 
 
-def train_step(ddp_chunks: list, optimizer, forward_step_func, data_iterators, num_microbatches: int,
-               seq_length: int, micro_batch_size: int) -> dict:
-    """One optimizer step through Megatron's schedule. Returns losses, grad norm, success."""
+def run_schedule(chunks: list, forward_step_func, micro_batches: list, seq_length: int, micro_batch_size: int,
+                 forward_only: bool, **kwargs):
+    """Megatron's forward_backward_func over ``micro_batches`` (each model chunk reads its own iterator)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    iterators = [iter(micro_batches) for _ in chunks]
+    single = len(chunks) == 1
+    return get_forward_backward_func()(
+        forward_step_func=forward_step_func,
+        data_iterator=iterators[0] if single else iterators,
+        model=chunks[0] if single else chunks,
+        num_microbatches=len(micro_batches),
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        forward_only=forward_only,
+        **kwargs,
+    )
+
+
+def zero_grads(ddp_chunks: list, optimizer) -> None:
     for chunk in ddp_chunks:
         chunk.train()
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    single = len(ddp_chunks) == 1
-    losses = get_forward_backward_func()(
-        forward_step_func=forward_step_func,
-        data_iterator=data_iterators[0] if single else data_iterators,
-        model=ddp_chunks[0] if single else ddp_chunks,
-        num_microbatches=num_microbatches,
-        seq_length=seq_length,
-        micro_batch_size=micro_batch_size,
-        forward_only=False,
-    )
+
+
+def train_step(ddp_chunks: list, optimizer, forward_step_func, micro_batches: list, seq_length: int,
+               micro_batch_size: int) -> dict:
+    """One optimizer step through Megatron's schedule. Returns losses, grad norm, success."""
+    zero_grads(ddp_chunks, optimizer)
+    losses = run_schedule(ddp_chunks, forward_step_func, micro_batches, seq_length, micro_batch_size, forward_only=False)
     success, grad_norm, _ = optimizer.step()
     return {"losses": losses, "grad_norm": grad_norm, "success": success}
 

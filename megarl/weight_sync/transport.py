@@ -24,7 +24,7 @@ both ranks on any difference.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import torch
@@ -56,7 +56,6 @@ class SyncStats:
     messages: int = 0
     rounds: int = 0
     seconds: float = 0.0
-    per_param_received: Dict[str, int] = field(default_factory=dict)
 
 
 def as_2d(t: torch.Tensor) -> torch.Tensor:
@@ -303,8 +302,6 @@ class WeightReceiver(_Endpoint):
                     ops += [self._p2p(dist.irecv, buf, peer) for buf, _ in targets]
                     copies += [(buf, view) for buf, view in targets if view is not None]
                     landed[peer].append((m, [view if view is not None else buf for buf, view in targets]))
-                    stats.per_param_received[m.dst_param] = stats.per_param_received.get(m.dst_param, 0) + \
-                        sum(buf.numel() * buf.element_size() for buf, _ in targets)
                     stats.messages += 1
             reqs = dist.batch_isend_irecv(ops) if ops else []
             for buf, view in pending:  # unpack the previous round while this one is on the wire
@@ -326,8 +323,6 @@ class WeightReceiver(_Endpoint):
                     self._flag("send", peer)  # done
                     for m, ts in targets:
                         landed[peer].append((m, [view if view is not None else buf for buf, view in ts]))
-                        stats.per_param_received[m.dst_param] = stats.per_param_received.get(m.dst_param, 0) + \
-                            sum(buf.numel() * buf.element_size() for buf, _ in ts)
                         stats.messages += 1
                     stats.bytes_received += sum(buf.numel() * buf.element_size() for buf, _ in flat)
         for buf, view in pending:
