@@ -21,6 +21,7 @@ setup(
         "pyyaml",
         "tqdm",
         "tensorboard",
+        "math-verify>=0.7",  # the math reward's answer checking
     ],
     extras_require={
         # GPU clusters. Apex is NOT listed: it is built from source

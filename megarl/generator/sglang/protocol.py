@@ -1,0 +1,183 @@
+"""What megarl sends to an SGLang 0.5.x server and how it reads the answers.
+
+Pure functions over JSON-able dicts, so they are tested on CPU against
+SGLang's own request types (tests/test_sglang_protocol.py reads the field
+names from SGLang's io_struct.py / sampling_params.py and runs SGLang's own
+weight-version-span code).
+
+The weight-update protocol (SGLang 0.5.x, http_server.py), in order, per server:
+
+1. ``POST /pause_generation {"mode": "in_place"}`` -- and wait for its answer:
+   the scheduler stops between decode steps, running requests keep their KV
+   cache. Nothing else may be sent before it answers.
+2. ``POST /begin_weight_update {}`` -- restores in-place-packed (e.g. fp8
+   post-processed) weights so new ones can be written.
+3. the transfer: megarl's shard-to-shard receiver inside every TP worker
+   (``update_weights_from_tensor`` with megarl's custom ``load_format``), or
+   stock ``update_weights_from_distributed`` with ``flattened_bucket`` buckets
+   and ``flush_cache: false`` (a broadcast from one trainer rank: bf16 only,
+   see ``distributed_update``).
+4. ``POST /end_weight_update {}`` -- re-runs the quantisation post-processing.
+5. ``POST /update_weight_version {"new_version": V, "abort_all_requests": false}``
+   -- its default ``abort_all_requests: true`` would abort every paused request.
+6. ``POST /continue_generation {}``.
+
+Tokens generated after step 6 report version V; a finished request's
+``meta_info.weight_versions`` lists ``{"version", "start", "end"}`` spans over
+its output tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Sequence
+
+from megarl.errors import MegarlError
+from megarl.generator.interface import Completion, GenerationRequest, SamplingParams
+
+PAUSE_IN_PLACE = {"mode": "in_place"}
+
+
+class SglangResponseError(MegarlError):
+    """An SGLang server answered something megarl cannot use; names the server and request."""
+
+
+def sampling_params(p: SamplingParams, sample_index: int) -> Dict:
+    """SGLang's sampling_params for sample ``sample_index`` of a request.
+
+    n samples of one prompt are sent as n requests (each its own rid and
+    seed), so a sample does not depend on how the server batches them.
+    """
+    out = {
+        "temperature": p.temperature,
+        "top_p": p.top_p,
+        "top_k": p.top_k if p.top_k > 0 else -1,  # SGLang: -1 = all tokens
+        "max_new_tokens": p.max_new_tokens,
+        "stop_token_ids": list(p.stop_token_ids),
+        # token ids in, token ids out: no detokenisation-dependent stopping or trimming
+        "skip_special_tokens": False,
+        "no_stop_trim": True,
+    }
+    if p.seed is not None:
+        out["sampling_seed"] = p.seed + sample_index
+    return out
+
+
+def sample_rid(request: GenerationRequest, sample_index: int) -> str:
+    return f"{request.request_id}#{sample_index}"
+
+
+def generate_payload(request: GenerationRequest, sample_index: int) -> Dict:
+    """Body of ``POST /generate`` for one sample.
+
+    ``return_logprob`` with ``logprob_start_len: -1`` returns the log-prob of
+    every output token only. SGLang's sampled-token log-prob is
+    log_softmax(logits / temperature) -- the behaviour log-prob AIPO needs as
+    long as top_p = 1 and top_k = 0 (megarl's RL defaults); with truncation
+    SGLang does not renormalise, megarl's torch engine does.
+    """
+    return {
+        "rid": sample_rid(request, sample_index),
+        "input_ids": list(request.prompt_ids),
+        "sampling_params": sampling_params(request.params, sample_index),
+        "return_logprob": True,
+        "logprob_start_len": -1,
+        "stream": False,
+    }
+
+
+def parse_version(version) -> int:
+    """megarl's policy versions travel as SGLang weight_version strings ("7")."""
+    try:
+        return int(version)
+    except (TypeError, ValueError):
+        raise SglangResponseError(
+            f"weight_version {version!r} is not a megarl policy version (an integer); was the server started "
+            f"with --weight-version <int> and updated only by megarl?"
+        ) from None
+
+
+def token_versions(meta_info: Dict, n_tokens: int, server_version: int) -> List[int]:
+    """Per-token versions from ``meta_info.weight_versions`` spans (absent: one version)."""
+    spans = meta_info.get("weight_versions")
+    if not spans:
+        return [parse_version(meta_info.get("weight_version", server_version))] * n_tokens
+    versions: List[int] = []
+    for span in spans:
+        if span["start"] != len(versions):
+            raise SglangResponseError(f"weight_versions spans are not contiguous: {spans}")
+        versions += [parse_version(span["version"])] * (span["end"] - span["start"])
+    if len(versions) != n_tokens:
+        raise SglangResponseError(f"weight_versions spans cover {len(versions)} of {n_tokens} output tokens: {spans}")
+    return versions
+
+
+def parse_generate_output(out: Dict, request: GenerationRequest, sample_index: int, server: str = "?",
+                          server_version: int = 0) -> Completion:
+    """One ``/generate`` answer -> a Completion (tokens, behaviour log-probs, versions)."""
+    rid = sample_rid(request, sample_index)
+    meta = out.get("meta_info")
+    if meta is None or "output_ids" not in out:
+        raise SglangResponseError(f"server {server}, request {rid}: answer has no output_ids/meta_info: "
+                                  f"{str(out)[:300]}")
+    output_ids = [int(t) for t in out["output_ids"]]
+    entries = meta.get("output_token_logprobs")
+    if entries is None or len(entries) != len(output_ids):
+        raise SglangResponseError(
+            f"server {server}, request {rid}: output_token_logprobs has "
+            f"{None if entries is None else len(entries)} entries for {len(output_ids)} tokens "
+            f"(was return_logprob sent?)"
+        )
+    logprobs = []
+    for i, (entry, token) in enumerate(zip(entries, output_ids)):
+        logprob, entry_token = entry[0], entry[1]  # [logprob, token_id, token_text or None]
+        if int(entry_token) != token:
+            raise SglangResponseError(f"server {server}, request {rid}: log-prob {i} is for token {entry_token}, "
+                                      f"output token is {token}")
+        logprobs.append(float(logprob))
+    finish = meta.get("finish_reason") or {}
+    kind = finish.get("type") if isinstance(finish, dict) else str(finish)
+    if kind == "abort":
+        raise SglangResponseError(f"server {server}, request {rid} was aborted: {finish.get('message', '')}")
+    reason = "length" if kind == "length" else "stop"
+    versions = token_versions(meta, len(output_ids), server_version)
+    return Completion(request.request_id, sample_index, request.group_id, list(request.prompt_ids), output_ids,
+                      logprobs, versions, reason, dict(request.meta))
+
+
+def update_version_payload(version: int) -> Dict:
+    # abort_all_requests defaults to True in SGLang: it would abort every paused request
+    return {"new_version": str(version), "abort_all_requests": False}
+
+
+def distributed_update(names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
+                       version: int, group_name: str = "weight_update_group") -> Dict:
+    """Body of stock ``POST /update_weights_from_distributed`` for one flattened bucket.
+
+    ``flush_cache: false`` keeps the paused requests' KV cache (in-flight
+    update). The tensors go through the model's ``load_weights``, which in
+    SGLang 0.5.23 renames ``.weight_scale_inv`` to ``.weight_scale`` and drops
+    block-fp8 scales: block-fp8 serving therefore uses megarl's receiver
+    (``worker_receiver``), which writes parameters by their own names.
+    """
+    for name in names:
+        if name.endswith("weight_scale_inv"):
+            raise MegarlError(
+                f"{name}: SGLang 0.5.23's Llama loader drops block-fp8 scales sent through "
+                f"update_weights_from_distributed; use generator.weight_transfer=shard_to_shard for fp8"
+            )
+    return {
+        "names": list(names),
+        "dtypes": list(dtypes),
+        "shapes": [list(s) for s in shapes],
+        "group_name": group_name,
+        "flush_cache": False,
+        "abort_all_requests": False,
+        "weight_version": str(version),
+        "load_format": "flattened_bucket",
+    }
+
+
+def check_ok(answer: Dict, server: str, endpoint: str) -> None:
+    """Control endpoints answer {"success": bool, "message": str}; some answer nothing."""
+    if isinstance(answer, dict) and answer.get("success") is False:
+        raise SglangResponseError(f"server {server}: {endpoint} failed: {answer.get('message', '')}")
