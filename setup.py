@@ -22,6 +22,7 @@ setup(
         "tqdm",
         "tensorboard",
         "math-verify>=0.7",  # the math reward's answer checking
+        "pyarrow",  # .parquet prompt sets
     ],
     extras_require={
         # GPU clusters. Apex is NOT listed: it is built from source

@@ -1,0 +1,219 @@
+"""Prompt data: synthetic arithmetic, prompt files, tokenization, resumable prompt order."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import operator
+import re
+
+import pytest
+
+from megarl.data import (
+    PromptStream,
+    add_data_args,
+    generate_arithmetic,
+    load_prompts,
+    run_data,
+    tokenize_prompts,
+    write_jsonl,
+)
+from megarl.errors import ConfigError
+
+# -- arithmetic ---------------------------------------------------------------------------------
+
+
+def test_arithmetic_answers_are_the_correct_integers():
+    ops = {"+": operator.add, "-": operator.sub, "*": operator.mul}
+    for record in generate_arithmetic(500, seed=3, digits=3):
+        a, op, b = record["meta"]["expression"].split()
+        expected = ops[op](int(a), int(b))
+        assert record["answer"] == str(expected) and expected >= 0
+        # The prompt asks about the same two numbers, in order, and for a boxed answer.
+        assert re.findall(r"\d+", record["prompt"]) == [a, b], record["prompt"]
+        assert record["prompt"].endswith("Put your final answer in \\boxed{}.")
+
+
+def test_digits_knob_mixes_easy_and_hard_operands():
+    operands = [int(x) for r in generate_arithmetic(500, seed=0, digits=3)
+                for x in r["meta"]["expression"].split()[::2]]
+    assert max(operands) < 1000
+    widths = {len(str(x)) for x in operands}
+    assert widths == {1, 2, 3}
+    assert max(int(x) for r in generate_arithmetic(200, seed=0, digits=1)
+               for x in r["meta"]["expression"].split()[::2]) < 10
+
+
+def test_arithmetic_is_deterministic_per_seed_and_differs_across_seeds():
+    assert generate_arithmetic(100, seed=7) == generate_arithmetic(100, seed=7)
+    first = {r["prompt"] for r in generate_arithmetic(200, seed=1, digits=3)}
+    second = {r["prompt"] for r in generate_arithmetic(200, seed=2, digits=3)}
+    assert len(first & second) < 10
+
+
+def test_arithmetic_rejects_bad_arguments():
+    with pytest.raises(ConfigError, match="--digits"):
+        generate_arithmetic(5, digits=0)
+    with pytest.raises(ConfigError, match="--n"):
+        generate_arithmetic(0)
+
+
+def test_data_cli_writes_jsonl_that_loads_back(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    add_data_args(parser)
+    out = tmp_path / "sub" / "arith.jsonl"
+    args = parser.parse_args(["--n", "20", "--seed", "4", "--digits", "2", "--out", str(out)])
+    assert run_data(args) == 0
+    assert "wrote 20" in capsys.readouterr().out
+    expected = generate_arithmetic(20, seed=4, digits=2)
+    loaded = load_prompts(out)
+    assert [(r.plain_prompt, r.answer, r.meta) for r in loaded] == \
+        [(e["prompt"], e["answer"], e["meta"]) for e in expected]
+    assert loaded[0].messages == [{"role": "user", "content": expected[0]["prompt"]}]
+
+
+# -- prompt files ------------------------------------------------------------------------------
+
+CHAT = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 3?"}],
+        "answer": "5", "meta": {"level": 1}}
+PLAIN = {"prompt": "What is 6 x 7?", "answer": 42, "id": "q2"}
+
+
+def test_write_jsonl_round_trip(tmp_path):
+    records = [CHAT, {"prompt": "Ünïcode \\boxed{} question", "answer": "\\frac{1}{2}"}]
+    write_jsonl(records, tmp_path / "r.jsonl")
+    assert [json.loads(line) for line in (tmp_path / "r.jsonl").read_text(encoding="utf-8").splitlines()] == records
+    chat, plain = load_prompts(tmp_path / "r.jsonl")
+    assert chat.messages == CHAT["messages"] and plain.answer == "\\frac{1}{2}"
+    assert not (tmp_path / "r.jsonl.tmp").exists()
+
+
+def write_lines(path, lines):
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+def test_chat_and_plain_records_load(tmp_path):
+    path = write_lines(tmp_path / "p.jsonl", [json.dumps(CHAT), "", json.dumps(PLAIN)])
+    chat, plain = load_prompts(path)
+    assert chat.messages == CHAT["messages"] and chat.answer == "5" and chat.meta == {"level": 1}
+    assert chat.plain_prompt is None
+    assert plain.messages == [{"role": "user", "content": "What is 6 x 7?"}]
+    assert plain.answer == "42" and plain.meta == {"id": "q2"}  # extra fields join meta
+    assert plain.source == f"{path}:3"
+
+
+@pytest.mark.parametrize("bad_line,message", [
+    ('{"prompt": "hi"}', "missing field 'answer'"),
+    ('{"answer": "1"}', "exactly one of the fields 'prompt' or 'messages'"),
+    ('{"prompt": "hi", "answer": "1"', "not valid JSON"),
+    ('{"messages": [{"content": "hi"}], "answer": "1"}', "messages[0] is missing field 'role'"),
+    ('{"messages": [], "answer": "1"}', "'messages' must be a non-empty list"),
+    ('["prompt", "answer"]', "must be a JSON object"),
+    ('{"prompt": "hi", "answer": "1", "meta": 3}', "'meta' must be an object"),
+])
+def test_bad_record_names_file_line_and_field(tmp_path, bad_line, message):
+    path = write_lines(tmp_path / "bad.jsonl", [json.dumps(PLAIN), bad_line])
+    with pytest.raises(ConfigError) as info:
+        load_prompts(path)
+    assert str(info.value).startswith(f"{path}:2: ")
+    assert message in str(info.value)
+
+
+def test_missing_empty_and_unknown_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_prompts(tmp_path / "none.jsonl")
+    with pytest.raises(ConfigError, match="holds no records"):
+        load_prompts(write_lines(tmp_path / "empty.jsonl", [""]))
+    with pytest.raises(ConfigError, match=".jsonl or .parquet"):
+        load_prompts(write_lines(tmp_path / "p.csv", ["prompt,answer"]))
+
+
+def test_parquet_round_trip(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "p.parquet"
+    pq.write_table(pa.Table.from_pylist([{**CHAT, "prompt": None}, {"prompt": "6 x 7?", "answer": "42",
+                                                                    "messages": None, "meta": None}]), path)
+    chat, plain = load_prompts(path)
+    assert chat.messages == CHAT["messages"] and chat.answer == "5" and chat.meta["level"] == 1
+    assert plain.plain_prompt == "6 x 7?" and plain.answer == "42"
+
+
+def test_parquet_without_pyarrow_says_what_to_install(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("pyarrow") is not None:
+        pytest.skip("pyarrow is installed")
+    path = tmp_path / "p.parquet"
+    path.write_bytes(b"PAR1")
+    with pytest.raises(ConfigError, match=re.escape(f"{path}: ") + ".*pip install pyarrow"):
+        load_prompts(path)
+
+
+# -- tokenization ------------------------------------------------------------------------------
+
+def tiny_chat_tokenizer(words):
+    """A whitespace word-level tokenizer with a ChatML-style template: fast and deterministic."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(dict.fromkeys(
+        ["<unk>", "<|im_start|>", "<|im_end|>", "system", "user", "assistant", *words]))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>")
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
+    )
+    return tokenizer, vocab
+
+
+def test_tokenize_prompts_applies_the_chat_template_and_drops_overlong(tmp_path):
+    long_prompt = " ".join(["word"] * 40)
+    records = [{"prompt": "what is 2 + 3 ?", "answer": "5"}, CHAT, {"prompt": long_prompt, "answer": "0"}]
+    path = write_lines(tmp_path / "p.jsonl", [json.dumps(r) for r in records])
+    tokenizer, vocab = tiny_chat_tokenizer("what is 2 + 3 ? Be brief. 2 + 3? word".split())
+    tokenized = tokenize_prompts(load_prompts(path), tokenizer, max_prompt_tokens=20)
+    assert [t.record.answer for t in tokenized] == ["5", "5"]  # the 40-word prompt is dropped
+    v = vocab
+    assert tokenized[0].ids == [v["<|im_start|>"], v["user"], *(v[w] for w in "what is 2 + 3 ?".split()),
+                                v["<|im_end|>"], v["<|im_start|>"], v["assistant"]]
+    assert tokenized[1].ids == [v["<|im_start|>"], v["system"], v["Be"], v["brief."], v["<|im_end|>"],
+                                v["<|im_start|>"], v["user"], v["2"], v["+"], v["3?"], v["<|im_end|>"],
+                                v["<|im_start|>"], v["assistant"]]
+    with pytest.raises(ConfigError, match="max_prompt_tokens"):
+        tokenize_prompts(load_prompts(path), tokenizer, max_prompt_tokens=3)
+
+
+# -- prompt order ------------------------------------------------------------------------------
+
+def test_prompt_stream_resume_equals_an_unbroken_stream():
+    items = list(range(10))
+    unbroken = PromptStream(items, seed=5).take(37)  # crosses three epoch boundaries
+
+    first = PromptStream(items, seed=5)
+    before = first.take(13)
+    state = json.loads(json.dumps(first.state_dict()))  # as a checkpoint would store it
+    resumed = PromptStream(items, seed=5)
+    resumed.load_state_dict(state)
+    assert before + resumed.take(24) == unbroken
+
+
+def test_prompt_stream_epochs_are_seeded_permutations():
+    stream = PromptStream(list(range(50)), seed=1)
+    epoch0, epoch1 = stream.take(50), stream.take(50)
+    assert sorted(epoch0) == sorted(epoch1) == list(range(50))
+    assert epoch0 != epoch1 and epoch0 != list(range(50))
+    assert PromptStream(list(range(50)), seed=2).take(50) != epoch0
+    assert PromptStream(list(range(5)), shuffle=False).take(7) == [0, 1, 2, 3, 4, 0, 1]
+
+
+def test_prompt_stream_refuses_a_checkpoint_of_other_prompts_or_seed():
+    state = PromptStream(list(range(10)), seed=0).state_dict()
+    with pytest.raises(ConfigError, match="did the prompt file change"):
+        PromptStream(list(range(11)), seed=0).load_state_dict(state)
+    with pytest.raises(ConfigError, match="seed 0"):
+        PromptStream(list(range(10)), seed=1).load_state_dict(state)
