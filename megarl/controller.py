@@ -1,0 +1,243 @@
+"""The single controller: the same event loop on every rank (LlamaRL, Algorithm 1).
+
+Each iteration: set the step, let the local executors work, run the channels,
+sync the weights, checkpoint. What runs concurrently is decided only by which
+ranks the executors own (topology.py):
+
+    async   iteration i: generators make batch i  ||  trainer trains batch i-1
+            rollouts (GATHER) + batch (BROADCAST): batch i -> every trainer rank
+            weights: policy version i, shard to shard, swapped in between decode
+            steps (sequences in flight continue under it: partial rollouts)
+    sync    iteration i: every rank generates its share with policy i, the
+            batch is gathered and broadcast, the trainer steps, and each rank
+            copies the new policy into its own engine: generation and training
+            alternate on the same ranks (the baseline)
+
+Metrics of training step k (metrics.jsonl) are written by the trainer's first rank.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import torch.distributed as dist
+
+from megarl.channels import Channel
+from megarl.config import Config, config_from_dict
+from megarl.topology import Topology
+
+CHECKPOINTS = "checkpoints"
+
+
+def _broadcast_from_rank0(job, value):
+    box = [value]
+    dist.broadcast_object_list(box, group=job.control, group_src=0)
+    return box[0]
+
+
+def _load_prompts(cfg: Config, tokenizer) -> list:
+    from megarl.data.arithmetic import generate_arithmetic
+    from megarl.data.datasets import load_prompts, parse_record, tokenize_prompts
+
+    source = cfg.data.train
+    if source.startswith("arithmetic:"):
+        _, n, seed = source.split(":")
+        records = [parse_record(r, f"{source}#{i}") for i, r in enumerate(generate_arithmetic(int(n), int(seed)))]
+    else:
+        records = load_prompts(source)
+    return tokenize_prompts(records, tokenizer, cfg.data.max_prompt_tokens)
+
+
+class Controller:
+    def __init__(self, cfg: Config, prepared):
+        from megarl.models.spec import LlamaSpec
+        from megarl.runtime.job import init_job
+
+        self.cfg = cfg
+        self.topo = Topology.from_config(cfg)
+        self.job = job = init_job(self.topo)
+        self.spec = LlamaSpec.from_dict(prepared.spec)
+        self.out = Path(cfg.run.output_dir)
+        self.trainer = self.generator = self.reward = None
+        self.gsync = None
+        root = self.out / CHECKPOINTS
+        resume = root if (root / "latest_checkpointed_iteration.txt").exists() else None
+        if job.has("trainer"):
+            from megarl.executors.trainer import TrainerExecutor
+
+            self.trainer = TrainerExecutor(cfg, job, prepared, resume)
+        self.start = _broadcast_from_rank0(job, self.trainer.loop_state.get("step", 0) if job.rank == 0 else None)
+        if job.has("generator"):
+            self._init_generator(prepared)
+        self.channels = {c.name: Channel(c, job.rank, job.control) for c in self.topo.channels if c.kind != "WEIGHTS"}
+        self._init_weight_sync()
+
+    def _init_generator(self, prepared) -> None:
+        from megarl.executors.generator import GeneratorExecutor
+        from megarl.executors.reward import RewardExecutor
+        from megarl.generator.tokenizer import load_tokenizer, stop_ids
+
+        tokenizer = load_tokenizer(prepared.tokenizer)
+        replica, tp_rank = self.topo.replica_of(self.job.rank)
+        tp_group = None
+        if self.cfg.run.mode == "async" and self.topo.generator_tp > 1:
+            first = self.topo.executors["generator"][0]
+            for ranks in self.topo.generator_tp_groups():  # every generator rank creates every group
+                group = dist.new_group([r - first for r in ranks])
+                if self.job.rank in ranks:
+                    tp_group = group
+        self.generator = GeneratorExecutor(self.cfg, self.spec, _load_prompts(self.cfg, tokenizer),
+                                           stop_ids(tokenizer), replica, tp_rank, tp_group, self.job.device)
+        if self.job.has("reward"):
+            self.reward = RewardExecutor(self.cfg, tokenizer)
+
+    def _init_weight_sync(self) -> None:
+        if self.cfg.run.mode != "async":
+            return
+        from megarl.weight_sync.endpoints import GeneratorSync
+        from megarl.weight_sync.planner import GeneratorTopology, TrainerTopology, build_plan
+
+        t, g = self.cfg.trainer, self.cfg.generator
+        trainer_topo = TrainerTopology(t.tp, t.pp, t.dp)
+        gen_topo = GeneratorTopology(g.tp, g.replicas, first_rank=self.topo.executors["generator"][0])
+        plan = build_plan(self.spec, trainer_topo, gen_topo)
+        if self.trainer is not None:
+            self.trainer.connect_generators(gen_topo, g.fp8)
+        if self.generator is not None:
+            replica, tp_rank = self.topo.replica_of(self.job.rank)
+            self.gsync = GeneratorSync(self.spec, trainer_topo, gen_topo, replica, tp_rank, self.generator.params,
+                                       self.job.sync_group, fp8=g.fp8, plan=plan)
+
+    # -- the weights channel ------------------------------------------------------------------
+
+    def sync_weights(self) -> float:
+        """The policy the trainer holds -> every generator; returns this rank's seconds."""
+        start = time.perf_counter()
+        if self.cfg.run.mode == "sync":
+            self.generator.receive_weights(lambda: self.trainer.push_weights(self.generator.params),
+                                           self.trainer.version)
+        elif self.trainer is not None:
+            self.trainer.push_weights()
+        else:
+            landed = {}
+            self.generator.receive_weights(lambda: landed.update(stats=self.gsync.pull()), -1)
+            self.generator.engine.version = landed["stats"].version
+        return time.perf_counter() - start
+
+    # -- the loop ----------------------------------------------------------------------------------
+
+    def run(self) -> Optional[dict]:
+        cfg, job = self.cfg, self.job
+        writer = None
+        if job.rank == self.topo.executors["trainer"][0]:
+            from megarl.metrics import MetricsWriter
+
+            (self.out).mkdir(parents=True, exist_ok=True)
+            (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+            writer = MetricsWriter(self.out, cfg.run.steps, self.start, progress=cfg.run.progress)
+        self.sync_weights()  # the generators start from the trainer's policy
+        asynchronous = cfg.run.mode == "async"
+        per_replica = cfg.rollout.prompts_per_step // self.topo.generator_replicas
+        iterations = range(self.start, cfg.run.steps + (1 if asynchronous else 0))
+        pending: Optional[dict] = None  # async: the batch the trainer trains next
+        wall_start, trained = time.perf_counter(), 0
+        for it in iterations:
+            t0 = time.perf_counter()
+            gen_out, train_metrics = None, None
+            make_batch = it < cfg.run.steps
+            if asynchronous:
+                if self.generator is not None and make_batch:
+                    gen_out = self._generate(train_version=it, n_groups=per_replica, drain=False)
+                if self.trainer is not None and pending is not None:
+                    train_metrics = self.trainer.step(pending["samples"])
+            else:
+                gen_out = self._generate(train_version=it, n_groups=per_replica, drain=True)
+            batch = None
+            if make_batch:
+                gathered = self.channels["rollouts"].transfer(gen_out if self.reward is not None else None)
+                batch = self.channels["batch"].transfer(self._merge(gathered) if gathered is not None else None)
+            if not asynchronous and self.trainer is not None:
+                train_metrics = self.trainer.step(batch["samples"])
+            sync_s = 0.0
+            # async: after the trainer's step of iteration i (on batch i-1) the generators take
+            # policy i, unless no batch follows; sync: after every step
+            if not asynchronous or self.start < it < cfg.run.steps:
+                sync_s = self.sync_weights()
+            wall = time.perf_counter() - t0
+            trained_batch = batch if not asynchronous else pending
+            if writer is not None and train_metrics is not None:
+                trained += len(trained_batch["samples"])
+                writer.write(self._record(it, train_metrics, trained_batch, batch, wall, sync_s))
+            if asynchronous:
+                pending = batch if self.trainer is not None else None
+            step_done = it + (0 if asynchronous else 1)
+            if self.trainer is not None and train_metrics is not None and self._should_save(step_done):
+                self.trainer.save_checkpoint(self.out / CHECKPOINTS, step_done, {"step": step_done})
+        summary = None
+        if writer is not None:
+            writer.close()
+            from megarl.metrics import read_metrics, summarize
+
+            summary = summarize(read_metrics(self.out / "metrics.jsonl")[-(cfg.run.steps - self.start):],
+                                time.perf_counter() - wall_start, trained)
+            (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
+        return summary
+
+    def _should_save(self, step: int) -> bool:
+        every = self.cfg.run.save_every
+        return step == self.cfg.run.steps or (every > 0 and step % every == 0)
+
+    def _generate(self, train_version: int, n_groups: int, drain: bool) -> Optional[dict]:
+        out = self.generator.generate(train_version, n_groups, drain)
+        if self.reward is None:
+            return None
+        scored = self.reward.score(out.pop("groups"))
+        return {**out, **scored}
+
+    @staticmethod
+    def _merge(parts: List[dict]) -> dict:
+        """The replicas' outputs -> one batch (samples in replica order) and their timings."""
+        samples = [s for p in parts for s in p["samples"]]
+        return {"samples": samples,
+                "time_generate": max(p["time_generate"] for p in parts),
+                "time_reward": max(p["time_reward"] for p in parts),
+                "stale_dropped": sum(p["stale_dropped"] for p in parts),
+                "reward_timeouts": sum(p["reward_timeouts"] for p in parts),
+                "generated_tokens": sum(len(s.response_tokens) for s in samples),
+                "in_flight": sum(p["in_flight"] for p in parts)}
+
+    def _record(self, it: int, m: dict, trained: dict, current: Optional[dict], wall: float, sync_s: float) -> dict:
+        """Training step ``it`` (its batch: ``trained``) and what the generators did meanwhile (``current``)."""
+        samples = trained["samples"]
+        gen_s = current["time_generate"] if current else 0.0
+        reward_s = current["time_reward"] if current else 0.0
+        rewards = [s.reward for s in samples]
+        step = it if self.cfg.run.mode == "async" else it + 1
+        time_train = m.get("time_train", 0.0)
+        record = {
+            "step": step, "mode": self.cfg.run.mode, "policy_version": self.trainer.version,
+            "reward_mean": sum(rewards) / len(rewards),
+            "accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
+            "samples": len(samples), "samples_per_s": len(samples) / wall,
+            "tokens_per_s": (current["generated_tokens"] if current else 0) / wall,
+            "response_len_mean": trained["generated_tokens"] / len(samples),
+            "time_step": wall, "time_generate": gen_s, "time_reward": reward_s,
+            "time_train": time_train, "time_weight_sync": sync_s,
+            "idle_trainer": max(0.0, wall - time_train - sync_s),
+            "idle_generator": max(0.0, wall - gen_s - reward_s - sync_s),
+            "stale_dropped": trained["stale_dropped"], "reward_timeouts": trained["reward_timeouts"],
+            "in_flight": current["in_flight"] if current else 0,
+        }
+        record.update({k: v for k, v in m.items() if k not in record and not isinstance(v, (list, dict))})
+        return record
+
+
+def run_rank(cfg_dict: dict, prepared) -> None:
+    from megarl.runtime.distributed import shutdown
+
+    controller = Controller(config_from_dict(cfg_dict), prepared)
+    controller.run()
+    shutdown()

@@ -1,0 +1,97 @@
+"""`megarl eval --checkpoint DIR --data FILE.jsonl`: greedy accuracy of a policy on a prompt set.
+
+The checkpoint (a training run's, a converted one, an HF dir, or ``smollm2``)
+is loaded by Megatron-Core at TP 1, copied into megarl's torch engine (the
+same path sync-mode training uses), and every prompt is answered greedily
+with continuous batching; rewards come from the reward registry
+(math-verify by default). Prints one JSON line with ``accuracy`` and ``n``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+
+def _load_records(data: str):
+    from megarl.data.arithmetic import generate_arithmetic
+    from megarl.data.datasets import load_prompts, parse_record
+
+    if data.startswith("arithmetic:"):
+        _, n, seed = data.split(":")
+        return [parse_record(r, f"{data}#{i}") for i, r in enumerate(generate_arithmetic(int(n), int(seed)))]
+    return load_prompts(data)
+
+
+def _checkpoint_dir(checkpoint: str, cache_dir: str) -> Path:
+    from megarl.checkpointing.megatron_checkpoint import resolve_checkpoint_dir
+    from megarl.config import ModelConfig
+    from megarl.model_source import prepare_model
+
+    path = Path(checkpoint)
+    if (path / "checkpoints" / "latest_checkpointed_iteration.txt").exists():  # a training run's directory
+        path = path / "checkpoints"
+    if (path / "latest_checkpointed_iteration.txt").exists():
+        return resolve_checkpoint_dir(path, what="--checkpoint")
+    prepared = prepare_model(ModelConfig(source=checkpoint, cache_dir=cache_dir))
+    return resolve_checkpoint_dir(prepared.checkpoint, what="--checkpoint")
+
+
+def _eval_rank(ckpt_dir: str, tokenizer_dir: str, data: str, max_new_tokens: int, reward: str, batch: int,
+               out: str) -> None:
+    from megarl.generator.interface import GenerationRequest, SamplingParams
+    from megarl.generator.tokenizer import load_tokenizer, stop_ids
+    from megarl.generator.torch_engine.engine import TorchEngine
+    from megarl.data.datasets import tokenize_prompts
+    from megarl.models.loading import load_llama
+    from megarl.rewards.scoring import score_batch
+    from megarl.runtime.distributed import ParallelLayout, init_distributed, init_megatron, shutdown
+    from megarl.weight_sync.colocated import copy_colocated
+    from megarl.weight_sync.endpoints import allocate_generator_params
+
+    init_distributed()
+    init_megatron(ParallelLayout(1, 1))
+    spec, chunks = load_llama(ckpt_dir, ParallelLayout(1, 1), params_dtype=torch.float32)
+    params = allocate_generator_params(spec, 1, 0, torch.float32)
+    copy_colocated(spec, chunks, params)
+    del chunks
+    tokenizer = load_tokenizer(tokenizer_dir)
+    prompts = tokenize_prompts(_load_records(data), tokenizer, 512)
+    longest = max(len(p.ids) for p in prompts)
+    engine = TorchEngine(spec, params, max_running=batch, max_seq_len=longest + max_new_tokens + 1)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids(tokenizer))
+    engine.submit([GenerationRequest(str(i), p.ids, sp, group_id=i) for i, p in enumerate(prompts)])
+    start = time.perf_counter()
+    done = sorted(engine.run_until_idle(), key=lambda c: c.group_id)
+    texts = [tokenizer.decode(c.output_ids, skip_special_tokens=True) for c in done]
+    scores = score_batch(texts, [p.record.answer for p in prompts], reward, timeout_s=10.0)
+    result = {"checkpoint": ckpt_dir, "data": data, "n": len(done),
+              "accuracy": sum(s.score >= 1.0 for s in scores) / len(done),
+              "reward_mean": sum(s.score for s in scores) / len(done),
+              "generate_s": time.perf_counter() - start, "example": texts[0][:200]}
+    Path(out).write_text(json.dumps(result))
+    shutdown()
+
+
+def evaluate(checkpoint: str, data: str, max_new_tokens: int = 64, reward: str = "math", batch: int = 32,
+             cache_dir: str = "runs/cache") -> dict:
+    import tempfile
+
+    from megarl.checkpointing.megatron_checkpoint import TOKENIZER_DIR
+    from megarl.runtime.launch import run_world
+
+    ckpt_dir = _checkpoint_dir(checkpoint, cache_dir)
+    tokenizer_dir = ckpt_dir / TOKENIZER_DIR
+    if not tokenizer_dir.exists():  # a training run from a random model keeps its tokenizer elsewhere
+        cfg = json.loads((ckpt_dir.parent.parent / "config.json").read_text()) if (
+            ckpt_dir.parent.parent / "config.json").exists() else {}
+        tokenizer_dir = Path(cfg.get("model", {}).get("tokenizer") or "")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "result.json")
+        run_world(_eval_rank, 1, str(ckpt_dir), str(tokenizer_dir), data, max_new_tokens, reward, batch, out)
+        result = json.loads(Path(out).read_text())
+    print(json.dumps(result), flush=True)
+    return result

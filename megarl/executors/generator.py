@@ -1,0 +1,101 @@
+"""The generator executor: one replica of megarl's torch engine (TP over its own group).
+
+``generate(train_version, n_groups)`` keeps the engine's slots full and
+returns the first ``n_groups`` prompt groups whose samples have all
+finished. In async mode sequences still in flight stay in the engine across
+steps (partial rollouts) and continue under each new policy version; the
+weights are replaced between decode steps (``receive_weights``), never by
+draining the batch.
+
+Admission control for ``rollout.max_lag``: a group is handed to the trainer
+only if every token of it will be at most ``max_lag`` versions behind the
+policy that trains on it (``train_version``); an older group is dropped and
+a fresh prompt takes its place (counted in ``stale_dropped``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Dict, List
+
+import torch
+
+from megarl.generator.interface import Completion, GenerationRequest, SamplingParams
+
+
+class GeneratorExecutor:
+    def __init__(self, cfg, spec, prompts, stop_ids, replica: int, tp_rank: int, tp_group, device: str = "cpu"):
+        from megarl.data.datasets import PromptStream
+        from megarl.generator.torch_engine.engine import TorchEngine
+        from megarl.weight_sync.endpoints import allocate_generator_params
+
+        g, r = cfg.generator, cfg.rollout
+        self.cfg, self.replica, self.tp_rank = cfg, replica, tp_rank
+        tp = cfg.generator.tp if cfg.run.mode == "async" else 1
+        dtype = torch.bfloat16 if g.dtype == "bf16" else torch.float32
+        self.params = allocate_generator_params(spec, tp, tp_rank, dtype, g.fp8, device=device)
+        self.engine = TorchEngine(spec, self.params, max_running=g.max_running, max_seq_len=g.max_seq_len, tp=tp,
+                                  tp_rank=tp_rank, group=tp_group, recompute_kv_on_update=g.recompute_kv_on_update)
+        # every TP rank of a replica draws the same prompts in the same order
+        self.stream = PromptStream(prompts, seed=cfg.run.seed * 1000 + replica)
+        self.replicas = cfg.generator.replicas if cfg.run.mode == "async" else None
+        self.stop_ids = tuple(stop_ids)
+        self.groups: Dict[int, List[Completion]] = {}
+        self.next_group = 0
+        self.ready: List[List[Completion]] = []  # finished groups not yet handed over
+        self.stale_dropped = 0
+        self.tokens_generated = 0
+
+    def _request(self) -> GenerationRequest:
+        r = self.cfg.rollout
+        prompt = next(self.stream)
+        gid = self.next_group * 1_000 + self.replica  # unique over replicas
+        self.next_group += 1
+        params = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
+                                stop_token_ids=self.stop_ids, seed=(self.cfg.run.seed * 7919 + gid) % (2 ** 31))
+        return GenerationRequest(f"g{gid}", list(prompt.ids), params, n=r.samples_per_prompt, group_id=gid,
+                                 meta={"answer": prompt.record.answer, **prompt.record.meta})
+
+    def _in_engine(self) -> int:
+        s = self.engine.stats()
+        return int(s["queue_depth"] + s["running"])
+
+    def generate(self, train_version: int, n_groups: int, drain: bool) -> dict:
+        """Groups for the trainer, and this replica's timing.
+
+        ``drain`` (sync mode): submit exactly n_groups prompts and run them to the end.
+        """
+        start = time.perf_counter()
+        n = self.cfg.rollout.samples_per_prompt
+        if drain:
+            self.engine.submit([self._request() for _ in range(n_groups)])
+        while True:
+            self.ready = [g for g in self.ready if self._fresh(g, train_version, drain)]
+            if len(self.ready) >= n_groups:
+                break
+            if not drain:  # keep every slot busy, and a queue so freed slots refill at once
+                want = self.cfg.generator.max_running + n
+                while self._in_engine() + n <= want:
+                    self.engine.submit([self._request()])
+            for c in self.engine.step():
+                self.tokens_generated += len(c.output_ids)
+                group = self.groups.setdefault(c.group_id, [])
+                group.append(c)
+                if len(group) == n:
+                    del self.groups[c.group_id]
+                    self.ready.append(sorted(group, key=lambda x: x.sample_index))
+        ready, self.ready = self.ready[:n_groups], self.ready[n_groups:]
+        return {"groups": ready, "time_generate": time.perf_counter() - start,
+                "engine_version": self.engine.version, "stale_dropped": self.stale_dropped,
+                "in_flight": self._in_engine()}
+
+    def _fresh(self, group: List[Completion], train_version: int, drain: bool) -> bool:
+        oldest = min(min(c.versions) for c in group)
+        if drain or train_version - oldest <= self.cfg.rollout.max_lag:
+            return True
+        self.stale_dropped += 1  # too old to train on: dropped, a fresh prompt takes its slot
+        return False
+
+    def receive_weights(self, apply, version: int) -> None:
+        """Between decode steps: in-flight sequences keep their KV cache (or recompute it)."""
+        self.engine.update_weights(apply, version)

