@@ -22,6 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="asynchronous (or sync) RL: megarl train --config FILE [key=value ...]")
     train.add_argument("--config", required=True)
     train.add_argument("overrides", nargs="*", help="config overrides, e.g. trainer.lr=1e-6 run.steps=20")
+    train.add_argument("--prepare-only", action="store_true",
+                       help="convert the model (first use) and print the world size; start no ranks")
 
     ev = sub.add_parser("eval", help="greedy accuracy of a checkpoint on a prompt set (one JSON line)")
     ev.add_argument("--checkpoint", required=True, help="a Megatron checkpoint dir, an HF dir, or smollm2")
@@ -51,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
 
+    avs = bench_sub.add_parser("async-vs-sync", help="samples/s of the async loop vs the sync baseline, same workload")
+    avs.add_argument("--config", required=True)
+    avs.add_argument("--workdir", default="runs/bench_async_vs_sync")
+    avs.add_argument("overrides", nargs="*", help="config overrides for both runs")
+
     ws = bench_sub.add_parser("weight-sync", help="shard-to-shard weight sync vs gather+broadcast (or --plan-only)")
     ws.add_argument("--model", default="llama-mini", help="preset (llama3-8b/70b/405b, llama-mini, tiny), smollm2, or a path")
     ws.add_argument("--src-tp", type=int, default=4)
@@ -77,7 +84,7 @@ def dispatch(args: argparse.Namespace) -> None:
     if args.command == "train":
         from megarl.train import train
 
-        train(args.config, args.overrides)
+        train(args.config, args.overrides, args.prepare_only)
     elif args.command == "eval":
         from megarl.evaluate import evaluate
 
@@ -100,6 +107,10 @@ def dispatch(args: argparse.Namespace) -> None:
         from megarl.bench import generate
 
         generate.run(generate.GenerateBench(args.backend, args.batch, args.max_new_tokens, args.dtype))
+    elif args.command == "bench" and args.benchmark == "async-vs-sync":
+        from megarl.bench import async_vs_sync
+
+        async_vs_sync.run(args.config, args.overrides, args.workdir)
     elif args.command == "bench" and args.benchmark == "weight-sync":
         from megarl.bench.weight_sync import WeightSyncBench, run
 

@@ -56,6 +56,7 @@ class GeneratorConfig:
     fp8: bool = False
     dtype: str = "fp32"  # engine weights when not fp8: fp32 | bf16
     recompute_kv_on_update: bool = False
+    verify_sync: bool = False  # checksum every received shard against the sender's (costs a pass)
     sglang_urls: List[str] = field(default_factory=list)
 
 
@@ -92,6 +93,7 @@ class RunConfig:
     save_every: int = 0  # steps; 0 = only at the end
     seed: int = 1234
     progress: bool = True
+    log_rollouts: bool = True  # rollouts.jsonl: every trained sample's text, reward, versions, lags
 
 
 @dataclass

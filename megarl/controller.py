@@ -109,7 +109,7 @@ class Controller:
         if self.generator is not None:
             replica, tp_rank = self.topo.replica_of(self.job.rank)
             self.gsync = GeneratorSync(self.spec, trainer_topo, gen_topo, replica, tp_rank, self.generator.params,
-                                       self.job.sync_group, fp8=g.fp8, plan=plan)
+                                       self.job.sync_group, fp8=g.fp8, plan=plan, verify=g.verify_sync)
 
     # -- the weights channel ------------------------------------------------------------------
 
@@ -170,7 +170,10 @@ class Controller:
             trained_batch = batch if not asynchronous else pending
             if writer is not None and train_metrics is not None:
                 trained += len(trained_batch["samples"])
-                writer.write(self._record(it, train_metrics, trained_batch, batch, wall, sync_s))
+                record = self._record(it, train_metrics, trained_batch, batch, wall, sync_s)
+                writer.write(record)
+                if cfg.run.log_rollouts:
+                    self._log_rollouts(record["step"], train_metrics["trained_version"], trained_batch["samples"])
             if asynchronous:
                 pending = batch if self.trainer is not None else None
             step_done = it + (0 if asynchronous else 1)
@@ -185,6 +188,16 @@ class Controller:
                                 time.perf_counter() - wall_start, trained)
             (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary
+
+    def _log_rollouts(self, step: int, version: int, samples) -> None:
+        with open(self.out / "rollouts.jsonl", "a") as f:
+            for s in samples:
+                f.write(json.dumps({
+                    "step": step, "group": s.group_id, "reward": s.reward, "reward_reason": s.meta.get("reward_reason"),
+                    "answer": s.meta.get("answer"), "response": s.meta.get("response_text"),
+                    "finish_reason": s.meta.get("finish_reason"), "trained_version": version,
+                    "versions": s.policy_versions, "behaviour_logprobs": s.behaviour_logprobs,
+                }) + "\n")
 
     def _should_save(self, step: int) -> bool:
         every = self.cfg.run.save_every
@@ -230,6 +243,7 @@ class Controller:
             "idle_generator": max(0.0, wall - gen_s - reward_s - sync_s),
             "stale_dropped": trained["stale_dropped"], "reward_timeouts": trained["reward_timeouts"],
             "in_flight": current["in_flight"] if current else 0,
+            "weight_sync_verified": self.cfg.generator.verify_sync and self.cfg.run.mode == "async",
         }
         record.update({k: v for k, v in m.items() if k not in record and not isinstance(v, (list, dict))})
         return record

@@ -42,18 +42,21 @@ def _smollm2_tokenizer(cache: Path) -> Path:
     return out
 
 
-def _converted(source: str, cache: Path, gguf_file: Optional[str] = None) -> Path:
+def _converted(source: str, cache: Path, gguf_file: Optional[str] = None, convert_now: bool = True) -> Path:
     from megarl.convert.hf_to_megatron import HfToMegatron, convert
 
     name = "smollm2" if gguf_file else Path(source).resolve().name
     out = cache / f"{name}-megatron"
     if not (out / TRACKER).exists():
+        if not convert_now:
+            raise ConfigError(f"model.source: {source} is not converted yet ({out} is missing); run "
+                              f"`megarl train --config FILE --prepare-only` once before launching the ranks")
         print(f"megarl: converting {source} to a Megatron checkpoint in {out} (first use)", flush=True)
         convert(HfToMegatron(hf_model=source, output=str(out), gguf_file=gguf_file))
     return out
 
 
-def prepare_model(model_cfg) -> PreparedModel:
+def prepare_model(model_cfg, convert: bool = True) -> PreparedModel:
     from megarl.checkpointing.megatron_checkpoint import TOKENIZER_DIR, read_spec, resolve_checkpoint_dir
     from megarl.models.spec import LlamaSpec
 
@@ -72,12 +75,12 @@ def prepare_model(model_cfg) -> PreparedModel:
         from megarl.models.hf_checkpoint import smollm2_gguf_path
 
         gguf = smollm2_gguf_path()
-        ckpt = _converted(str(gguf.parent), cache, gguf.name)
+        ckpt = _converted(str(gguf.parent), cache, gguf.name, convert)
     else:
         path = Path(source)
         if not path.exists():
             raise ConfigError(f"model.source: {source} does not exist (a path, 'smollm2' or 'random:<preset>')")
-        ckpt = path if (path / TRACKER).exists() else _converted(source, cache)
+        ckpt = path if (path / TRACKER).exists() else _converted(source, cache, convert_now=convert)
     ckpt_dir = resolve_checkpoint_dir(ckpt, what="model.source")
     tok = model_cfg.tokenizer or str(ckpt_dir / TOKENIZER_DIR)
     if model_cfg.tokenizer == "smollm2":

@@ -14,7 +14,7 @@ from typing import Sequence
 from megarl.errors import ConfigError
 
 
-def train(config_path: str, overrides: Sequence[str] = ()) -> dict:
+def train(config_path: str, overrides: Sequence[str] = (), prepare_only: bool = False) -> dict:
     from megarl.config import load_config
     from megarl.controller import run_rank
     from megarl.model_source import prepare_model
@@ -24,9 +24,16 @@ def train(config_path: str, overrides: Sequence[str] = ()) -> dict:
     if cfg.generator.backend != "torch":
         raise ConfigError("generator.backend: `megarl train` drives megarl's torch engine in this release; the "
                           "SGLang backend (megarl.generator.sglang) runs against live servers from GPU scripts")
-    prepared = prepare_model(cfg.model)
     if running_under_torchrun():
+        # every rank resolves the model; converting is a job of its own, done before the launch
+        # (scripts/launch.sh runs `megarl train --prepare-only` first)
+        prepared = prepare_model(cfg.model, convert=False)
         run_rank(cfg.to_dict(), prepared)
+        return {}
+    prepared = prepare_model(cfg.model)
+    if prepare_only:
+        print(json.dumps({"prepared": prepared.checkpoint or cfg.model.source,
+                          "tokenizer": prepared.tokenizer, "world_size": cfg.world_size()}), flush=True)
         return {}
     run_world(run_rank, cfg.world_size(), cfg.to_dict(), prepared)
     summary = json.loads((Path(cfg.run.output_dir) / "summary.json").read_text())

@@ -91,7 +91,7 @@ class TrainerExecutor:
 
         t = self.cfg.trainer
         self.sync = TrainerSync(self.spec, TrainerTopology(t.tp, t.pp, t.dp), generator_topology, self.chunks,
-                                self.job.sync_group, self.job.rank, fp8=fp8)
+                                self.job.sync_group, self.job.rank, fp8=fp8, verify=self.cfg.generator.verify_sync)
 
     def push_weights(self, engine_params=None) -> float:
         start = time.perf_counter()
