@@ -1,0 +1,12 @@
+"""Capacity planning for asynchronous RL: LlamaRL's s.7 step-time model and PipelineRL's App. A.
+
+    from megarl.plan.inputs import PlanInputs
+    from megarl.plan.llamarl_model import plan_from_inputs
+    result = plan_from_inputs(PlanInputs(model="llama3-405b", gpus=1024))
+    result.best_async, result.best_sync, result.speedup
+
+Modules: hardware (H100 numbers), inputs (PlanInputs, lengths, layouts), costs (eta_t, eta_g,
+memory), measured (tables replacing eta), weight_sync_cost, llamarl_model (search),
+llamarl_theorem (Theorem 7.5), pipeline_appendix, report, cli (`megarl plan`).
+Pure Python: torch is imported only to predict the weight sync of the chosen layout.
+"""

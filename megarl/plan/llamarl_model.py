@@ -1,0 +1,339 @@
+"""LlamaRL's step-time model (arXiv 2505.24034, s.7) and a layout search over it.
+
+Notation of s.7: N GPUs, global batch B samples per step; eta_t(m, b) and
+eta_g(m, b) are the seconds one model replica of m GPUs spends per sample when
+training with micro-batch b / generating with b sequences in flight.
+
+Synchronous, colocated (the DeepSpeed-Chat-like baseline of Table 3): all N
+GPUs alternate between generating and training with ONE model-parallel layout
+m (the trainer's, since the generator uses the trainer's weights in place),
+each of the N/m replicas handling its share of B:
+
+    T_sync = B / (N/m) * (eta_g(m, b_g) + eta_t(m, b_t))
+
+and generation must fit beside the trainer's resident state.
+
+Asynchronous (LlamaRL): a fraction theta of the GPUs trains at (m_t, b_t), the
+rest generate at (m_g, b_g), concurrently:
+
+    T_async = max(B / (theta N / m_t) * eta_t(m_t, b_t),  B / ((1 - theta) N / m_g) * eta_g(m_g, b_g))
+              + weight sync
+
+Theorem 7.5 (see ``llamarl_theorem``): the best asynchronous layout is strictly
+faster than the best synchronous one. The search here is the practical,
+discrete version: theta in whole nodes and whole replicas, m = TP x PP with TP
+within a node and PP dividing the layers, every layout checked against GPU
+memory. On top of the theorem's setting the baseline, by default, also
+generates in the trainer's precision (bf16) and in static batches that wait for
+the longest response (``PlanInputs.sync_batching``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import List, Optional
+
+from megarl.errors import ConfigError
+from megarl.plan import weight_sync_cost
+from megarl.plan.costs import H100CostModel, MemoryBreakdown, Workload
+from megarl.plan.inputs import FixedLayout, GeneratorLayout, PlanInputs, TrainerLayout
+
+MICRO_BATCHES = (1, 2, 4, 8)
+RECOMPUTE = ("selective", "full")
+
+
+@dataclass
+class AsyncLayout:
+    trainer: TrainerLayout
+    trainer_gpus: int
+    generator: GeneratorLayout
+    generator_gpus: int
+    sequences: int  # b_g: in flight per generator replica
+    train_seconds: float
+    generate_seconds: float
+    weight_sync_seconds: float
+    eta_t: float
+    eta_g: float
+    trainer_memory: MemoryBreakdown
+    generator_memory: MemoryBreakdown
+    weight_sync_method: str = "estimate"
+
+    @property
+    def dp(self) -> int:
+        return self.trainer_gpus // self.trainer.m
+
+    @property
+    def replicas(self) -> int:
+        return self.generator_gpus // self.generator.m
+
+    @property
+    def theta(self) -> float:
+        return self.trainer_gpus / (self.trainer_gpus + self.generator_gpus)
+
+    @property
+    def step_seconds(self) -> float:
+        return max(self.train_seconds, self.generate_seconds) + self.weight_sync_seconds
+
+    @property
+    def fits(self) -> bool:
+        return self.trainer_memory.fits and self.generator_memory.fits
+
+
+@dataclass
+class SyncLayout:
+    trainer: TrainerLayout
+    gpus: int
+    sequences: int  # b_g: in flight per replica while generating
+    generator_precision: str
+    batching: str
+    train_seconds: float
+    generate_seconds: float
+    eta_t: float
+    eta_g: float
+    trainer_memory: MemoryBreakdown
+    generator_memory: MemoryBreakdown
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // self.trainer.m
+
+    @property
+    def step_seconds(self) -> float:
+        return self.train_seconds + self.generate_seconds
+
+    @property
+    def fits(self) -> bool:
+        return self.trainer_memory.fits and self.generator_memory.fits
+
+
+@dataclass
+class PlanResult:
+    inputs: PlanInputs
+    params: int
+    best_async: Optional[AsyncLayout]
+    best_sync: Optional[SyncLayout]
+    async_evaluated: int = 0
+    sync_evaluated: int = 0
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def speedup(self) -> Optional[float]:
+        if self.best_async is None or self.best_sync is None:
+            return None
+        return self.best_sync.step_seconds / self.best_async.step_seconds
+
+
+# -- layout enumeration ----------------------------------------------------------------------
+
+
+def _powers_of_two(limit: int) -> List[int]:
+    return [1 << i for i in range(limit.bit_length()) if (1 << i) <= limit]
+
+
+def pipeline_sizes(layers: int, max_pp: int) -> List[int]:
+    """Divisors of the layers, and powers of two (uneven stages, as Megatron allows), up to max_pp."""
+    divisors = {pp for pp in range(1, max_pp + 1) if layers % pp == 0}
+    return sorted(divisors | {pp for pp in _powers_of_two(max_pp) if pp <= layers})
+
+
+def trainer_layouts(costs, max_pp: int) -> List[TrainerLayout]:
+    """TP a power of two within a node (dividing heads and FFN), PP as ``pipeline_sizes``."""
+    spec = costs.spec
+    out = []
+    for tp in _powers_of_two(costs.hw.gpus_per_node):
+        try:
+            spec.check_parallelism(tp, 1)
+        except ConfigError:
+            continue
+        for pp in pipeline_sizes(spec.num_layers, max_pp):
+            for mb in MICRO_BATCHES:
+                for rc in RECOMPUTE:
+                    layout = TrainerLayout(tp, pp, mb, rc)
+                    if costs.trainer_allowed(layout):
+                        out.append(layout)
+    return out
+
+
+def generator_layouts(costs, max_pp: int, precision: str, role: str = "generator") -> List[GeneratorLayout]:
+    """SGLang: TP a power of two within a node (KV heads replicated beyond their count); PP only
+    when the weights do not fit on one node's GPUs (e.g. 405B in bf16), as deployed in practice."""
+    gpn = costs.hw.gpus_per_node
+    fits_in_node = costs.generator_weight_bytes(GeneratorLayout(gpn), precision) < costs.hw.usable_bytes
+    out = []
+    for tp in _powers_of_two(gpn):
+        try:
+            costs.spec.check_parallelism(tp, 1)
+        except ConfigError:
+            continue
+        for pp in [1] if fits_in_node else pipeline_sizes(costs.spec.num_layers, max_pp):
+            if costs.generator_allowed(GeneratorLayout(tp, pp), role):
+                out.append(GeneratorLayout(tp, pp))
+    return out
+
+
+# -- evaluation of one layout ----------------------------------------------------------------
+
+
+def evaluate_trainer(costs, layout: TrainerLayout, gpus: int, batch: int):
+    dp = gpus // layout.m
+    memory = costs.trainer_memory(layout, dp, batch)
+    eta = costs.trainer_seconds_per_sample(layout, dp, batch)
+    seconds = math.ceil(batch / dp) * eta + costs.trainer_step_overhead(layout, dp)
+    return seconds, eta, memory
+
+
+def evaluate_async(costs, inputs: PlanInputs, trainer: TrainerLayout, trainer_gpus: int,
+                   generator: GeneratorLayout, sequences: Optional[int] = None,
+                   trainer_eval=None) -> AsyncLayout:
+    batch, precision = inputs.batch, inputs.generator_precision
+    train_s, eta_t, t_mem = trainer_eval or evaluate_trainer(costs, trainer, trainer_gpus, batch)
+    generator_gpus = inputs.gpus - trainer_gpus
+    replicas = generator_gpus // generator.m
+    if sequences is None:
+        # eta_g falls with b_g: run as many as fit, but no more than the lag bound allows
+        lag_cap = math.ceil(inputs.max_lag_steps * batch / replicas)
+        sequences = min(lag_cap, costs.max_sequences(generator, precision, "continuous"))
+    g_mem = costs.generator_memory(generator, precision, max(sequences, 1), "continuous")
+    eta_g = costs.generator_seconds_per_sample(generator, precision, max(sequences, 1), "continuous")
+    if sequences < 1:
+        g_mem.parts["kv_cache"] = max(g_mem.parts["kv_cache"], g_mem.capacity)  # not even one sequence fits
+    sync_s = 0.0
+    if inputs.weight_sync != "skip":
+        sync_s = weight_sync_cost.estimate_seconds(costs, trainer, trainer_gpus, generator, replicas, precision)
+    return AsyncLayout(trainer, trainer_gpus, generator, generator_gpus, sequences, train_s,
+                       batch / replicas * eta_g, sync_s, eta_t, eta_g, t_mem, g_mem,
+                       "skip" if inputs.weight_sync == "skip" else "estimate")
+
+
+def evaluate_sync(costs, inputs: PlanInputs, trainer: TrainerLayout, trainer_eval=None) -> SyncLayout:
+    batch, gpus = inputs.batch, inputs.gpus
+    train_s, eta_t, t_mem = trainer_eval or evaluate_trainer(costs, trainer, gpus, batch)
+    dp = gpus // trainer.m
+    precision, mode = inputs.sync_precision, inputs.sync_batching
+    layout = GeneratorLayout(trainer.tp, trainer.pp)  # the colocated generator uses the trainer's shards
+    resident = {k: t_mem.parts[k] for k in ("weights", "grads", "optimizer")}
+    if inputs.sync_offload_trainer_state:
+        resident = {"weights": resident["weights"]}
+    if precision != inputs.trainer_precision:  # a second, quantised copy of the weights to generate with
+        resident["generator weights"] = costs.generator_weight_bytes(layout, precision)
+    per_replica = math.ceil(batch / dp)
+    sequences = min(per_replica, costs.max_sequences(layout, precision, mode, resident))
+    g_mem = costs.generator_memory(layout, precision, max(sequences, 1), mode, resident)
+    if sequences < 1:
+        g_mem.parts["kv_cache"] = max(g_mem.parts["kv_cache"], g_mem.capacity)
+    eta_g = costs.generator_seconds_per_sample(layout, precision, max(sequences, 1), mode, role="sync_generator")
+    return SyncLayout(trainer, gpus, sequences, precision, mode, train_s, per_replica * eta_g, eta_t, eta_g,
+                      t_mem, g_mem)
+
+
+# -- the search ------------------------------------------------------------------------------
+
+
+def _split_unit(inputs: PlanInputs, m: int) -> int:
+    """theta moves in whole nodes (a single node: whole GPUs) and whole replicas."""
+    node = inputs.gpus_per_node if inputs.gpus >= 2 * inputs.gpus_per_node else 1
+    return m * node // math.gcd(m, node)
+
+
+def search_layouts(costs, inputs: PlanInputs):
+    """Best asynchronous and best synchronous layouts that fit in memory (LlamaRL s.7)."""
+    batch, n = inputs.batch, inputs.gpus
+    trainers = trainer_layouts(costs, inputs.max_pp)
+    generators = generator_layouts(costs, inputs.max_pp, inputs.generator_precision)
+    best_train = {}  # trainer GPUs -> (seconds, layout, evaluation)
+    best_sync, sync_count, async_count = None, 0, 0
+    for layout in trainers:
+        unit = _split_unit(inputs, layout.m)
+        for gpus in range(unit, n, unit):
+            ev = evaluate_trainer(costs, layout, gpus, batch)
+            if ev[2].fits and (gpus not in best_train or ev[0] < best_train[gpus][0]):
+                best_train[gpus] = (ev[0], layout, ev)
+        if n % layout.m == 0 and costs.generator_allowed(GeneratorLayout(layout.tp, layout.pp), "sync_generator"):
+            sync_count += 1
+            ev = evaluate_trainer(costs, layout, n, batch)
+            if ev[2].fits:
+                candidate = evaluate_sync(costs, inputs, layout, ev)
+                if candidate.fits and (best_sync is None or candidate.step_seconds < best_sync.step_seconds):
+                    best_sync = candidate
+    best_async = None
+    for gpus, (_, layout, ev) in best_train.items():
+        for generator in generators:
+            if (n - gpus) % generator.m:
+                continue
+            async_count += 1
+            candidate = evaluate_async(costs, inputs, layout, gpus, generator, trainer_eval=ev)
+            if candidate.fits and (best_async is None or candidate.step_seconds < best_async.step_seconds):
+                best_async = candidate
+    return best_async, best_sync, async_count, sync_count
+
+
+def build_costs(inputs: PlanInputs):
+    spec = inputs.model_spec()
+    costs = H100CostModel(spec, inputs.hw, Workload(inputs.prompt_tokens, inputs.lengths))
+    if inputs.measured:
+        from megarl.plan.measured import load_measured
+
+        costs = load_measured(inputs.measured, costs)
+    return costs
+
+
+def plan_from_inputs(inputs: PlanInputs) -> PlanResult:
+    """Search (or evaluate inputs.layout) and return both layouts and the predicted speed-up."""
+    inputs.validate()
+    costs = build_costs(inputs)
+    best_async, best_sync, n_async, n_sync = search_layouts(costs, inputs)
+    result = PlanResult(inputs, costs.shape.params, best_async, best_sync, n_async, n_sync)
+    if inputs.layout is not None:
+        result.best_async = _evaluate_fixed(costs, inputs, inputs.layout)
+        result.notes.append("asynchronous layout given, not searched")
+    if result.best_async is None:
+        result.notes.append("no asynchronous layout fits in memory")
+    if result.best_sync is None:
+        result.notes.append("no synchronous (colocated) layout fits in memory")
+    layers = costs.spec.num_layers
+    for name, layout in (("asynchronous trainer", result.best_async and result.best_async.trainer),
+                         ("synchronous baseline", result.best_sync and result.best_sync.trainer)):
+        if layout is not None and layers % layout.pp:
+            result.notes.append(
+                f"{name} PP{layout.pp} splits {layers} layers unevenly (largest stage {-(-layers // layout.pp)}): "
+                f"Megatron's num_layers_in_first/last_pipeline_stage; megarl's check_parallelism refuses it today")
+    if result.best_async is not None and inputs.weight_sync == "predict":
+        a = result.best_async
+        try:
+            if a.generator.pp > 1:
+                raise ConfigError(f"generator PP{a.generator.pp}: megarl's sync planner has SGLang TP layouts only")
+            a.weight_sync_seconds = weight_sync_cost.predict_seconds(
+                costs.spec, costs.hw, a.trainer, a.dp, a.generator, a.replicas, inputs.generator_precision)
+            a.weight_sync_method = "predict"
+        except ImportError as err:  # the planner itself needs no torch; the transfer planner does
+            result.notes.append(f"weight sync estimated, not predicted ({err})")
+        except ConfigError as err:  # e.g. uneven pipeline stages, which megarl's sync planner refuses
+            result.notes.append(f"weight sync estimated, not predicted: {err}")
+    return result
+
+
+def _evaluate_fixed(costs, inputs: PlanInputs, fixed: FixedLayout) -> AsyncLayout:
+    n, t = inputs.gpus, fixed.trainer_gpus
+    if not 0 < t < n:
+        raise ConfigError(f"layout.trainer_gpus={t} must leave GPUs for the generator (gpus={n})")
+    if t % fixed.trainer.m:
+        raise ConfigError(f"layout.trainer_gpus={t} is not a multiple of trainer TP x PP = {fixed.trainer.m}")
+    if (n - t) % fixed.generator.m:
+        raise ConfigError(f"layout: the {n - t} generator GPUs are not a multiple of "
+                          f"generator TP = {fixed.generator.m}")
+    costs.spec.check_parallelism(fixed.trainer.tp, 1)
+    costs.spec.check_parallelism(fixed.generator.tp, 1)
+    if not 1 <= fixed.trainer.pp <= costs.spec.num_layers:
+        raise ConfigError(f"layout.trainer.pp={fixed.trainer.pp} must be between 1 and the "
+                          f"{costs.spec.num_layers} layers")
+    if fixed.trainer.recompute not in RECOMPUTE:
+        raise ConfigError(f"layout.trainer.recompute must be one of {RECOMPUTE}, got {fixed.trainer.recompute!r}")
+    return evaluate_async(costs, inputs, fixed.trainer, t, fixed.generator, fixed.generator_batch)
+
+
+def theorem_setting(inputs: PlanInputs) -> PlanInputs:
+    """Theorem 7.5's setting: one eta_g for both (same precision, continuous batching), so the
+    only differences left are the layout freedom and the memory the trainer's state takes."""
+    p = inputs.trainer_precision
+    return replace(inputs, generator_precision=p, sync_generator_precision=p, sync_batching="continuous")

@@ -1,0 +1,157 @@
+"""Readable tables and one-line JSON for plans (LlamaRL s.7) and the PipelineRL appendix."""
+
+from __future__ import annotations
+
+import json
+from typing import List, Optional
+
+from megarl.plan.costs import MemoryBreakdown
+from megarl.plan.hardware import GB
+from megarl.plan.llamarl_model import AsyncLayout, PlanResult, SyncLayout
+from megarl.plan.pipeline_appendix import PAPER_CASE, AppendixInputs, LagRow
+
+# LlamaRL Table 3: measured step-time speed-ups over the DeepSpeed-Chat-like baseline.
+LLAMARL_TABLE3 = (
+    ("llama3-8b", 256, 2.52),
+    ("llama3-70b", 256, 3.98),
+    ("llama3-405b", 1024, 10.7),
+)
+
+
+def _r(x: Optional[float], digits: int = 3):
+    return None if x is None else round(x, digits)
+
+
+def memory_json(m: MemoryBreakdown) -> dict:
+    return {"layout": m.layout, "total_gb": _r(m.total / GB, 2), "capacity_gb": _r(m.capacity / GB, 1),
+            "fits": m.fits, "overflow": m.overflow, "parts_gb": {k: _r(v / GB, 2) for k, v in m.parts.items()}}
+
+
+def async_json(a: Optional[AsyncLayout]) -> Optional[dict]:
+    if a is None:
+        return None
+    return {
+        "trainer": {"tp": a.trainer.tp, "pp": a.trainer.pp, "dp": a.dp, "micro_batch": a.trainer.micro_batch,
+                    "recompute": a.trainer.recompute, "gpus": a.trainer_gpus},
+        "generator": {"tp": a.generator.tp, "pp": a.generator.pp, "replicas": a.replicas, "gpus": a.generator_gpus,
+                      "sequences_in_flight": a.sequences},
+        "theta": _r(a.theta), "eta_t": _r(a.eta_t, 5), "eta_g": _r(a.eta_g, 5),
+        "train_seconds": _r(a.train_seconds), "generate_seconds": _r(a.generate_seconds),
+        "weight_sync_seconds": _r(a.weight_sync_seconds), "weight_sync_method": a.weight_sync_method,
+        "step_seconds": _r(a.step_seconds),
+        "memory": {"trainer": memory_json(a.trainer_memory), "generator": memory_json(a.generator_memory)},
+    }
+
+
+def sync_json(s: Optional[SyncLayout]) -> Optional[dict]:
+    if s is None:
+        return None
+    return {
+        "layout": {"tp": s.trainer.tp, "pp": s.trainer.pp, "dp": s.dp, "micro_batch": s.trainer.micro_batch,
+                   "recompute": s.trainer.recompute, "gpus": s.gpus},
+        "generator_precision": s.generator_precision, "batching": s.batching, "sequences_in_flight": s.sequences,
+        "eta_t": _r(s.eta_t, 5), "eta_g": _r(s.eta_g, 5),
+        "train_seconds": _r(s.train_seconds), "generate_seconds": _r(s.generate_seconds),
+        "step_seconds": _r(s.step_seconds),
+        "memory": {"trainer": memory_json(s.trainer_memory), "colocated_generator": memory_json(s.generator_memory)},
+    }
+
+
+def plan_json(r: PlanResult) -> dict:
+    i = r.inputs
+    return {
+        "model": i.spec and "custom" or i.model, "parameters_B": _r(r.params / 1e9, 2), "gpus": i.gpus,
+        "gpus_per_node": i.gpus_per_node, "gpu_memory_gb": i.gpu_memory_gb, "batch": i.batch,
+        "prompts": i.prompts, "samples_per_prompt": i.samples_per_prompt, "prompt_tokens": i.prompt_tokens,
+        "response_tokens": i.lengths.describe(), "trainer_precision": i.trainer_precision,
+        "generator_precision": i.generator_precision, "sync_generator_precision": i.sync_precision,
+        "sync_batching": i.sync_batching, "max_lag_steps": i.max_lag_steps,
+        "measured": i.measured if isinstance(i.measured, (str, type(None))) else "dict",
+        "asynchronous": async_json(r.best_async), "synchronous": sync_json(r.best_sync),
+        "speedup": _r(r.speedup), "layouts_evaluated": {"async": r.async_evaluated, "sync": r.sync_evaluated},
+        "notes": r.notes,
+    }
+
+
+def _table(rows: List[List[str]]) -> str:
+    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def plan_text(r: PlanResult) -> str:
+    i, a, s = r.inputs, r.best_async, r.best_sync
+    lines = [
+        f"megarl plan: {i.model if i.spec is None else 'custom model'} ({r.params / 1e9:.1f}B parameters) on "
+        f"{i.gpus} GPUs ({i.gpus_per_node}/node, {i.gpu_memory_gb:g} GB), batch {i.batch} = {i.prompts} prompts "
+        f"x {i.samples_per_prompt}, {i.prompt_tokens} prompt + {i.lengths.describe()} response tokens",
+        "",
+    ]
+    rows = [["", "role", "layout", "GPUs", "in flight", "seconds"]]
+    if a is not None:
+        rows.append(["asynchronous", "trainer", a.trainer.describe() + f" x DP{a.dp}", str(a.trainer_gpus),
+                     "", f"train {a.train_seconds:.1f}"])
+        rows.append(["", "generator", f"{a.generator.describe()} {i.generator_precision} x {a.replicas}",
+                     str(a.generator_gpus), str(a.sequences), f"generate {a.generate_seconds:.1f}"])
+        rows.append(["", "", f"theta = {a.theta:.2f}", "", "",
+                     f"weight sync {a.weight_sync_seconds:.2f} ({a.weight_sync_method})"])
+        rows.append(["", "step", "max(train, generate) + weight sync", "", "", f"{a.step_seconds:.1f}"])
+    if s is not None:
+        rows.append(["synchronous", "colocated", s.trainer.describe() + f" x DP{s.dp}", str(s.gpus), "",
+                     f"train {s.train_seconds:.1f}"])
+        rows.append(["", "", f"generates {s.generator_precision}, {s.batching} batches", "", str(s.sequences),
+                     f"generate {s.generate_seconds:.1f}"])
+        rows.append(["", "step", "generate + train", "", "", f"{s.step_seconds:.1f}"])
+    lines.append(_table(rows))
+    lines.append("")
+    if r.speedup is not None:
+        lines.append(f"predicted speed-up (T_sync / T_async): {r.speedup:.2f}x")
+    lines.append("memory per GPU:")
+    memories = [a.trainer_memory, a.generator_memory] if a else []
+    memories += [s.trainer_memory, s.generator_memory] if s else []
+    lines.extend("  " + m.describe() for m in memories)
+    lines.extend(f"note: {n}" for n in r.notes)
+    return "\n".join(lines)
+
+
+def appendix_json(a: AppendixInputs, rows: List[LagRow], knee: int) -> dict:
+    return {
+        "gpus": a.gpus, "batch": a.batch, "lengths": a.lengths.describe(),
+        "utilisation": "custom" if a.utilisation else f"roofline (saturates at h = {a.saturation:.0f})",
+        "peak_generation_tokens_s_per_gpu": _r(a.u(1e12), 1), "train_tokens_s_per_gpu": _r(a.tau, 1),
+        "max_inflight": a.max_inflight, "knee_lag": knee,
+        "rows": [{"g_max": row.g_max, "speedup": _r(row.speedup),
+                  "conventional_tokens_s": _r(row.conventional.tokens_s, 1),
+                  "conventional_inflight_per_gpu": _r(row.conventional.inflight, 2),
+                  "pipeline_tokens_s": _r(row.pipeline.tokens_s, 1),
+                  "pipeline_generator_gpus": row.pipeline.generator_gpus,
+                  "pipeline_inflight_per_gpu": _r(row.pipeline.inflight, 2),
+                  "pipeline_lag": _r(row.pipeline.lag, 2)} for row in rows],
+    }
+
+
+def appendix_text(a: AppendixInputs, rows: List[LagRow], knee: int) -> str:
+    head = (f"PipelineRL appendix model: N = {a.gpus}, B = {a.batch}, lengths {a.lengths.describe()}, "
+            f"U(h) {'custom' if a.utilisation else f'roofline saturating at h = {a.saturation:.0f}'}, "
+            f"U_max {a.u(1e12):.0f} and tau {a.tau:.0f} tokens/s per GPU")
+    table = [["g_max", "conventional tok/s", "Q/GPU", "PipelineRL tok/s", "I gen GPUs", "H/GPU", "speed-up"]]
+    for row in rows:
+        c, p = row.conventional, row.pipeline
+        table.append([str(row.g_max), f"{c.tokens_s:.0f}", f"{c.inflight:.1f}", f"{p.tokens_s:.0f}",
+                      str(p.generator_gpus), f"{p.inflight:.1f}", f"{row.speedup:.2f}x"])
+    return f"{head}\n\n{_table(table)}\n\nPipelineRL reaches 99% of its ideal throughput at g_max = {knee}"
+
+
+def compare_text(rows: List[dict]) -> str:
+    table = [["case", "GPUs", "T_sync (s)", "T_async (s)", "predicted", "paper", "predicted / paper"]]
+    for row in rows:
+        table.append([row["case"], str(row["gpus"]), row.get("sync", ""), row.get("async", ""),
+                      f"{row['predicted']:.2f}x", f"{row['paper']:.2f}x", f"{row['predicted'] / row['paper']:.2f}"])
+    return _table(table)
+
+
+def dumps(obj) -> str:
+    return json.dumps(obj, sort_keys=False)
+
+
+__all__ = ["LLAMARL_TABLE3", "PAPER_CASE", "plan_json", "plan_text", "appendix_json", "appendix_text",
+           "compare_text", "dumps"]
