@@ -73,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     ws.add_argument("--nvlink-gb-s", type=float, default=450.0, help="per GPU, within a node")
     ws.add_argument("--network-gb-s", type=float, default=50.0, help="per GPU, across nodes")
 
+    from megarl.plan.cli import add_plan_args
+
+    add_plan_args(sub.add_parser("plan", help="capacity planning (LlamaRL s.7, PipelineRL App. A); "
+                                              "--config FILE [--dry-run-topology] for a run config"))
+
     convert = sub.add_parser("convert", help="checkpoint conversion (same as tools/convert_*.py)")
     convert_sub = convert.add_subparsers(dest="direction", required=True)
     add_hf_to_megatron_args(convert_sub.add_parser("hf-to-megatron", help="Hugging Face / GGUF -> Megatron"))
@@ -120,6 +125,10 @@ def dispatch(args: argparse.Namespace) -> None:
             plan_only=args.plan_only, gpus_per_node=args.gpus_per_node, nvlink_gb_s=args.nvlink_gb_s,
             network_gb_s=args.network_gb_s,
         ))
+    elif args.command == "plan":
+        from megarl.plan.cli import run_plan
+
+        run_plan(args)
     elif args.command == "convert":
         from megarl.convert import cli, hf_to_megatron, megatron_to_hf
 

@@ -7,6 +7,8 @@
 
 Modules: hardware (H100 numbers), inputs (PlanInputs, lengths, layouts), costs (eta_t, eta_g,
 memory), measured (tables replacing eta), weight_sync_cost, llamarl_model (search),
-llamarl_theorem (Theorem 7.5), pipeline_appendix, report, cli (`megarl plan`).
-Pure Python: torch is imported only to predict the weight sync of the chosen layout.
+llamarl_theorem (Theorem 7.5), pipeline_appendix, report, cli (`megarl plan`), config_plan
+(`megarl plan --config FILE`: a run config's layout priced, balanced and searched), dry_run
+(`--dry-run-topology`: ranks, groups and the weight-sync plan of a config checked from shapes).
+Pure Python: torch is imported only to build weight-sync plans (prediction, dry run).
 """

@@ -1,10 +1,14 @@
 """`megarl plan`: capacity planning from the LlamaRL (s.7) and PipelineRL (App. A) models.
 
+    megarl plan --config FILE [key=value ...] [--json]          # a run config's layout, balanced, searched
+    megarl plan --config FILE --dry-run-topology [--json]       # its ranks and weight sync, no process
     megarl plan --model llama3-405b --gpus 1024 --batch 2048 [--gpu-memory-gb 80] [--measured FILE.json] [--json]
     megarl plan --pipeline-appendix [--gpus 128 --batch 128 ...]
     megarl plan --compare-paper
 
-Until the subcommand is wired into megarl/cli.py: ``python -m megarl.plan.cli ...``.
+(also ``python -m megarl.plan.cli ...``). With --config the model, cluster and lengths come
+from the config (its ``plan:`` section, see config_plan.py); change them with overrides
+(``plan.gpus=512``), not with the --model-mode flags, which are refused there.
 """
 
 from __future__ import annotations
@@ -27,6 +31,11 @@ from megarl.plan.report import (LLAMARL_TABLE3, appendix_json, appendix_text, co
 
 
 def add_plan_args(parser: argparse.ArgumentParser) -> None:
+    run = parser.add_argument_group("a run config")
+    run.add_argument("--config", default=None, help="plan a `megarl train` config (its plan: section for the cluster)")
+    run.add_argument("--dry-run-topology", action="store_true",
+                     help="with --config: build and check its ranks, groups and weight-sync plan; start nothing")
+    run.add_argument("overrides", nargs="*", default=[], help="with --config: overrides, e.g. plan.gpus=512")
     mode = parser.add_argument_group("mode")
     mode.add_argument("--pipeline-appendix", action="store_true", help="PipelineRL App. A: speed-up vs max lag")
     mode.add_argument("--compare-paper", action="store_true",
@@ -59,9 +68,12 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
                      help="baseline frees grads and optimizer state while generating")
     job.add_argument("--max-lag-steps", type=float, default=1.0, help="async sequences in flight, in batches")
     job.add_argument("--max-pp", type=int, default=16)
+    job.add_argument("--allow-uneven-pp", action="store_true",
+                     help="also search PP sizes that do not divide the layers (Megatron runs them, megarl refuses)")
     job.add_argument("--measured", default=None, help="JSON of measured seconds/sample (see megarl/plan/measured.py)")
-    job.add_argument("--weight-sync", default="predict", choices=["predict", "estimate", "skip"],
-                     help="predict: megarl's transfer planner for the chosen layout (needs torch; ~7 s at 405B)")
+    job.add_argument("--weight-sync", default=None, choices=["predict", "estimate", "skip"],
+                     help="predict (default): megarl's transfer planner for the chosen layout (needs torch; "
+                          "seconds at 405B); with --config the default is plan.weight_sync")
     fields = ", ".join(f.name for f in dataclasses.fields(Hardware))
     job.add_argument("--hardware", action="append", default=[], metavar="FIELD=VALUE",
                      help=f"override a hardware number, e.g. train_mfu=0.35 ({fields})")
@@ -117,8 +129,9 @@ def inputs_from_args(args, model: Optional[str] = None, gpus: Optional[int] = No
         gpu_memory_gb=args.gpu_memory_gb, trainer_precision=args.trainer_precision,
         generator_precision=args.generator_precision, sync_generator_precision=args.sync_generator_precision,
         sync_batching=args.sync_batching, sync_offload_trainer_state=args.sync_offload_trainer_state,
-        max_lag_steps=args.max_lag_steps, layout=layout, measured=args.measured, weight_sync=args.weight_sync,
-        hardware=_hardware(args), max_pp=args.max_pp,
+        max_lag_steps=args.max_lag_steps, layout=layout, measured=args.measured,
+        weight_sync=args.weight_sync or "predict",
+        hardware=_hardware(args), max_pp=args.max_pp, uneven_pp=args.allow_uneven_pp,
     )
     return theorem_setting(inputs) if args.theorem_setting else inputs
 
@@ -149,6 +162,11 @@ def _lags(args) -> List[int]:
 
 def run_plan(args) -> dict:
     """Run the mode `args` asks for, print tables (or one JSON line) and return the result as a dict."""
+    if args.config is not None:
+        return run_config_plan(args)
+    if args.dry_run_topology or args.overrides:
+        what = "--dry-run-topology" if args.dry_run_topology else f"override {args.overrides[0]!r}"
+        raise ConfigError(f"{what}: needs --config FILE")
     if args.compare_paper:
         result = compare_paper(args)
     elif args.pipeline_appendix:
@@ -164,6 +182,55 @@ def run_plan(args) -> dict:
             print(plan_text(plan), flush=True)
     if args.json:
         print(dumps(result), flush=True)
+    return result
+
+
+# Flags that mean something with --config; every other flag is refused there rather than silently
+# ignored, with the config field that replaces it where there is one.
+CONFIG_FLAGS = ("config", "dry_run_topology", "overrides", "json", "weight_sync")
+CONFIG_REPLACES = {"model": "plan.model", "gpus": "plan.gpus", "gpus_per_node": "plan.gpus_per_node",
+                   "batch": "rollout.prompts_per_step", "prompts": "rollout.prompts_per_step",
+                   "samples_per_prompt": "rollout.samples_per_prompt", "prompt_tokens": "plan.prompt_tokens",
+                   "response_dist": "plan.response_dist", "response_tokens_min": "plan.response_tokens_min",
+                   "response_tokens_max": "plan.response_tokens_max",
+                   "response_tokens_mean": "plan.response_tokens_mean", "gpu_memory_gb": "plan.gpu_memory_gb",
+                   "generator_precision": "generator.fp8", "max_lag_steps": "plan.max_lag_steps",
+                   "max_pp": "plan.max_pp", "measured": "plan.measured", "hardware": "plan.hardware.FIELD",
+                   "trainer_gpus": "trainer.dp", "trainer_tp": "trainer.tp", "trainer_pp": "trainer.pp",
+                   "micro_batch": "plan.micro_batch", "recompute": "plan.recompute", "generator_tp": "generator.tp",
+                   "generator_batch": "generator.max_running"}
+
+
+def run_config_plan(args) -> dict:
+    from megarl.config import load_config
+    from megarl.plan.config_plan import plan_config
+    from megarl.plan.dry_run import dry_run, dry_run_text
+    from megarl.plan.report import config_plan_json, config_plan_text
+
+    defaults = argparse.ArgumentParser()
+    add_plan_args(defaults)
+    default = vars(defaults.parse_args([]))
+    for name, value in default.items():
+        if name not in CONFIG_FLAGS and getattr(args, name, value) != value:
+            flag, instead = "--" + name.replace("_", "-"), CONFIG_REPLACES.get(name)
+            raise ConfigError(f"{flag}: not with --config" + (f"; set {instead} in the config or as an override "
+                                                              f"({instead}=...)" if instead else ""))
+    overrides = list(args.overrides)
+    if args.weight_sync is not None:
+        overrides.append(f"plan.weight_sync={args.weight_sync}")
+    cfg = load_config(args.config, overrides)
+    try:
+        if args.dry_run_topology:
+            report = dry_run(cfg, args.config)
+            result = report.to_json()
+            text = dry_run_text(report)
+        else:
+            plan = plan_config(cfg, args.config)
+            result = config_plan_json(plan)
+            text = config_plan_text(plan)
+    except ConfigError as err:
+        raise ConfigError(f"{args.config}: {err}") from None
+    print(dumps(result) if args.json else text, flush=True)
     return result
 
 

@@ -188,6 +188,14 @@ class PlanInputs:
     weight_sync: str = "estimate"  # predict (megarl.weight_sync planner) | estimate | skip
     hardware: Optional[Hardware] = None
     max_pp: int = 16
+    # Also search PP sizes that split the layers unevenly (e.g. PP16 over 405B's 126 layers):
+    # Megatron can run them, megarl's check_parallelism cannot, so only on request.
+    uneven_pp: bool = False
+    # megarl's asynchronous loop gives every generator replica an equal share of a step's
+    # prompts (config: prompts_per_step % replicas == 0); set to search only such splits.
+    equal_prompt_shares: bool = False
+    # Activation recomputation the search may choose (a run config names the one its trainer runs).
+    recompute: Tuple[str, ...] = ("selective", "full")
 
     @property
     def batch(self) -> int:
@@ -229,6 +237,8 @@ class PlanInputs:
             raise ConfigError(f"sync_batching must be 'static' or 'continuous', got {self.sync_batching!r}")
         if self.weight_sync not in ("predict", "estimate", "skip"):
             raise ConfigError(f"weight_sync must be predict|estimate|skip, got {self.weight_sync!r}")
+        if not self.recompute or any(r not in ("selective", "full") for r in self.recompute):
+            raise ConfigError(f"recompute={self.recompute!r}: choose from 'selective' and 'full'")
         if not self.max_lag_steps > 0:
             raise ConfigError(f"max_lag_steps must be positive, got {self.max_lag_steps!r}")
         self.hw  # validates the hardware with the overrides

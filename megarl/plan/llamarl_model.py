@@ -22,8 +22,9 @@ rest generate at (m_g, b_g), concurrently:
 Theorem 7.5 (see ``llamarl_theorem``): the best asynchronous layout is strictly
 faster than the best synchronous one. The search here is the practical,
 discrete version: theta in whole nodes and whole replicas, m = TP x PP with TP
-within a node and PP dividing the layers, every layout checked against GPU
-memory. On top of the theorem's setting the baseline, by default, also
+within a node and PP dividing the layers (uneven stages only with
+``PlanInputs.uneven_pp``: megarl itself refuses them), every layout checked
+against GPU memory. On top of the theorem's setting the baseline, by default, also
 generates in the trainer's precision (bf16) and in static batches that wait for
 the longest response (``PlanInputs.sync_batching``).
 """
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 from megarl.errors import ConfigError
 from megarl.plan import weight_sync_cost
@@ -131,13 +132,18 @@ def _powers_of_two(limit: int) -> List[int]:
     return [1 << i for i in range(limit.bit_length()) if (1 << i) <= limit]
 
 
-def pipeline_sizes(layers: int, max_pp: int) -> List[int]:
-    """Divisors of the layers, and powers of two (uneven stages, as Megatron allows), up to max_pp."""
-    divisors = {pp for pp in range(1, max_pp + 1) if layers % pp == 0}
-    return sorted(divisors | {pp for pp in _powers_of_two(max_pp) if pp <= layers})
+def pipeline_sizes(layers: int, max_pp: int, uneven: bool = False) -> List[int]:
+    """PP sizes up to max_pp that divide the layers: megarl's ``LlamaSpec.check_parallelism`` (and
+    the weight-sync planner) refuse uneven stages, so by default the planner never recommends one.
+    ``uneven``: also powers of two (Megatron's num_layers_in_first/last_pipeline_stage), opt-in."""
+    sizes = {pp for pp in range(1, max_pp + 1) if layers % pp == 0}
+    if uneven:
+        sizes |= {pp for pp in _powers_of_two(max_pp) if pp <= layers}
+    return sorted(sizes)
 
 
-def trainer_layouts(costs, max_pp: int) -> List[TrainerLayout]:
+def trainer_layouts(costs, max_pp: int, uneven_pp: bool = False,
+                    recompute: Sequence[str] = RECOMPUTE) -> List[TrainerLayout]:
     """TP a power of two within a node (dividing heads and FFN), PP as ``pipeline_sizes``."""
     spec = costs.spec
     out = []
@@ -146,16 +152,17 @@ def trainer_layouts(costs, max_pp: int) -> List[TrainerLayout]:
             spec.check_parallelism(tp, 1)
         except ConfigError:
             continue
-        for pp in pipeline_sizes(spec.num_layers, max_pp):
+        for pp in pipeline_sizes(spec.num_layers, max_pp, uneven_pp):
             for mb in MICRO_BATCHES:
-                for rc in RECOMPUTE:
+                for rc in recompute:
                     layout = TrainerLayout(tp, pp, mb, rc)
                     if costs.trainer_allowed(layout):
                         out.append(layout)
     return out
 
 
-def generator_layouts(costs, max_pp: int, precision: str, role: str = "generator") -> List[GeneratorLayout]:
+def generator_layouts(costs, max_pp: int, precision: str, role: str = "generator",
+                      uneven_pp: bool = False) -> List[GeneratorLayout]:
     """SGLang: TP a power of two within a node (KV heads replicated beyond their count); PP only
     when the weights do not fit on one node's GPUs (e.g. 405B in bf16), as deployed in practice."""
     gpn = costs.hw.gpus_per_node
@@ -166,7 +173,7 @@ def generator_layouts(costs, max_pp: int, precision: str, role: str = "generator
             costs.spec.check_parallelism(tp, 1)
         except ConfigError:
             continue
-        for pp in [1] if fits_in_node else pipeline_sizes(costs.spec.num_layers, max_pp):
+        for pp in [1] if fits_in_node else pipeline_sizes(costs.spec.num_layers, max_pp, uneven_pp):
             if costs.generator_allowed(GeneratorLayout(tp, pp), role):
                 out.append(GeneratorLayout(tp, pp))
     return out
@@ -238,14 +245,17 @@ def _split_unit(inputs: PlanInputs, m: int) -> int:
 
 def search_layouts(costs, inputs: PlanInputs):
     """Best asynchronous and best synchronous layouts that fit in memory (LlamaRL s.7)."""
-    batch, n = inputs.batch, inputs.gpus
-    trainers = trainer_layouts(costs, inputs.max_pp)
-    generators = generator_layouts(costs, inputs.max_pp, inputs.generator_precision)
+    batch, n, layers = inputs.batch, inputs.gpus, costs.spec.num_layers
+    # The synchronous baseline models the comparison system (Megatron-style, uneven stages
+    # allowed); the asynchronous layout is the recommendation, so it is one megarl can run.
+    trainers = trainer_layouts(costs, inputs.max_pp, uneven_pp=True, recompute=inputs.recompute)
+    generators = generator_layouts(costs, inputs.max_pp, inputs.generator_precision, uneven_pp=inputs.uneven_pp)
     best_train = {}  # trainer GPUs -> (seconds, layout, evaluation)
     best_sync, sync_count, async_count = None, 0, 0
     for layout in trainers:
         unit = _split_unit(inputs, layout.m)
-        for gpus in range(unit, n, unit):
+        runnable = inputs.uneven_pp or layers % layout.pp == 0
+        for gpus in range(unit, n, unit) if runnable else ():
             ev = evaluate_trainer(costs, layout, gpus, batch)
             if ev[2].fits and (gpus not in best_train or ev[0] < best_train[gpus][0]):
                 best_train[gpus] = (ev[0], layout, ev)
@@ -260,6 +270,8 @@ def search_layouts(costs, inputs: PlanInputs):
     for gpus, (_, layout, ev) in best_train.items():
         for generator in generators:
             if (n - gpus) % generator.m:
+                continue
+            if inputs.equal_prompt_shares and inputs.prompts % ((n - gpus) // generator.m):
                 continue
             async_count += 1
             candidate = evaluate_async(costs, inputs, layout, gpus, generator, trainer_eval=ev)
@@ -291,26 +303,64 @@ def plan_from_inputs(inputs: PlanInputs) -> PlanResult:
         result.notes.append("no asynchronous layout fits in memory")
     if result.best_sync is None:
         result.notes.append("no synchronous (colocated) layout fits in memory")
-    layers = costs.spec.num_layers
+    why = {"asynchronous trainer": "megarl's check_parallelism refuses it (searched because uneven_pp was set)",
+           "synchronous baseline": "the comparison system's layout, not one megarl runs"}
     for name, layout in (("asynchronous trainer", result.best_async and result.best_async.trainer),
                          ("synchronous baseline", result.best_sync and result.best_sync.trainer)):
+        layers = costs.spec.num_layers
         if layout is not None and layers % layout.pp:
             result.notes.append(
-                f"{name} PP{layout.pp} splits {layers} layers unevenly (largest stage {-(-layers // layout.pp)}): "
-                f"Megatron's num_layers_in_first/last_pipeline_stage; megarl's check_parallelism refuses it today")
-    if result.best_async is not None and inputs.weight_sync == "predict":
-        a = result.best_async
-        try:
-            if a.generator.pp > 1:
-                raise ConfigError(f"generator PP{a.generator.pp}: megarl's sync planner has SGLang TP layouts only")
-            a.weight_sync_seconds = weight_sync_cost.predict_seconds(
-                costs.spec, costs.hw, a.trainer, a.dp, a.generator, a.replicas, inputs.generator_precision)
-            a.weight_sync_method = "predict"
-        except ImportError as err:  # the planner itself needs no torch; the transfer planner does
-            result.notes.append(f"weight sync estimated, not predicted ({err})")
-        except ConfigError as err:  # e.g. uneven pipeline stages, which megarl's sync planner refuses
-            result.notes.append(f"weight sync estimated, not predicted: {err}")
+                f"{name} PP{layout.pp} splits {layers} layers unevenly (largest stage {-(-layers // layout.pp)}, "
+                f"Megatron's num_layers_in_first/last_pipeline_stage): {why[name]}")
+    if result.best_async is not None:
+        predict_weight_sync(costs, inputs, result.best_async, result.notes)
     return result
+
+
+def predict_weight_sync(costs, inputs: PlanInputs, a: AsyncLayout, notes: List[str]) -> None:
+    """Replace the estimate by megarl's transfer planner's prediction, when inputs ask for it."""
+    if inputs.weight_sync != "predict":
+        return
+    try:
+        if a.generator.pp > 1:
+            raise ConfigError(f"generator PP{a.generator.pp}: megarl's sync planner has SGLang TP layouts only")
+        a.weight_sync_seconds = weight_sync_cost.predict_seconds(
+            costs.spec, costs.hw, a.trainer, a.dp, a.generator, a.replicas, inputs.generator_precision)
+        a.weight_sync_method = "predict"
+    except ImportError as err:  # the planner itself needs no torch; the transfer planner does
+        notes.append(f"weight sync estimated, not predicted ({err})")
+    except ConfigError as err:  # e.g. uneven pipeline stages, which megarl's sync planner refuses
+        notes.append(f"weight sync estimated, not predicted: {err}")
+
+
+def evaluate_layout(inputs: PlanInputs, fixed: FixedLayout, notes: Optional[List[str]] = None) -> AsyncLayout:
+    """One asynchronous layout on inputs.gpus GPUs, priced without searching (e.g. a run config's)."""
+    inputs.validate()
+    costs = build_costs(inputs)
+    layout = _evaluate_fixed(costs, inputs, fixed)
+    predict_weight_sync(costs, inputs, layout, notes if notes is not None else [])
+    return layout
+
+
+def balanced_split(inputs: PlanInputs, trainer: TrainerLayout, generator: GeneratorLayout,
+                   sequences: Optional[int] = None, notes: Optional[List[str]] = None) -> Optional[AsyncLayout]:
+    """The trainer/generator split of inputs.gpus with the fastest step for fixed parallelism:
+    theta moves in whole nodes and whole replicas (and, with equal_prompt_shares, replica
+    counts dividing the prompts), so train and generate times come as close as they can."""
+    inputs.validate()
+    costs = build_costs(inputs)
+    n, best = inputs.gpus, None
+    unit = _split_unit(inputs, trainer.m)
+    for gpus in range(unit, n, unit):
+        replicas = (n - gpus) // generator.m
+        if (n - gpus) % generator.m or (inputs.equal_prompt_shares and inputs.prompts % replicas):
+            continue
+        candidate = evaluate_async(costs, inputs, trainer, gpus, generator, sequences)
+        if candidate.fits and (best is None or candidate.step_seconds < best.step_seconds):
+            best = candidate
+    if best is not None:
+        predict_weight_sync(costs, inputs, best, notes if notes is not None else [])
+    return best
 
 
 def _evaluate_fixed(costs, inputs: PlanInputs, fixed: FixedLayout) -> AsyncLayout:
@@ -327,6 +377,9 @@ def _evaluate_fixed(costs, inputs: PlanInputs, fixed: FixedLayout) -> AsyncLayou
     if not 1 <= fixed.trainer.pp <= costs.spec.num_layers:
         raise ConfigError(f"layout.trainer.pp={fixed.trainer.pp} must be between 1 and the "
                           f"{costs.spec.num_layers} layers")
+    if costs.spec.num_layers % fixed.trainer.pp and not inputs.uneven_pp:
+        raise ConfigError(f"layout.trainer.pp={fixed.trainer.pp} does not divide the {costs.spec.num_layers} layers: "
+                          f"megarl refuses uneven pipeline stages (the planner prices them with uneven_pp)")
     if fixed.trainer.recompute not in RECOMPUTE:
         raise ConfigError(f"layout.trainer.recompute must be one of {RECOMPUTE}, got {fixed.trainer.recompute!r}")
     return evaluate_async(costs, inputs, fixed.trainer, t, fixed.generator, fixed.generator_batch)

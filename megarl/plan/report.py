@@ -154,4 +154,59 @@ def dumps(obj) -> str:
 
 
 __all__ = ["LLAMARL_TABLE3", "PAPER_CASE", "plan_json", "plan_text", "appendix_json", "appendix_text",
-           "compare_text", "dumps"]
+           "compare_text", "config_plan_json", "config_plan_text", "dumps"]
+
+
+# -- `megarl plan --config FILE` -----------------------------------------------------------------
+
+
+def config_plan_json(p) -> dict:
+    """A run config's plan (megarl.plan.config_plan.ConfigPlan) as one JSON object."""
+    out = {"config": p.path, "gpus_used": p.gpus_used}
+    out.update(plan_json(p.searched))
+    sync = p.searched.best_sync
+    out["predicted_step_seconds"] = {
+        "configured": _r(p.configured.step_seconds), "balanced": _r(p.balanced and p.balanced.step_seconds),
+        "searched": _r(p.searched.best_async and p.searched.best_async.step_seconds),
+        "synchronous_baseline": _r(sync and sync.step_seconds)}
+    out["configured"] = dict(async_json(p.configured), fits=p.configured.fits, speedup=_r(p.speedup(p.configured)))
+    out["balanced"] = p.balanced and dict(async_json(p.balanced), speedup=_r(p.speedup(p.balanced)))
+    out["notes"] = p.notes
+    return out
+
+
+def config_plan_text(p) -> str:
+    i, c, b, s = p.inputs, p.configured, p.balanced, p.searched
+    lines = [f"megarl plan --config {p.path}: {i.model} ({s.params / 1e9:.1f}B parameters), {p.gpus_used} of "
+             f"{i.gpus} GPUs ({i.gpus_per_node}/node, {i.gpu_memory_gb:g} GB), batch {i.batch} = {i.prompts} prompts x "
+             f"{i.samples_per_prompt}, {i.prompt_tokens} prompt + {i.lengths.describe()} response tokens, trainer "
+             f"{i.trainer_precision}, generator {i.generator_precision}", ""]
+    rows = [["layout", "trainer", "GPUs", "generator", "GPUs", "in flight", "train s", "generate s", "sync s",
+             "step s", "vs sync"]]
+
+    def row(name, a):
+        if a is None:
+            return [name, "none fits", "", "", "", "", "", "", "", "", ""]
+        speedup = p.speedup(a)
+        return [name, f"{a.trainer.describe()} x DP{a.dp}", str(a.trainer_gpus),
+                f"{a.generator.describe()} x {a.replicas}", str(a.generator_gpus), str(a.sequences),
+                f"{a.train_seconds:.1f}", f"{a.generate_seconds:.1f}",
+                f"{a.weight_sync_seconds:.2f} ({a.weight_sync_method})", f"{a.step_seconds:.1f}",
+                "" if speedup is None else f"{speedup:.2f}x"]
+
+    rows.append(row("configured" + ("" if c.fits else " (does not fit)"), c))
+    rows.append(row("balanced split", b))
+    rows.append(row("searched best", s.best_async))
+    if s.best_sync is not None:
+        a = s.best_sync
+        rows.append(["sync baseline", f"{a.trainer.describe()} x DP{a.dp}", str(a.gpus),
+                     f"colocated, {a.generator_precision}", "", str(a.sequences), f"{a.train_seconds:.1f}",
+                     f"{a.generate_seconds:.1f}", "", f"{a.step_seconds:.1f}", "1.00x"])
+    lines.append(_table(rows))
+    lines += ["", "configured layout, memory per GPU:", "  " + c.trainer_memory.describe(),
+              "  " + c.generator_memory.describe()]
+    if b is not None and (b.trainer_gpus, b.sequences) != (c.trainer_gpus, c.sequences):
+        lines.append(f"balanced split: trainer.dp={b.dp}, generator.replicas={b.replicas}, "
+                     f"generator.max_running={b.sequences}")
+    lines.extend(f"note: {n}" for n in p.notes)
+    return "\n".join(lines)
