@@ -150,10 +150,11 @@ class Config:
         return self.generator.tp * self.generator.replicas
 
     def world_size(self) -> int:
-        """Ranks the job runs: trainer + generators (async), or the trainer's alone (sync, colocated)."""
+        """GPUs (ranks) of the job: trainer + generators (async; SGLang servers' GPUs included),
+        or the trainer's alone (sync, colocated)."""
         if self.run.mode == "sync":
             return self.trainer_size()
-        return self.trainer_size() + (self.generator_size() if self.generator.backend == "torch" else 0)
+        return self.trainer_size() + self.generator_size()
 
     def get(self, dotted: str) -> Any:
         section, _, name = dotted.partition(".")
