@@ -31,10 +31,12 @@ def block_fp8_hf_config(hf_config: Dict) -> Dict:
 
 
 def write_sync_config(path: str, spec: LlamaSpec, trainer: TrainerTopology, generator: GeneratorTopology,
-                      host: str, port: int, fp8: bool, verify: bool = False) -> str:
+                      host: str, port: int, fp8: bool, verify: bool = False, backend: str = "gloo") -> str:
+    """The receiver's settings. ``backend``: gloo when a trainer rank may share a GPU with a
+    worker (bytes then go through CUDA IPC), nccl when every sync rank has its own GPU."""
     with open(path, "w") as f:
         json.dump({"spec": spec.to_dict(), "trainer": asdict(trainer), "generator": asdict(generator), "host": host,
-                   "port": port, "fp8": fp8, "verify": verify}, f)
+                   "port": port, "fp8": fp8, "verify": verify, "backend": backend}, f)
     return path
 
 

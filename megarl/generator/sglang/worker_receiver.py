@@ -64,10 +64,14 @@ def _receiver(model: torch.nn.Module, replica: int):
     tp_rank = get_tensor_model_parallel_rank()
     rank = generator.rank(replica, tp_rank)
     group = init_sync_group(cfg["host"], cfg["port"], trainer.size + generator.size, rank,
-                            group_name=cfg.get("group_name", "megarl_weight_sync"))
+                            group_name=cfg.get("group_name", "megarl_weight_sync"), backend=cfg.get("backend"))
+    from megarl.weight_sync.ipc import colocated_peers
+
     params = _model_params(model)
+    # a trainer rank on this same GPU (single-GPU checks, colocated layouts): CUDA IPC, not NCCL
+    peers = colocated_peers(group, rank, next(iter(params.values())).device)
     sync = GeneratorSync(spec, trainer, generator, replica, tp_rank, params, group, fp8=cfg["fp8"],
-                         verify=cfg.get("verify", False))
+                         verify=cfg.get("verify", False), ipc_peers=peers)
     _STATE["sync"] = sync
     return sync
 
