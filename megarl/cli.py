@@ -32,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--reward", default="math")
     ev.add_argument("--batch", type=int, default=32, help="sequences in flight")
     ev.add_argument("--cache-dir", default="runs/cache")
+    ev.add_argument("--dump", help="write every prompt, response and reward to this .jsonl")
 
     data = sub.add_parser("data", help="prompt datasets")
     data_sub = data.add_subparsers(dest="dataset", required=True)
@@ -93,7 +94,7 @@ def dispatch(args: argparse.Namespace) -> None:
     elif args.command == "eval":
         from megarl.evaluate import evaluate
 
-        evaluate(args.checkpoint, args.data, args.max_new_tokens, args.reward, args.batch, args.cache_dir)
+        evaluate(args.checkpoint, args.data, args.max_new_tokens, args.reward, args.batch, args.cache_dir, args.dump)
     elif args.command == "data":
         from megarl.data.arithmetic import run_data
 

@@ -44,6 +44,7 @@ class TrainerConfig:
     kl_coef: float = 0.0
     advantage_estimator: str = "group_mean"
     normalize_advantage_std: bool = False
+    cpu_threads: int = 0  # CPU runs: intra-op threads per trainer rank (0: the launcher's OMP_NUM_THREADS)
 
 
 @dataclass
@@ -56,6 +57,7 @@ class GeneratorConfig:
     fp8: bool = False
     dtype: str = "fp32"  # engine weights when not fp8: fp32 | bf16
     recompute_kv_on_update: bool = False
+    cpu_threads: int = 0  # CPU runs: intra-op threads per generator rank (0: the launcher's OMP_NUM_THREADS)
     verify_sync: bool = False  # checksum every received shard against the sender's (costs a pass)
     sglang_urls: List[str] = field(default_factory=list)
 
@@ -121,7 +123,8 @@ class Config:
                      "generator.max_running", "rollout.prompts_per_step", "rollout.samples_per_prompt",
                      "rollout.max_new_tokens", "run.steps", "trainer.max_tokens_per_microbatch"):
             _positive(name, self.get(name))
-        for name in ("rollout.max_lag", "run.save_every", "data.eval_every"):
+        for name in ("rollout.max_lag", "run.save_every", "data.eval_every", "trainer.cpu_threads",
+                     "generator.cpu_threads"):
             if self.get(name) < 0:
                 raise ConfigError(f"{name}: must be >= 0, got {self.get(name)}")
         if self.run.mode == "sync" and g.backend != "torch":

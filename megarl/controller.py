@@ -59,6 +59,7 @@ class Controller:
         self.cfg = cfg
         self.topo = Topology.from_config(cfg)
         self.job = job = init_job(self.topo)
+        self._set_cpu_threads()
         self.spec = LlamaSpec.from_dict(prepared.spec)
         self.out = Path(cfg.run.output_dir)
         self.trainer = self.generator = self.reward = None
@@ -74,6 +75,17 @@ class Controller:
             self._init_generator(prepared)
         self.channels = {c.name: Channel(c, job.rank, job.control) for c in self.topo.channels if c.kind != "WEIGHTS"}
         self._init_weight_sync()
+
+    def _set_cpu_threads(self) -> None:
+        """On CPU, ranks share the cores: an async trainer that is busier than its generator may
+        take more threads than an even split (the generator's core is idle while it waits)."""
+        if self.job.device != "cpu":
+            return
+        import torch
+
+        n = self.cfg.trainer.cpu_threads if self.job.has("trainer") else self.cfg.generator.cpu_threads
+        if n:
+            torch.set_num_threads(n)
 
     def _init_generator(self, prepared) -> None:
         from megarl.executors.generator import GeneratorExecutor

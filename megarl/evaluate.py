@@ -41,7 +41,7 @@ def _checkpoint_dir(checkpoint: str, cache_dir: str) -> Path:
 
 
 def _eval_rank(ckpt_dir: str, tokenizer_dir: str, data: str, max_new_tokens: int, reward: str, batch: int,
-               out: str) -> None:
+               out: str, dump: str | None = None) -> None:
     from megarl.generator.interface import GenerationRequest, SamplingParams
     from megarl.generator.tokenizer import load_tokenizer, stop_ids
     from megarl.generator.torch_engine.engine import TorchEngine
@@ -54,8 +54,8 @@ def _eval_rank(ckpt_dir: str, tokenizer_dir: str, data: str, max_new_tokens: int
 
     init_distributed()
     init_megatron(ParallelLayout(1, 1))
-    spec, chunks = load_llama(ckpt_dir, ParallelLayout(1, 1), params_dtype=torch.float32)
-    params = allocate_generator_params(spec, 1, 0, torch.float32)
+    spec, chunks = load_llama(ckpt_dir, ParallelLayout(1, 1))  # in the dtype it was saved in
+    params = allocate_generator_params(spec, 1, 0, torch.float32)  # greedy decoding in fp32
     copy_colocated(spec, chunks, params)
     del chunks
     tokenizer = load_tokenizer(tokenizer_dir)
@@ -73,11 +73,16 @@ def _eval_rank(ckpt_dir: str, tokenizer_dir: str, data: str, max_new_tokens: int
               "reward_mean": sum(s.score for s in scores) / len(done),
               "generate_s": time.perf_counter() - start, "example": texts[0][:200]}
     Path(out).write_text(json.dumps(result))
+    if dump:
+        with open(dump, "w") as f:
+            for p, text, score in zip(prompts, texts, scores):
+                f.write(json.dumps({"prompt": p.record.messages, "answer": p.record.answer, "response": text,
+                                    "reward": score.score, "reason": score.reason}) + "\n")
     shutdown()
 
 
 def evaluate(checkpoint: str, data: str, max_new_tokens: int = 64, reward: str = "math", batch: int = 32,
-             cache_dir: str = "runs/cache") -> dict:
+             cache_dir: str = "runs/cache", dump: str | None = None) -> dict:
     import tempfile
 
     from megarl.checkpointing.megatron_checkpoint import TOKENIZER_DIR
@@ -91,7 +96,8 @@ def evaluate(checkpoint: str, data: str, max_new_tokens: int = 64, reward: str =
         tokenizer_dir = Path(cfg.get("model", {}).get("tokenizer") or "")
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "result.json")
-        run_world(_eval_rank, 1, str(ckpt_dir), str(tokenizer_dir), data, max_new_tokens, reward, batch, out)
+        run_world(_eval_rank, 1, str(ckpt_dir), str(tokenizer_dir), data, max_new_tokens, reward, batch, out,
+                  dump and str(Path(dump).resolve()))
         result = json.loads(Path(out).read_text())
     print(json.dumps(result), flush=True)
     return result

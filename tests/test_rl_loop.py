@@ -90,10 +90,12 @@ def test_async_and_sync_loops(tmp_path):
     max_lag = 2
     results = {}
     for mode in ("async", "sync"):
-        # a user reward by dotted path in sync mode, so the loop sees non-zero advantages too
         summary, metrics, rollouts = _train(tmp_path / mode, f"run.mode={mode}", f"rollout.max_lag={max_lag}")
         results[mode] = summary
         assert [m["step"] for m in metrics] == [1, 2, 3]
+        # step 1 trains on samples of the very policy it holds: the engine's behaviour log-probs
+        # (SGLang layout, weights synced or copied) equal Megatron's log-probs of the same tokens
+        assert metrics[0]["kl_mu_pi"] < 1e-5 and metrics[0]["ess"] > 1 - 1e-5, metrics[0]
         for m in metrics:
             assert 0 < m["ess"] <= 1 + 1e-6 and m["lag_max"] <= (max_lag if mode == "async" else 0)
             assert m["samples"] == 8 and m["weight_sync_verified"] == (mode == "async")

@@ -48,6 +48,8 @@ class TrainerExecutor:
 
         t = cfg.trainer
         self.cfg, self.job = cfg, job
+        # saved with every checkpoint, so `megarl eval` and exports find the tokenizer beside the weights
+        self.tokenizer_files = sorted(p for p in Path(prepared.tokenizer).iterdir() if p.is_file())
         layout = ParallelLayout(t.tp, t.pp)
         init_megatron(layout, seed=cfg.run.seed)
         dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
@@ -117,4 +119,5 @@ class TrainerExecutor:
         from megarl.checkpointing.training_checkpoint import save_training_state
 
         return save_training_state(self.chunks, self.optimizer, root, self.spec, step,
-                                   loop_state=dict(loop_state, version=self.version))
+                                   loop_state=dict(loop_state, version=self.version),
+                                   tokenizer_files=self.tokenizer_files)

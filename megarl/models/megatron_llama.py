@@ -138,6 +138,11 @@ def build_model_chunks(
             vp_stage=stage,
         )
         _apply_llama3_rope_parameters(model, spec)
+        # The local spec's torch norms ignore params_dtype and stay fp32; Megatron-LM casts the
+        # whole model (Float16Module). Cast parameters only: RoPE's inv_freq stays fp32.
+        for param in model.parameters():
+            if param.dtype != config.params_dtype:
+                param.data = param.data.to(config.params_dtype)
         if not config.perform_initialization:
             mark_tensor_parallel_weights(model)
         chunks.append(model)
