@@ -57,6 +57,8 @@ class GeneratorConfig:
     fp8: bool = False
     dtype: str = "fp32"  # engine weights when not fp8: fp32 | bf16
     recompute_kv_on_update: bool = False
+    # async: once its batch is ready, keep decoding for the next one until the trainer's step ends
+    generate_while_waiting: bool = True
     cpu_threads: int = 0  # CPU runs: intra-op threads per generator rank (0: the launcher's OMP_NUM_THREADS)
     verify_sync: bool = False  # checksum every received shard against the sender's (costs a pass)
     sglang_urls: List[str] = field(default_factory=list)

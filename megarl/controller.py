@@ -63,6 +63,7 @@ class Controller:
         self.spec = LlamaSpec.from_dict(prepared.spec)
         self.out = Path(cfg.run.output_dir)
         self.trainer = self.generator = self.reward = None
+        self.tp_group = None
         self.gsync = None
         root = self.out / CHECKPOINTS
         resume = root if (root / "latest_checkpointed_iteration.txt").exists() else None
@@ -95,12 +96,13 @@ class Controller:
         tokenizer = load_tokenizer(prepared.tokenizer)
         replica, tp_rank = self.topo.replica_of(self.job.rank)
         tp_group = None
+        self.tp_group = None
         if self.cfg.run.mode == "async" and self.topo.generator_tp > 1:
             first = self.topo.executors["generator"][0]
             for ranks in self.topo.generator_tp_groups():  # every generator rank creates every group
                 group = dist.new_group([r - first for r in ranks])
                 if self.job.rank in ranks:
-                    tp_group = group
+                    tp_group = self.tp_group = group
         self.generator = GeneratorExecutor(self.cfg, self.spec, _load_prompts(self.cfg, tokenizer),
                                            stop_ids(tokenizer), replica, tp_rank, tp_group, self.job.device)
         if self.job.has("reward"):
@@ -161,10 +163,18 @@ class Controller:
             gen_out, train_metrics = None, None
             make_batch = it < cfg.run.steps
             if asynchronous:
+                trained_key = f"megarl/trained/{it}"
                 if self.generator is not None and make_batch:
                     gen_out = self._generate(train_version=it, n_groups=per_replica, drain=False)
+                    if cfg.generator.generate_while_waiting:
+                        ahead = time.perf_counter()
+                        self.generator.generate_until(lambda: self.job.store.check([trained_key]), self.tp_group)
+                        if gen_out is not None:
+                            gen_out["time_generate"] += time.perf_counter() - ahead
                 if self.trainer is not None and pending is not None:
                     train_metrics = self.trainer.step(pending["samples"])
+                if job.rank == self.topo.executors["trainer"][0]:
+                    job.store.set(trained_key, "1")  # the generators may stop generating ahead
             else:
                 gen_out = self._generate(train_version=it, n_groups=per_replica, drain=True)
             batch = None

@@ -56,6 +56,23 @@ class GeneratorExecutor:
         return GenerationRequest(f"g{gid}", list(prompt.ids), params, n=r.samples_per_prompt, group_id=gid,
                                  meta={"answer": prompt.record.answer, **prompt.record.meta})
 
+    def _keep_full(self) -> None:
+        """Every slot busy, and a queue so that freed slots refill at once."""
+        n = self.cfg.rollout.samples_per_prompt
+        while self._in_engine() + n <= self.cfg.generator.max_running + n:
+            self.engine.submit([self._request()])
+
+    def _step_engine(self) -> None:
+        """One engine step; finished samples join their group, complete groups wait in ``ready``."""
+        n = self.cfg.rollout.samples_per_prompt
+        for c in self.engine.step():
+            self.tokens_generated += len(c.output_ids)
+            group = self.groups.setdefault(c.group_id, [])
+            group.append(c)
+            if len(group) == n:
+                del self.groups[c.group_id]
+                self.ready.append(sorted(group, key=lambda x: x.sample_index))
+
     def _in_engine(self) -> int:
         s = self.engine.stats()
         return int(s["queue_depth"] + s["running"])
@@ -66,28 +83,39 @@ class GeneratorExecutor:
         ``drain`` (sync mode): submit exactly n_groups prompts and run them to the end.
         """
         start = time.perf_counter()
-        n = self.cfg.rollout.samples_per_prompt
         if drain:
             self.engine.submit([self._request() for _ in range(n_groups)])
         while True:
             self.ready = [g for g in self.ready if self._fresh(g, train_version, drain)]
             if len(self.ready) >= n_groups:
                 break
-            if not drain:  # keep every slot busy, and a queue so freed slots refill at once
-                want = self.cfg.generator.max_running + n
-                while self._in_engine() + n <= want:
-                    self.engine.submit([self._request()])
-            for c in self.engine.step():
-                self.tokens_generated += len(c.output_ids)
-                group = self.groups.setdefault(c.group_id, [])
-                group.append(c)
-                if len(group) == n:
-                    del self.groups[c.group_id]
-                    self.ready.append(sorted(group, key=lambda x: x.sample_index))
+            if not drain:
+                self._keep_full()
+            self._step_engine()
+        return self._hand_over(n_groups, start)
+
+    def _hand_over(self, n_groups: int, start: float) -> dict:
         ready, self.ready = self.ready[:n_groups], self.ready[n_groups:]
         return {"groups": ready, "time_generate": time.perf_counter() - start,
                 "engine_version": self.engine.version, "stale_dropped": self.stale_dropped,
                 "in_flight": self._in_engine()}
+
+    def generate_until(self, stop, tp_group=None) -> int:
+        """Keep decoding (groups that finish wait for the next batch) until ``stop()`` says the
+        trainer is done: PipelineRL's generator never idles while the trainer works. The
+        replica's first rank decides; its TP peers follow, so all run the same steps."""
+        import torch.distributed as dist
+
+        steps = 0
+        while True:
+            flag = torch.tensor([1 if (self.tp_rank == 0 and stop()) else 0])
+            if tp_group is not None:
+                dist.broadcast(flag, group=tp_group, group_src=0)
+            if flag.item():
+                return steps
+            self._keep_full()
+            self._step_engine()
+            steps += 1
 
     def _fresh(self, group: List[Completion], train_version: int, drain: bool) -> bool:
         oldest = min(min(c.versions) for c in group)

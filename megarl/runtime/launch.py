@@ -34,7 +34,18 @@ def running_under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def _die_with_parent() -> None:
+    """Linux: this rank gets SIGKILL if the launching process dies (killed, Ctrl-C'd), so no rank
+    outlives the job holding cores and ports."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def _child(index: int, worlds: list, error_dir: str) -> None:
+    _die_with_parent()
     # worlds: [(fn, size, port, args)]; process ``index`` is rank index - offset of its world.
     offset = 0
     for fn, world_size, port, args in worlds:
@@ -98,5 +109,10 @@ def run_worlds(worlds: List[Tuple[Callable[..., Any], int, tuple]]) -> None:
         except mp.ProcessRaisedException as err:
             raise MegarlError(_failure_message(Path(error_dir), f"rank {err.error_index} failed:\n{err}")) from None
         except mp.ProcessExitedException as err:
-            fallback = f"rank {err.error_index} exited with code {err.exit_code} (signal {err.signal_name})"
+            if err.signal_name:  # killed (OOM killer, scheduler, a user): it wrote no report, and its
+                # peers' reports only say that it vanished -- name it first
+                others = _failure_message(Path(error_dir), "")
+                raise MegarlError(f"rank {err.error_index} was killed by {err.signal_name}; the job stopped"
+                                  + (f" (then {others.splitlines()[0]})" if others else "")) from None
+            fallback = f"rank {err.error_index} exited with code {err.exit_code}"
             raise MegarlError(_failure_message(Path(error_dir), fallback)) from None
