@@ -141,11 +141,14 @@ def test_parquet_round_trip(tmp_path):
     assert plain.plain_prompt == "6 x 7?" and plain.answer == "42"
 
 
-def test_parquet_without_pyarrow_says_what_to_install(tmp_path):
-    import importlib.util
+def test_parquet_without_pyarrow_says_what_to_install(tmp_path, monkeypatch):
+    import sys
 
-    if importlib.util.find_spec("pyarrow") is not None:
-        pytest.skip("pyarrow is installed")
+    # pyarrow is a dependency; a machine without it must still get a clear message
+    for name in [m for m in sys.modules if m == "pyarrow" or m.startswith("pyarrow.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
     path = tmp_path / "p.parquet"
     path.write_bytes(b"PAR1")
     with pytest.raises(ConfigError, match=re.escape(f"{path}: ") + ".*pip install pyarrow"):

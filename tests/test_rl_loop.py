@@ -57,7 +57,8 @@ def test_topology_assigns_every_rank_once():
     assert topo.trainer_groups()["tp"] == [[0, 1], [2, 3]] and topo.trainer_groups()["dp"] == [[0, 2], [1, 3]]
     assert topo.generator_tp_groups() == [[4, 5], [6, 7]] and topo.replica_of(7) == (1, 1)
     assert len(topo.check(gpus_per_node=4)) == 4
-    with pytest.raises(ConfigError, match="generator TP group \\[6, 7\\] spans nodes"):
+    # ranks 0-1 trainer, [2, 3] and [4, 5] generator replicas: [2, 3] straddles nodes of 3 GPUs
+    with pytest.raises(ConfigError, match="generator TP group \\[2, 3\\] spans nodes"):
         Topology.from_config(load_config(TINY, ["generator.tp=2", "generator.replicas=2"])).check(gpus_per_node=3)
     sync = Topology.from_config(load_config(TINY, ["run.mode=sync"]))
     assert sync.executors == {"trainer": (0, 1), "generator": (0, 1), "reward": (0, 1)}
@@ -104,8 +105,8 @@ def test_async_and_sync_loops(tmp_path):
             assert max(lags) <= max_lag and min(lags) >= 0
             assert r["versions"] == sorted(r["versions"])  # never decrease along a sequence
             assert r["reward"] == _math_verify_verdict(r["response"], r["answer"]), r
-        if mode == "async":  # one step off-policy: batch k was made by policy k-1
-            assert [m["lag_max"] for m in metrics] == [0, 1, 1]
+        if mode == "async":  # batch k was made by policy k-1, plus sequences carried across syncs
+            assert metrics[0]["lag_max"] == 0 and all(m["lag_max"] >= 1 for m in metrics[1:])
             assert [m["trained_version"] for m in metrics] == [0, 1, 2]
     assert results["async"]["samples"] == results["sync"]["samples"] == 24
 
