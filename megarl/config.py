@@ -146,6 +146,10 @@ class Config:
         if g.max_seq_len < self.data.max_prompt_tokens + r.max_new_tokens:
             raise ConfigError(f"generator.max_seq_len={g.max_seq_len} < data.max_prompt_tokens + "
                               f"rollout.max_new_tokens = {self.data.max_prompt_tokens + r.max_new_tokens}")
+        longest = self.data.max_prompt_tokens + r.max_new_tokens - 1
+        if t.max_tokens_per_microbatch < longest:
+            raise ConfigError(f"trainer.max_tokens_per_microbatch={t.max_tokens_per_microbatch} cannot hold the "
+                              f"longest sample (data.max_prompt_tokens + rollout.max_new_tokens - 1 = {longest})")
         return self
 
     def trainer_size(self) -> int:
