@@ -95,16 +95,14 @@ class Controller:
 
         tokenizer = load_tokenizer(prepared.tokenizer)
         replica, tp_rank = self.topo.replica_of(self.job.rank)
-        tp_group = None
-        self.tp_group = None
         if self.cfg.run.mode == "async" and self.topo.generator_tp > 1:
             first = self.topo.executors["generator"][0]
             for ranks in self.topo.generator_tp_groups():  # every generator rank creates every group
                 group = dist.new_group([r - first for r in ranks])
                 if self.job.rank in ranks:
-                    tp_group = self.tp_group = group
+                    self.tp_group = group
         self.generator = GeneratorExecutor(self.cfg, self.spec, _load_prompts(self.cfg, tokenizer),
-                                           stop_ids(tokenizer), replica, tp_rank, tp_group, self.job.device)
+                                           stop_ids(tokenizer), replica, tp_rank, self.tp_group, self.job.device)
         if self.job.has("reward"):
             self.reward = RewardExecutor(self.cfg, tokenizer)
 

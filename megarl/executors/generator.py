@@ -29,22 +29,20 @@ class GeneratorExecutor:
         from megarl.generator.torch_engine.engine import TorchEngine
         from megarl.weight_sync.endpoints import allocate_generator_params
 
-        g, r = cfg.generator, cfg.rollout
+        g = cfg.generator
         self.cfg, self.replica, self.tp_rank = cfg, replica, tp_rank
-        tp = cfg.generator.tp if cfg.run.mode == "async" else 1
+        tp = g.tp if cfg.run.mode == "async" else 1
         dtype = torch.bfloat16 if g.dtype == "bf16" else torch.float32
         self.params = allocate_generator_params(spec, tp, tp_rank, dtype, g.fp8, device=device)
         self.engine = TorchEngine(spec, self.params, max_running=g.max_running, max_seq_len=g.max_seq_len, tp=tp,
                                   tp_rank=tp_rank, group=tp_group, recompute_kv_on_update=g.recompute_kv_on_update)
         # every TP rank of a replica draws the same prompts in the same order
         self.stream = PromptStream(prompts, seed=cfg.run.seed * 1000 + replica)
-        self.replicas = cfg.generator.replicas if cfg.run.mode == "async" else None
         self.stop_ids = tuple(stop_ids)
         self.groups: Dict[int, List[Completion]] = {}
         self.next_group = 0
         self.ready: List[List[Completion]] = []  # finished groups not yet handed over
         self.stale_dropped = 0
-        self.tokens_generated = 0
 
     def _request(self) -> GenerationRequest:
         r = self.cfg.rollout
@@ -66,7 +64,6 @@ class GeneratorExecutor:
         """One engine step; finished samples join their group, complete groups wait in ``ready``."""
         n = self.cfg.rollout.samples_per_prompt
         for c in self.engine.step():
-            self.tokens_generated += len(c.output_ids)
             group = self.groups.setdefault(c.group_id, [])
             group.append(c)
             if len(group) == n:

@@ -22,7 +22,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Sequence
 
 from megarl.errors import MegarlError
 from megarl.generator.interface import Completion, GenerationRequest, GeneratorBackend
@@ -121,26 +121,28 @@ class SglangBackend(GeneratorBackend):
 
     # -- weight updates --------------------------------------------------------------------------
 
-    def _control(self, path: str, body: Dict, servers: Optional[List[int]] = None) -> None:
-        """POST to every server at once and wait for every answer."""
-        servers = list(range(len(self.urls))) if servers is None else servers
+    def _post_all(self, path: str, bodies: Dict[int, Dict]) -> None:
+        """POST ``bodies[s]`` to every server s at once; wait for every answer, raise the first failure."""
         answers: Dict[int, object] = {}
 
         def call(s: int) -> None:
             try:
-                answers[s] = post(self.urls[s], path, body, self.control_timeout_s)
+                answers[s] = post(self.urls[s], path, bodies[s], self.control_timeout_s)
             except BaseException as e:
                 answers[s] = e
 
-        threads = [threading.Thread(target=call, args=(s,)) for s in servers]
+        threads = [threading.Thread(target=call, args=(s,)) for s in bodies]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        for s in servers:
+        for s in bodies:
             if isinstance(answers[s], BaseException):
                 raise answers[s]
             protocol.check_ok(answers[s], self.urls[s], path)
+
+    def _control(self, path: str, body: Dict) -> None:
+        self._post_all(path, {s: body for s in range(len(self.urls))})
 
     def pause(self) -> None:
         self._control("/pause_generation", protocol.PAUSE_IN_PLACE)
@@ -164,27 +166,9 @@ class SglangBackend(GeneratorBackend):
         self.resume()
 
     def trigger_shard_to_shard(self, version: int) -> Callable[[], None]:
-        def apply() -> None:
-            # the payload names the replica: one call per server, all at once
-            answers: List[BaseException] = []
-
-            def call(replica: int) -> None:
-                try:
-                    protocol.check_ok(post(self.urls[replica], "/update_weights_from_tensor",
-                                           sync_trigger_payload(version, replica, self.tp), self.control_timeout_s),
-                                      self.urls[replica], "/update_weights_from_tensor")
-                except BaseException as e:
-                    answers.append(e)
-
-            threads = [threading.Thread(target=call, args=(r,)) for r in range(len(self.urls))]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            if answers:
-                raise answers[0]
-
-        return apply
+        # the payload names the replica: one body per server, all posted at once
+        return lambda: self._post_all("/update_weights_from_tensor", {
+            r: sync_trigger_payload(version, r, self.tp) for r in range(len(self.urls))})
 
     def stats(self) -> Dict[str, float]:
         with self.lock:
