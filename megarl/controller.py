@@ -38,17 +38,30 @@ def _broadcast_from_rank0(job, value):
     return box[0]
 
 
-def _load_prompts(cfg: Config, tokenizer) -> list:
+def _load_prompts(cfg: Config, tokenizer, vocab_size: int) -> list:
     from megarl.data.arithmetic import generate_arithmetic
     from megarl.data.datasets import load_prompts, parse_record, tokenize_prompts
 
     source = cfg.data.train
+    if source.startswith("random:"):  # token ids: no tokenizer involved
+        from megarl.data.random_tokens import random_token_prompts
+
+        return random_token_prompts(source, vocab_size, cfg.data.max_prompt_tokens)
     if source.startswith("arithmetic:"):
         _, n, seed = source.split(":")
         records = [parse_record(r, f"{source}#{i}") for i, r in enumerate(generate_arithmetic(int(n), int(seed)))]
     else:
         records = load_prompts(source)
     return tokenize_prompts(records, tokenizer, cfg.data.max_prompt_tokens)
+
+
+def _collective_timeout_s(cfg: Config) -> float:
+    """How long a collective may wait for a peer: the first weight sync waits for SGLang
+    servers to start (launched: the checkpoint's conversion and the load included)."""
+    g = cfg.generator
+    if g.backend == "sglang":
+        return 600.0 + 2 * g.sglang_startup_timeout_s
+    return 600.0
 
 
 class Controller:
@@ -58,13 +71,13 @@ class Controller:
 
         self.cfg = cfg
         self.topo = Topology.from_config(cfg)
-        self.job = job = init_job(self.topo)
+        self.job = job = init_job(self.topo, timeout_s=_collective_timeout_s(cfg))
         self._set_cpu_threads()
         self.spec = LlamaSpec.from_dict(prepared.spec)
         self.out = Path(cfg.run.output_dir)
         self.trainer = self.generator = self.reward = None
         self.tp_group = None
-        self.gsync = None
+        self.last_sync = None  # this rank's SyncStats of the last weight sync
         root = self.out / CHECKPOINTS
         resume = root if (root / "latest_checkpointed_iteration.txt").exists() else None
         if job.has("trainer"):
@@ -75,7 +88,10 @@ class Controller:
         if job.has("generator"):
             self._init_generator(prepared)
         self.channels = {c.name: Channel(c, job.rank, job.control) for c in self.topo.channels if c.kind != "WEIGHTS"}
-        self._init_weight_sync()
+        from megarl.weight_sync.factory import make_weight_synchronizer
+
+        # the weights channel: how the policy travels is the synchronizer's business alone
+        self.weights = make_weight_synchronizer(cfg, job, self.spec, self.trainer, self.generator)
 
     def _set_cpu_threads(self) -> None:
         """On CPU, ranks share the cores: an async trainer that is busier than its generator may
@@ -91,52 +107,43 @@ class Controller:
     def _init_generator(self, prepared) -> None:
         from megarl.executors.generator import GeneratorExecutor
         from megarl.executors.reward import RewardExecutor
+        from megarl.generator.factory import ReplicaPlacement, build_backend
         from megarl.generator.tokenizer import load_tokenizer, stop_ids
+        from megarl.runtime.failure import fail_rank
 
-        tokenizer = load_tokenizer(prepared.tokenizer)
-        replica, tp_rank = self.topo.replica_of(self.job.rank)
-        if self.cfg.run.mode == "async" and self.topo.generator_tp > 1:
+        cfg, job = self.cfg, self.job
+        replica, tp_rank = self.topo.replica_of(job.rank)
+        engine_tp = self.topo.generator_tp if self.topo.generator_backend == "torch" else 1
+        if cfg.run.mode == "async" and engine_tp > 1:
             first = self.topo.executors["generator"][0]
             for ranks in self.topo.generator_tp_groups():  # every generator rank creates every group
                 group = dist.new_group([r - first for r in ranks])
-                if self.job.rank in ranks:
+                if job.rank in ranks:
                     self.tp_group = group
-        self.generator = GeneratorExecutor(self.cfg, self.spec, _load_prompts(self.cfg, tokenizer),
-                                           stop_ids(tokenizer), replica, tp_rank, self.tp_group, self.job.device)
-        if self.job.has("reward"):
-            self.reward = RewardExecutor(self.cfg, tokenizer)
+        if not self.topo.runs_generator(job.rank):
+            return  # an SGLang replica's other ranks: its server's workers use their GPUs
+        import torch
 
-    def _init_weight_sync(self) -> None:
-        if self.cfg.run.mode != "async":
-            return
-        from megarl.weight_sync.endpoints import GeneratorSync
-        from megarl.weight_sync.planner import GeneratorTopology, TrainerTopology, build_plan
-
-        t, g = self.cfg.trainer, self.cfg.generator
-        trainer_topo = TrainerTopology(t.tp, t.pp, t.dp)
-        gen_topo = GeneratorTopology(g.tp, g.replicas, first_rank=self.topo.executors["generator"][0])
-        plan = build_plan(self.spec, trainer_topo, gen_topo)
-        if self.trainer is not None:
-            self.trainer.connect_generators(gen_topo, g.fp8)
-        if self.generator is not None:
-            replica, tp_rank = self.topo.replica_of(self.job.rank)
-            self.gsync = GeneratorSync(self.spec, trainer_topo, gen_topo, replica, tp_rank, self.generator.params,
-                                       self.job.sync_group, fp8=g.fp8, plan=plan, verify=g.verify_sync)
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        placement = ReplicaPlacement(replica, engine_tp, tp_rank, self.tp_group, job.device,
+                                     local_rank=job.local_rank % gpus if gpus else job.local_rank)
+        backend = build_backend(cfg.generator, self.spec, placement, cfg.rollout.samples_per_prompt,
+                                run_dir=self.out, store=job.store, on_failure=fail_rank)
+        tokenizer = load_tokenizer(prepared.tokenizer)
+        self.generator = GeneratorExecutor(cfg.rollout, cfg.generator.max_running, cfg.run.seed, backend,
+                                           _load_prompts(cfg, tokenizer, self.spec.vocab_size), stop_ids(tokenizer), replica,
+                                           cfg.rollout.prompts_per_step // self.topo.generator_replicas, tp_rank,
+                                           self.tp_group)
+        if job.has("reward"):
+            self.reward = RewardExecutor(cfg, tokenizer)
 
     # -- the weights channel ------------------------------------------------------------------
 
     def sync_weights(self) -> float:
         """The policy the trainer holds -> every generator; returns this rank's seconds."""
         start = time.perf_counter()
-        if self.cfg.run.mode == "sync":
-            self.generator.receive_weights(lambda: self.trainer.push_weights(self.generator.params),
-                                           self.trainer.version)
-        elif self.trainer is not None:
-            self.trainer.push_weights()
-        else:
-            landed = {}
-            self.generator.receive_weights(lambda: landed.update(stats=self.gsync.pull()), -1)
-            self.generator.engine.version = landed["stats"].version
+        version = _broadcast_from_rank0(self.job, self.trainer.version if self.job.rank == 0 else None)
+        self.last_sync = self.weights.sync(version)
         return time.perf_counter() - start
 
     # -- the loop ----------------------------------------------------------------------------------
@@ -166,7 +173,7 @@ class Controller:
                     gen_out = self._generate(train_version=it, n_groups=per_replica, drain=False)
                     if cfg.generator.generate_while_waiting:
                         ahead = time.perf_counter()
-                        self.generator.generate_until(lambda: self.job.store.check([trained_key]), self.tp_group)
+                        self.generator.generate_until(lambda: self.job.store.check([trained_key]), it + 1)
                         if gen_out is not None:
                             gen_out["time_generate"] += time.perf_counter() - ahead
                 if self.trainer is not None and pending is not None:
@@ -209,6 +216,12 @@ class Controller:
             (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary
 
+    def close(self) -> None:
+        """Stop what the generators hold (threads, launched servers)."""
+        self.weights.close()
+        if self.generator is not None:
+            self.generator.close()
+
     def _log_rollouts(self, step: int, version: int, samples) -> None:
         with open(self.out / "rollouts.jsonl", "a") as f:
             for s in samples:
@@ -238,6 +251,7 @@ class Controller:
                 "time_generate": max(p["time_generate"] for p in parts),
                 "time_reward": max(p["time_reward"] for p in parts),
                 "stale_dropped": sum(p["stale_dropped"] for p in parts),
+                "stale_aborted": sum(p["stale_aborted"] for p in parts),
                 "reward_timeouts": sum(p["reward_timeouts"] for p in parts),
                 "generated_tokens": sum(len(s.response_tokens) for s in samples),
                 "in_flight": sum(p["in_flight"] for p in parts)}
@@ -261,9 +275,16 @@ class Controller:
             "time_train": time_train, "time_weight_sync": sync_s,
             "idle_trainer": max(0.0, wall - time_train - sync_s),
             "idle_generator": max(0.0, wall - gen_s - reward_s - sync_s),
-            "stale_dropped": trained["stale_dropped"], "reward_timeouts": trained["reward_timeouts"],
+            "stale_dropped": trained["stale_dropped"], "stale_aborted": trained["stale_aborted"],
+            "reward_timeouts": trained["reward_timeouts"],
             "in_flight": current["in_flight"] if current else 0,
             "weight_sync_verified": self.cfg.generator.verify_sync and self.cfg.run.mode == "async",
+            # the trainer's own rate (its step's tokens / its step's time), the generators' while generating
+            "train_tokens_per_s": m.get("tokens_per_s", 0.0),
+            "generator_tokens_per_s": (current["generated_tokens"] / gen_s) if current and gen_s else 0.0,
+            # bytes this (first trainer) rank sent in the sync, and the sync's rate
+            "weight_sync_bytes": self.last_sync.bytes_sent if sync_s and self.last_sync else 0,
+            "weight_sync_transfer_s": self.last_sync.seconds if sync_s and self.last_sync else 0.0,
         }
         record.update({k: v for k, v in m.items() if k not in record and not isinstance(v, (list, dict))})
         return record
@@ -273,5 +294,8 @@ def run_rank(cfg_dict: dict, prepared) -> None:
     from megarl.runtime.distributed import shutdown
 
     controller = Controller(config_from_dict(cfg_dict), prepared)
-    controller.run()
+    try:
+        controller.run()
+    finally:
+        controller.close()
     shutdown()

@@ -1,13 +1,16 @@
 """Per-step metrics: metrics.jsonl (one JSON object per step), TensorBoard events, a progress bar.
 
 Written by one rank (the trainer's first). Numbers only in the TensorBoard
-scalars; the jsonl keeps everything.
+scalars; the jsonl keeps everything. Where the ``tensorboard`` package is
+missing (a GPU check on a machine with only PyTorch) the events are skipped
+with a notice; metrics.jsonl is always written.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -16,11 +19,16 @@ PROGRESS_KEYS = ("reward_mean", "accuracy", "lag_mean", "samples_per_s")
 
 class MetricsWriter:
     def __init__(self, out_dir: Path, total_steps: int, start_step: int = 0, progress: bool = True):
-        from torch.utils.tensorboard import SummaryWriter
-
         out_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl = open(out_dir / "metrics.jsonl", "a")
-        self.tb = SummaryWriter(str(out_dir / "tensorboard"))
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(out_dir / "tensorboard"))
+        except ImportError:
+            print("megarl: the tensorboard package is not installed: metrics go to metrics.jsonl only",
+                  file=sys.stderr, flush=True)
+            self.tb = None
         self.bar = None
         if progress:
             from tqdm import tqdm
@@ -31,10 +39,11 @@ class MetricsWriter:
         self.jsonl.write(json.dumps(record, sort_keys=True) + "\n")
         self.jsonl.flush()
         step = record["step"]
-        for key, value in record.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-                self.tb.add_scalar(key, value, step)
-        self.tb.flush()
+        if self.tb is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                    self.tb.add_scalar(key, value, step)
+            self.tb.flush()
         if self.bar is not None:
             self.bar.set_postfix({k: f"{record[k]:.3g}" for k in PROGRESS_KEYS if k in record}, refresh=False)
             self.bar.update(1)
@@ -43,7 +52,8 @@ class MetricsWriter:
         if self.bar is not None:
             self.bar.close()
         self.jsonl.close()
-        self.tb.close()
+        if self.tb is not None:
+            self.tb.close()
 
 
 def read_metrics(path: Path) -> list:

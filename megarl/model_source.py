@@ -5,7 +5,9 @@ use and cached) or a random initialisation, plus the tokenizer directory.
     <hf dir>           a Hugging Face Llama (config.json + safetensors)
     <megatron dir>     a megarl / Megatron-LM checkpoint (tracker + release/ or iter_N/)
     random:<preset>    Megatron's own initialisation of a preset shape (megarl.models.presets),
-                       with the tokenizer's vocabulary (model.tokenizer, default smollm2)
+                       with the tokenizer's vocabulary (model.tokenizer, default smollm2), or
+                       the preset's own with ``model.tokenizer: none`` (token-id prompts only;
+                       needs no transformers)
 
 Runs once, in the launching process, before any rank starts: a conversion is
 itself a multi-rank job (checkpoints load at any TP/PP, so one TP-1 copy
@@ -63,8 +65,12 @@ def prepare_model(model_cfg, convert: bool = True) -> PreparedModel:
     source, cache = model_cfg.source, Path(model_cfg.cache_dir)
     cache.mkdir(parents=True, exist_ok=True)
     if source.startswith("random:"):
+        from megarl.generator.tokenizer import NO_TOKENIZER
         from megarl.models.presets import preset_config
 
+        if model_cfg.tokenizer == NO_TOKENIZER:
+            hf = preset_config(source.split(":", 1)[1])
+            return PreparedModel(None, NO_TOKENIZER, LlamaSpec.from_hf_config(hf, source=f"model.source={source}").to_dict())
         tok = Path(model_cfg.tokenizer) if model_cfg.tokenizer not in (None, "smollm2") else _smollm2_tokenizer(cache)
         from transformers import AutoTokenizer
 

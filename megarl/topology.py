@@ -45,6 +45,9 @@ class Topology:
     generator_tp: int
     generator_replicas: int
     channels: List[ChannelSpec] = field(default_factory=list)
+    # torch: every generator rank runs an engine shard; sglang: a replica's first rank drives its
+    # server over HTTP, the replica's other ranks stand by (the server's workers use their GPUs)
+    generator_backend: str = "torch"
 
     # -- construction ----------------------------------------------------------------------
 
@@ -59,7 +62,7 @@ class Topology:
             generator = tuple(range(len(trainer), len(trainer) + cfg.generator_size()))
         leaders = generator[::gen_tp]
         topo = cls(cfg.run.mode, cfg.world_size(), {"trainer": trainer, "generator": generator, "reward": leaders},
-                   t.tp, t.pp, t.dp, gen_tp, replicas)
+                   t.tp, t.pp, t.dp, gen_tp, replicas, generator_backend=g.backend)
         topo.channels = [
             # finished, scored groups of every replica to the trainer's first rank ...
             ChannelSpec("rollouts", GATHER, "reward", "trainer", leaders, (trainer[0],)),
@@ -94,6 +97,12 @@ class Topology:
     def replica_of(self, rank: int) -> Tuple[int, int]:
         """(replica, tp_rank) of a generator rank."""
         return divmod(self.executors["generator"].index(rank), self.generator_tp)
+
+    def runs_generator(self, rank: int) -> bool:
+        """Whether this rank runs a generator executor (all torch-engine ranks; SGLang drivers)."""
+        if rank not in self.executors["generator"]:
+            return False
+        return self.generator_backend == "torch" or self.replica_of(rank)[1] == 0
 
     def channel(self, name: str) -> ChannelSpec:
         for c in self.channels:
@@ -134,7 +143,7 @@ class Topology:
             "mode": self.mode, "world_size": self.world_size,
             "executors": {k: _ranges(v) for k, v in self.executors.items()},
             "trainer": f"TP{self.trainer_tp} x PP{self.trainer_pp} x DP{self.trainer_dp}",
-            "generator": f"{self.generator_replicas} x TP{self.generator_tp}",
+            "generator": f"{self.generator_replicas} x TP{self.generator_tp} ({self.generator_backend})",
             "groups": {"trainer_tp": len(groups["tp"]), "trainer_dp": len(groups["dp"]),
                        "trainer_pp": len(groups["pp"]), "generator_tp": len(self.generator_tp_groups())},
             "channels": [f"{c.name}: {c.kind} {c.sender}{_ranges(c.src)} -> {c.receiver}{_ranges(c.dst)}"

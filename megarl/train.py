@@ -11,7 +11,6 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-from megarl.errors import ConfigError
 
 
 def train(config_path: str, overrides: Sequence[str] = (), prepare_only: bool = False) -> dict:
@@ -21,9 +20,6 @@ def train(config_path: str, overrides: Sequence[str] = (), prepare_only: bool = 
     from megarl.runtime.launch import run_world, running_under_torchrun
 
     cfg = load_config(config_path, overrides)
-    if cfg.generator.backend != "torch":
-        raise ConfigError("generator.backend: `megarl train` drives megarl's torch engine in this release; the "
-                          "SGLang backend (megarl.generator.sglang) runs against live servers from GPU scripts")
     if running_under_torchrun():
         # every rank resolves the model; converting is a job of its own, done before the launch
         # (scripts/launch.sh runs `megarl train --prepare-only` first)

@@ -9,6 +9,8 @@ that is wrong on any device and never change a value that is right.
                       initialisation (else grad-norm clipping is wrong at TP>1)
     optimizer_state   give each parameter its own Adam 'step' after a
                       distributed-optimizer load (torch Adam: no Apex/TE)
+    checkpoint_writer the checkpoint writer's helper process dies with its
+                      rank (else a killed job leaves it holding the job's pipes)
 """
 
 from megatron_patches.cpu_backend import apply as apply_cpu_backend

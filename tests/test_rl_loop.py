@@ -2,7 +2,8 @@
 
 The end-to-end runs use configs/tiny_cpu.yaml: a tiny random Llama with
 SmolLM2's tokenizer, trainer TP2 (2 ranks) + 1 generator rank in async mode,
-2 colocated ranks in sync mode, arithmetic prompts scored by math-verify.
+4 colocated ranks (trainer TP2 x PP2, each with its own engine) in sync mode,
+arithmetic prompts scored by math-verify.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
 
 
 def test_config_errors_name_the_field(tmp_path):
-    cfg = load_config(TINY, ["trainer.lr=3e-4", "generator.sglang_urls=http://a:1,http://b:2"])
+    cfg = load_config(TINY, ["trainer.lr=3e-4", "generator.backend=sglang", "generator.replicas=2",
+                             "generator.sglang_urls=http://a:1,http://b:2"])
     assert cfg.trainer.lr == 3e-4 and cfg.generator.sglang_urls == ["http://a:1", "http://b:2"]
     cases = {
         "trainer.tp=two": "trainer.tp: expected an integer",
@@ -39,7 +41,21 @@ def test_config_errors_name_the_field(tmp_path):
         "rollout.temperature=0": "rollout.temperature: RL needs sampling",
         "generator.max_seq_len=64": "generator.max_seq_len=64 <",
         "reward=3": "reward: expected a section",
+        # a field is used or refused: SGLang's settings with the torch engine, a URL per replica
+        "generator.sglang_urls=http://a:1": "generator.sglang_urls: used only with generator.backend=sglang",
+        "generator.sglang_mem_fraction=0.5": "generator.sglang_mem_fraction: used only with",
+        "model.tokenizer=none": "model.tokenizer: none is for random:<preset> models|data.train: with model.tokenizer",
     }
+    sglang = ["generator.backend=sglang"]
+    sglang_cases = {
+        "generator.sglang_urls=http://a:1,http://b:2": "2 URLs for generator.replicas=1",
+        "generator.sglang_urls=a:1": "generator.sglang_urls\\[0\\]: 'a:1' is not an http",
+        "generator.recompute_kv_on_update=true": "generator.recompute_kv_on_update: SGLang keeps the KV cache",
+        "run.mode=sync": "run.mode: sync \\(colocated\\) runs the torch engine",
+    }
+    for override, message in sglang_cases.items():
+        with pytest.raises(ConfigError, match=message):
+            load_config(TINY, [*sglang, override])
     for override, message in cases.items():
         with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
             load_config(TINY, [override])
@@ -90,12 +106,13 @@ def _math_verify_verdict(response: str, answer: str) -> float:
 def test_async_and_sync_loops(tmp_path):
     max_lag = 2
     results = {}
-    for mode in ("async", "sync"):
-        summary, metrics, rollouts = _train(tmp_path / mode, f"run.mode={mode}", f"rollout.max_lag={max_lag}")
+    for mode, layout in (("async", "trainer.pp=1"), ("sync", "trainer.pp=2")):
+        summary, metrics, rollouts = _train(tmp_path / mode, f"run.mode={mode}", f"rollout.max_lag={max_lag}", layout)
         results[mode] = summary
         assert [m["step"] for m in metrics] == [1, 2, 3]
         # step 1 trains on samples of the very policy it holds: the engine's behaviour log-probs
-        # (SGLang layout, weights synced or copied) equal Megatron's log-probs of the same tokens
+        # (SGLang layout, weights synced -- or, in sync mode, copied on each rank from the TP2 x PP2
+        # shards of both stages) equal Megatron's log-probs of the same tokens
         assert metrics[0]["kl_mu_pi"] < 1e-5 and metrics[0]["ess"] > 1 - 1e-5, metrics[0]
         for m in metrics:
             assert 0 < m["ess"] <= 1 + 1e-6 and m["lag_max"] <= (max_lag if mode == "async" else 0)

@@ -10,38 +10,29 @@ meta_info our parser reads.
 
 from __future__ import annotations
 
-import ast
-import dataclasses
-import importlib.metadata
+import base64
+import io
 import math
-from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict
 
 import pytest
 
+from tests import sglang_source
 from megarl.errors import MegarlError
-from megarl.generator.interface import GenerationRequest, SamplingParams
+from megarl.generator.interface import ABORTED, GenerationRequest, SamplingParams
 from megarl.generator.sglang import protocol, serving
 
 
-def _sglang_file(rel: str) -> Path:
+@pytest.fixture(autouse=True)
+def _needs_sglang_source():
     try:
-        dist = importlib.metadata.distribution("sglang")
-    except importlib.metadata.PackageNotFoundError:
-        pytest.skip("sglang source not installed (make setup installs sglang==0.5.23 --no-deps)")
-    return Path(dist.locate_file(f"sglang/srt/{rel}"))
+        sglang_source.sglang_file("managers/io_struct.py")
+    except sglang_source.SglangSourceMissing as e:
+        pytest.skip(str(e))
 
 
-def _tree(rel: str) -> ast.Module:
-    return ast.parse(_sglang_file(rel).read_text())
-
-
-def _class_fields(tree: ast.Module, name: str) -> Dict[str, str]:
-    for node in tree.body:
-        if isinstance(node, ast.ClassDef) and node.name == name:
-            return {s.target.id: ast.unparse(s.annotation) for s in node.body
-                    if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
-    raise AssertionError(f"SGLang has no class {name}")
+def _fields(name: str, rel: str = "managers/io_struct.py") -> Dict[str, str]:
+    return sglang_source.class_fields(rel, name)
 
 
 REQUEST = GenerationRequest("q7", [5, 6, 7], SamplingParams(temperature=0.7, top_p=1.0, max_new_tokens=9,
@@ -50,76 +41,77 @@ REQUEST = GenerationRequest("q7", [5, 6, 7], SamplingParams(temperature=0.7, top
 
 
 def test_generate_request_uses_sglang_field_names():
-    io = _tree("managers/io_struct.py")
     payload = protocol.generate_payload(REQUEST, 1)
-    fields = _class_fields(io, "GenerateReqInput")
+    fields = _fields("GenerateReqInput")
     assert set(payload) <= set(fields), set(payload) - set(fields)
-    sp_fields = _class_fields(_tree("sampling/sampling_params.py"), "SamplingParams")
+    sp_fields = _fields("SamplingParams", "sampling/sampling_params.py")
     assert set(payload["sampling_params"]) <= set(sp_fields), set(payload["sampling_params"]) - set(sp_fields)
     assert payload["rid"] == "q7#1" and payload["sampling_params"]["sampling_seed"] == 12
     assert payload["sampling_params"]["top_k"] == -1  # SGLang's "all tokens"
 
 
 def test_control_requests_use_sglang_field_names():
-    io = _tree("managers/io_struct.py")
-    pause = _class_fields(io, "PauseGenerationReqInput")
+    pause = _fields("PauseGenerationReqInput")
     assert set(protocol.PAUSE_IN_PLACE) <= set(pause) and "in_place" in pause["mode"]
     version = protocol.update_version_payload(4)
-    assert set(version) <= set(_class_fields(io, "UpdateWeightVersionReqInput"))
+    assert set(version) <= set(_fields("UpdateWeightVersionReqInput"))
     assert version == {"new_version": "4", "abort_all_requests": False}
     dist = protocol.distributed_update(["model.norm.weight"], ["bfloat16"], [[64]], 4)
-    assert set(dist) <= set(_class_fields(io, "UpdateWeightsFromDistributedReqInput"))
+    assert set(dist) <= set(_fields("UpdateWeightsFromDistributedReqInput"))
     assert dist["flush_cache"] is False and dist["load_format"] == "flattened_bucket"
-    # the trigger of megarl's in-worker receiver (built on GPU machines with SGLang's serializer)
-    trigger_keys = {"serialized_named_tensors", "load_format", "flush_cache", "abort_all_requests", "weight_version"}
-    assert trigger_keys <= set(_class_fields(io, "UpdateWeightsFromTensorReqInput"))
+    abort = protocol.abort_payload("g7#1")
+    assert set(abort) <= set(_fields("AbortReq")) and abort == {"rid": "g7#1", "abort_all": False}
+    trigger = protocol.sync_trigger_payload(5, 2, tp=3, loader=serving.WORKER_LOADER)
+    assert set(trigger) <= set(_fields("UpdateWeightsFromTensorReqInput"))
+    assert len(trigger["serialized_named_tensors"]) == 3 and trigger["weight_version"] == "5"
+
+
+def test_sync_trigger_deserialises_under_sglangs_safe_unpickler():
+    """The trigger passes SGLang's allow-list and carries no shared memory (any host can read it)."""
+    import pickle
+
+    allowed = sglang_source.safe_unpickler_globals()
+    seen = []
+
+    class SafeUnpickler(pickle.Unpickler):  # SGLang's find_class rule, with its own allow-list
+        def find_class(self, module, name):
+            seen.append((module, name))
+            if (module, name) not in allowed:
+                raise RuntimeError(f"Blocked unsafe global ({module}.{name})")
+            return super().find_class(module, name)
+
+    blob = protocol.sync_trigger_payload(7, 1, tp=2, loader="x.y")["serialized_named_tensors"][1]
+    ((name, tensor),) = SafeUnpickler(io.BytesIO(base64.b64decode(blob))).load()
+    assert protocol.parse_sync_trigger_name(name) == (7, 1) and tensor.numel() == 0
+    assert ("torch.multiprocessing.reductions", "rebuild_storage_empty") in seen
+    assert not {m for m in seen if m[1] in ("rebuild_storage_fd", "rebuild_storage_filename")}
+    with pytest.raises(MegarlError, match="expected 'megarl_sync/<version>/<replica>'"):
+        protocol.parse_sync_trigger_name("model.norm.weight")
+
+
+def test_launch_arguments_are_sglang_server_args():
+    fields = sglang_source.server_arg_fields()
+    args = serving.server_args("/m", 30001, tp=8, base_gpu_id=8, mem_fraction=0.8)
+    flags = [a[2:].replace("-", "_") for a in args if a.startswith("--")]
+    assert flags and set(flags) <= fields, set(flags) - fields
+    assert args[args.index("--custom-weight-loader") + 1] == serving.WORKER_LOADER
+    assert args[args.index("--base-gpu-id") + 1] == "8" and args[args.index("--tp-size") + 1] == "8"
 
 
 def test_every_endpoint_megarl_calls_is_an_sglang_route():
-    routes = set()
-    for node in ast.walk(_tree("entrypoints/http_server.py")):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            for dec in node.decorator_list:
-                if isinstance(dec, ast.Call) and dec.args and isinstance(dec.args[0], ast.Constant):
-                    routes.add(dec.args[0].value)
     used = {"/generate", "/pause_generation", "/begin_weight_update", "/update_weights_from_tensor",
             "/update_weights_from_distributed", "/end_weight_update", "/update_weight_version",
-            "/continue_generation"}
-    assert used <= routes, used - routes
+            "/continue_generation", "/abort_request", "/health"}
+    assert used <= sglang_source.http_routes(), used - sglang_source.http_routes()
 
 
 def test_block_fp8_scales_are_renamed_by_sglangs_loader():
     """Why fp8 goes through megarl's receiver: SGLang's Llama loader renames the scale and drops it."""
-    src = _sglang_file("models/llama.py").read_text()
+    src = sglang_source.sglang_file("models/llama.py").read_text()
     assert 'name.replace(".weight_scale_inv", ".weight_scale")' in src
     with pytest.raises(MegarlError, match="weight_scale_inv"):
         protocol.distributed_update(["model.layers.0.mlp.down_proj.weight_scale_inv"], ["float32"], [[1, 1]], 1)
     assert serving.block_fp8_hf_config({"a": 1})["quantization_config"]["weight_block_size"] == [128, 128]
-
-
-def _sglang_span_functions():
-    """SGLang's own span bookkeeping (utils/weight_versions.py), executed with plain stand-ins."""
-    tree = _tree("utils/weight_versions.py")
-    wanted = {"record_weight_version_events", "compute_weight_version_spans", "add_weight_versions_to_meta_info"}
-    funcs = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in wanted]
-    assert len(funcs) == 3
-
-    @dataclasses.dataclass
-    class WeightVersionSpan:
-        version: str
-        start: int
-        end: int
-
-    @dataclasses.dataclass(frozen=True)
-    class WeightVersionEvent:
-        old_version: str
-        num_output_tokens: int
-
-    ns: Dict[str, Any] = {"WeightVersionSpan": WeightVersionSpan, "WeightVersionEvent": WeightVersionEvent,
-                          "WeightVersionSpans": List, "List": List, "Dict": Dict, "Any": Any,
-                          "Iterable": List, "Req": object, "annotations": None}
-    exec(compile(ast.Module(body=funcs, type_ignores=[]), "weight_versions.py", "exec"), ns)
-    return ns
 
 
 def _sglang_answer(output_ids, logprobs, meta_extra, finish="length"):
@@ -130,7 +122,7 @@ def _sglang_answer(output_ids, logprobs, meta_extra, finish="length"):
 
 
 def test_version_spans_from_sglangs_own_bookkeeping():
-    ns = _sglang_span_functions()
+    ns = sglang_source.span_functions()
 
     class Req:  # what record_weight_version_events reads and writes
         def __init__(self):
@@ -161,7 +153,7 @@ def test_parser_names_the_fault():
     no_logprobs = {"output_ids": [4], "meta_info": {"finish_reason": {"type": "stop"}}}
     with pytest.raises(MegarlError, match=r"http://g0, request q7#0: output_token_logprobs .*return_logprob"):
         protocol.parse_generate_output(no_logprobs, REQUEST, 0, "http://g0")
-    with pytest.raises(MegarlError, match="aborted"):
-        protocol.parse_generate_output(_sglang_answer([4], [-1.0], meta, "abort"), REQUEST, 0, "http://g0")
+    aborted = protocol.parse_generate_output(_sglang_answer([4], [-1.0], meta, "abort"), REQUEST, 0, "http://g0")
+    assert aborted.finish_reason == ABORTED  # the backend checks that megarl asked for it
     with pytest.raises(MegarlError, match="not a megarl policy version"):
         protocol.parse_generate_output(_sglang_answer([4], [-1.0], {"weight_version": "default"}), REQUEST, 0)

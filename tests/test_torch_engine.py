@@ -4,12 +4,13 @@ continuous batching, seeded sampling, in-flight weight updates, block fp8."""
 import pytest
 import torch
 
-from megarl.generator.interface import GenerationRequest, SamplingParams
+from megarl.generator.interface import ABORTED, GenerationRequest, SamplingParams
 from megarl.generator.tokenizer import encode_prompt, load_tokenizer, stop_ids
 from megarl.generator.torch_engine.engine import TorchEngine
 from megarl.generator.torch_engine.model import KVCache, Segment, SglangLayoutLlama
 from megarl.generator.weights import load_generator_params
 from megarl.models.hf_checkpoint import SafetensorsCheckpoint
+from megarl.weight_sync.transport import SyncStats
 from tests.conftest import CHAT_PROMPTS, transformers_greedy
 
 MAX_NEW = 24
@@ -73,6 +74,28 @@ def test_continuous_batching_equals_one_prompt_at_a_time(smol):
         assert diff <= 1e-4
 
 
+def test_abort_frees_slots_and_leaves_the_others_untouched(smol):
+    hf, prompts, _ = smol
+    requests = [GenerationRequest(str(i), p, greedy((), 12)) for i, p in enumerate(prompts[:4])]
+    eng = engine(hf, max_running=2)  # "0", "1" running; "2", "3" queued
+    eng.submit(requests)
+    for _ in range(3):
+        assert eng.step() == []
+    eng.abort(["1", "3"])  # one running, one queued
+    assert eng.stats()["running"] == 1 and eng.stats()["queue_depth"] == 1
+    aborted = by_id(eng.step())  # come back at once, the tokens they had; the freed slot is refilled
+    assert {k: c.finish_reason for k, c in aborted.items()} == {"1": ABORTED, "3": ABORTED}
+    assert len(aborted["1"].output_ids) == 3 and aborted["3"].output_ids == []
+    assert eng.stats()["running"] == 2 and eng.stats()["queue_depth"] == 0
+    rest = by_id(eng.run_until_idle())
+    assert sorted(rest) == ["0", "2"]
+    for key in rest:  # unaffected: the same tokens as alone
+        alone = engine(hf, max_running=1)
+        alone.submit([requests[int(key)]])
+        (solo,) = alone.run_until_idle()
+        assert rest[key].output_ids == solo.output_ids
+
+
 def test_seeded_sampling_is_independent_of_the_batch_and_logprobs_are_of_the_used_distribution(smol):
     hf, prompts, _ = smol
     params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_new_tokens=8, seed=1234)
@@ -116,7 +139,8 @@ def test_in_flight_update_versions_and_kv_recompute(smol):
         for _ in range(10):  # prefill + 9 decode steps under version 0
             eng.step()
         eng.pause()
-        eng.update_weights(lambda: [eng.params[k].copy_(v) for k, v in v1.items()], version=1)
+        # the engine takes the version that landed from what the update returns
+        eng.update_weights(lambda: ([eng.params[k].copy_(v) for k, v in v1.items()], SyncStats(version=1))[1])
         eng.resume()
         (c,) = eng.run_until_idle()
         assert c.version_spans() == [(0, 0, 10), (1, 10, 30)]

@@ -122,6 +122,9 @@ def save_state(
     """
     from megatron.core import dist_checkpointing
 
+    from megatron_patches import checkpoint_writer
+
+    checkpoint_writer.apply()  # its helper process must not outlive a killed rank
     root = Path(root)
     final = root / iteration_dir_name(iteration)
     staging = root / f".incomplete_{final.name}"

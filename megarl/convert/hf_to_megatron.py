@@ -25,7 +25,6 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 from megarl.checkpointing.megatron_checkpoint import iter_sharded_tensors, model_sharded_state_dict, save_model
 from megarl.convert import parse_dtype
@@ -125,7 +124,11 @@ def fill_from_hf(chunks, spec: LlamaSpec, read_hf: Callable[[str], torch.Tensor]
             for param in chunk.parameters():
                 param.fill_(float("nan"))
         order = sorted(groups, key=lambda kl: (-1 if kl[1] is None else kl[1], kl[0]))
-        for key, layer in tqdm(order, desc="convert", unit="tensor", disable=not show_progress):
+        if show_progress:
+            from tqdm import tqdm  # lazily: runs that never convert (gpu_check.sh) need no tqdm
+
+            order = tqdm(order, desc="convert", unit="tensor")
+        for key, layer in order:
             shards = groups[(key, layer)]
             lead = shards[0].prepend_axis_num
             full = to_megatron(by_key[key], spec, read_hf, layer, global_rows=shards[0].global_shape[lead])

@@ -6,6 +6,12 @@ layer's global tensors at a time straight from the checkpoint's storage
 streams them into safetensors files of bounded size. Each stored chunk is read
 once; peak memory is the stored chunks of one pipeline stage (1/PP of the model
 as saved) plus one output file.
+
+``fp8``: the linear layers' weights are written as block fp8 (float8_e4m3fn
+plus a float32 ``weight_scale_inv`` per 128x128 block) and config.json gets
+the ``quantization_config`` SGLang's block-fp8 Llama loads; embeddings, norms
+and lm_head keep ``dtype`` (bf16 by default then). This is the checkpoint
+megarl's SGLang servers start from.
 """
 
 from __future__ import annotations
@@ -20,7 +26,6 @@ from pathlib import Path
 from typing import Dict, Optional
 
 import torch
-from tqdm import tqdm
 
 from megarl.checkpointing.dist_checkpoint_reader import DistCheckpointReader
 from megarl.checkpointing.megatron_checkpoint import TOKENIZER_DIR, read_spec, resolve_checkpoint_dir
@@ -28,6 +33,7 @@ from megarl.convert import parse_dtype
 from megarl.errors import CheckpointError
 from megarl.models.hf_checkpoint import write_config
 from megarl.models.hf_mapping import tensor_mappings, to_hf
+from megarl.weight_sync.fp8 import BLOCK_FP8_QUANT_CONFIG
 
 
 
@@ -35,8 +41,27 @@ from megarl.models.hf_mapping import tensor_mappings, to_hf
 class MegatronToHf:
     megatron: str
     output: str
-    dtype: str = "auto"  # auto: the checkpoint's dtype
+    dtype: str = "auto"  # auto: the checkpoint's dtype (bf16 with fp8)
     max_shard_gb: float = 5.0
+    fp8: bool = False  # block-fp8 linears (SGLang's format)
+    progress: bool = True
+
+
+# HF names of the weights SGLang serves in block fp8 (it fuses q/k/v and gate/up on load)
+FP8_HF_LINEARS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
+                  "up_proj.weight", "down_proj.weight")
+
+
+def _add_tensor(writer: "ShardedSafetensorsWriter", name: str, tensor: torch.Tensor, dtype: torch.dtype,
+                fp8: bool) -> None:
+    if fp8 and name.startswith("model.layers.") and name.endswith(FP8_HF_LINEARS):
+        from megarl.weight_sync import fp8 as fp8_format
+
+        q, scale_inv = fp8_format.quantize(tensor)
+        writer.add(name, q)
+        writer.add(name + fp8_format.SCALE_SUFFIX, scale_inv)
+    else:
+        writer.add(name, tensor.to(dtype))
 
 
 class ShardedSafetensorsWriter:
@@ -87,7 +112,7 @@ def convert(args: MegatronToHf) -> None:
     start = time.perf_counter()
     ckpt_dir = resolve_checkpoint_dir(args.megatron)
     spec = read_spec(ckpt_dir)
-    dtype: Optional[torch.dtype] = parse_dtype(args.dtype)
+    dtype: Optional[torch.dtype] = parse_dtype(args.dtype) or (torch.bfloat16 if args.fp8 else None)
     out = Path(args.output)
     if out.exists() and any(out.iterdir()):
         raise CheckpointError(f"--output {out}: directory is not empty; refusing to overwrite it")
@@ -101,15 +126,19 @@ def convert(args: MegatronToHf) -> None:
     global_maps = [m for m in mappings if not m.per_layer]
     layer_maps = [m for m in mappings if m.per_layer]
     steps = [None] + list(range(spec.num_layers))
-    for layer in tqdm(steps, desc="export", unit="layer"):
+    if args.progress:
+        from tqdm import tqdm
+
+        steps = tqdm(steps, desc="export", unit="layer")
+    for layer in steps:
         for m in global_maps if layer is None else layer_maps:
             for name, tensor in to_hf(m, spec, reader.read(m.megatron_key, layer), layer).items():
                 dtype = dtype or tensor.dtype
-                writer.add(name, tensor.to(dtype))
+                _add_tensor(writer, name, tensor, dtype, args.fp8)
         if layer is not None:
             reader.release_layers_before(layer + 1)
     writer.close()
-    write_config(spec, staging, dtype)
+    write_config(spec, staging, dtype, quantization_config=BLOCK_FP8_QUANT_CONFIG if args.fp8 else None)
     if (ckpt_dir / TOKENIZER_DIR).is_dir():
         shutil.copytree(ckpt_dir / TOKENIZER_DIR, staging, dirs_exist_ok=True)
     if out.exists():
@@ -117,7 +146,7 @@ def convert(args: MegatronToHf) -> None:
     os.replace(staging, out)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print(
-        f"exported {ckpt_dir} -> {out} ({writer.total_bytes / 2**30:.2f} GiB, {dtype}) in "
+        f"exported {ckpt_dir} -> {out} ({writer.total_bytes / 2**30:.2f} GiB, {dtype}{', fp8 linears' if args.fp8 else ''}) in "
         f"{time.perf_counter() - start:.1f} s; peak RSS {peak:.2f} GiB",
         flush=True,
     )

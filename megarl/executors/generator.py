@@ -1,78 +1,143 @@
-"""The generator executor: one replica of megarl's torch engine (TP over its own group).
+"""The generator executor: one generator replica's prompts, groups and admission control.
 
-``generate(train_version, n_groups)`` keeps the engine's slots full and
-returns the first ``n_groups`` prompt groups whose samples have all
-finished. In async mode sequences still in flight stay in the engine across
-steps (partial rollouts) and continue under each new policy version; the
-weights are replaced between decode steps (``receive_weights``), never by
-draining the batch.
+It talks only to a ``GeneratorBackend`` (generator/interface.py; built by
+generator/factory.py from ``generator.backend``): megarl's torch engine in
+this process (every TP rank of the replica runs this executor on the same
+requests) or an SGLang server over HTTP (the replica's first rank runs it).
+Everything here works the same for both:
+
+``generate(train_version, n_groups)`` keeps the backend full -- up to
+``generator.max_running`` samples in flight plus one group queued, so a freed
+slot refills at once -- and returns the first ``n_groups`` prompt groups whose
+samples have all finished. In async mode sequences still in flight stay in
+the backend across steps (partial rollouts) and continue under each new
+policy version; weights are replaced between decode steps by the weight
+synchronizer (weight_sync/factory.py), never by draining the batch.
 
 Admission control for ``rollout.max_lag``: a group is handed to the trainer
-only if every token of it will be at most ``max_lag`` versions behind the
-policy that trains on it (``train_version``); an older group is dropped and
-a fresh prompt takes its place (counted in ``stale_dropped``).
+only if every token of it is at most ``max_lag`` versions behind the policy
+that trains on it (``train_version``). A finished group that is older is
+dropped (``stale_dropped``); a group still in flight whose first tokens were
+already sampled too long ago can never qualify, so it is aborted at once and
+its slots go to fresh prompts (``stale_aborted``). "Too long ago" uses the
+backend's policy version when the group was submitted: its samples start at
+once (the backend holds at most max_running + one group), so that is the
+version of their first tokens.
+
+While the trainer steps (``generate_until``), new prompts are admitted only
+as long as the groups ready or in flight do not already cover every batch a
+group started now could still join: with the backend at version v, a new
+group can be trained up to version v + max_lag, i.e. by batches T' .. v +
+max_lag (T' = the next batch's train version), ``groups_per_step`` each. A
+generator faster than the trainer then stops early instead of making groups
+that would only be dropped as stale; one slower than the trainer never
+reaches the cap.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Dict, List
+from dataclasses import dataclass
+from typing import Dict, List, Set
 
 import torch
 
-from megarl.generator.interface import Completion, GenerationRequest, SamplingParams
+from megarl.errors import MegarlError
+from megarl.generator.interface import ABORTED, Completion, GenerationRequest, GeneratorBackend, SamplingParams
+
+
+@dataclass
+class _InFlight:
+    request_id: str
+    submitted_version: int
+    returned: int = 0  # samples back from the backend (finished or aborted)
 
 
 class GeneratorExecutor:
-    def __init__(self, cfg, spec, prompts, stop_ids, replica: int, tp_rank: int, tp_group, device: str = "cpu"):
+    def __init__(self, rollout, max_running: int, seed: int, backend: GeneratorBackend, prompts, stop_ids,
+                 replica: int, groups_per_step: int, tp_rank: int = 0, tp_group=None):
+        """``rollout``: the config's RolloutConfig section; ``prompts``: tokenized prompts;
+        ``groups_per_step``: this replica's share of a batch."""
         from megarl.data.datasets import PromptStream
-        from megarl.generator.torch_engine.engine import TorchEngine
-        from megarl.weight_sync.endpoints import allocate_generator_params
 
-        g = cfg.generator
-        self.cfg, self.replica, self.tp_rank = cfg, replica, tp_rank
-        tp = g.tp if cfg.run.mode == "async" else 1
-        dtype = torch.bfloat16 if g.dtype == "bf16" else torch.float32
-        self.params = allocate_generator_params(spec, tp, tp_rank, dtype, g.fp8, device=device)
-        self.engine = TorchEngine(spec, self.params, max_running=g.max_running, max_seq_len=g.max_seq_len, tp=tp,
-                                  tp_rank=tp_rank, group=tp_group, recompute_kv_on_update=g.recompute_kv_on_update)
+        self.rollout, self.max_running, self.seed = rollout, max_running, seed
+        self.groups_per_step = groups_per_step
+        self.backend = backend
+        self.replica, self.tp_rank, self.tp_group = replica, tp_rank, tp_group
         # every TP rank of a replica draws the same prompts in the same order
-        self.stream = PromptStream(prompts, seed=cfg.run.seed * 1000 + replica)
+        self.stream = PromptStream(prompts, seed=seed * 1000 + replica)
         self.stop_ids = tuple(stop_ids)
-        self.groups: Dict[int, List[Completion]] = {}
+        self.groups: Dict[int, List[Completion]] = {}  # finished samples of groups not yet complete
+        self.pending: Dict[int, _InFlight] = {}  # groups with samples still in the backend
+        self.doomed: Set[int] = set()  # aborted groups whose samples are still coming back
+        self.in_flight = 0  # samples submitted and not yet returned
         self.next_group = 0
         self.ready: List[List[Completion]] = []  # finished groups not yet handed over
         self.stale_dropped = 0
+        self.stale_aborted = 0
+        self.aborted_samples = 0
+
+    @property
+    def version(self) -> int:
+        return int(self.backend.stats()["version"] or 0)
 
     def _request(self) -> GenerationRequest:
-        r = self.cfg.rollout
+        r = self.rollout
         prompt = next(self.stream)
         gid = self.next_group * 1_000 + self.replica  # unique over replicas
         self.next_group += 1
         params = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
-                                stop_token_ids=self.stop_ids, seed=(self.cfg.run.seed * 7919 + gid) % (2 ** 31))
+                                stop_token_ids=self.stop_ids, seed=(self.seed * 7919 + gid) % (2 ** 31))
         return GenerationRequest(f"g{gid}", list(prompt.ids), params, n=r.samples_per_prompt, group_id=gid,
                                  meta={"answer": prompt.record.answer, **prompt.record.meta})
 
-    def _keep_full(self) -> None:
-        """Every slot busy, and a queue so that freed slots refill at once."""
-        n = self.cfg.rollout.samples_per_prompt
-        while self._in_engine() + n <= self.cfg.generator.max_running + n:
-            self.engine.submit([self._request()])
+    def _submit(self, requests: List[GenerationRequest]) -> None:
+        version = self.version
+        for req in requests:
+            self.pending[req.group_id] = _InFlight(req.request_id, version)
+            self.in_flight += req.n
+        self.backend.submit(requests)
 
-    def _step_engine(self) -> None:
-        """One engine step; finished samples join their group, complete groups wait in ``ready``."""
-        n = self.cfg.rollout.samples_per_prompt
-        for c in self.engine.step():
+    def _keep_full(self, admit_until: int = 1 << 62) -> None:
+        """Every slot busy, and one group queued so that freed slots refill at once -- while the
+        groups ready or in flight number fewer than ``admit_until``."""
+        while self.in_flight <= self.max_running and len(self.ready) + len(self.pending) < admit_until:
+            self._submit([self._request()])
+
+    def _step_backend(self) -> None:
+        """One backend step; finished samples join their group, complete groups wait in ``ready``."""
+        n = self.rollout.samples_per_prompt
+        for c in self.backend.step():
+            self.in_flight -= 1
+            entry = self.pending[c.group_id]
+            entry.returned += 1
+            if entry.returned == n:
+                del self.pending[c.group_id]
+            if c.group_id in self.doomed:
+                self.aborted_samples += c.finish_reason == ABORTED
+                if entry.returned == n:
+                    self.doomed.discard(c.group_id)
+                continue
+            if c.finish_reason == ABORTED:
+                raise MegarlError(f"generator replica {self.replica}: sample {c.request_id}#{c.sample_index} was "
+                                  f"aborted although megarl did not abort it")
             group = self.groups.setdefault(c.group_id, [])
             group.append(c)
             if len(group) == n:
                 del self.groups[c.group_id]
                 self.ready.append(sorted(group, key=lambda x: x.sample_index))
 
-    def _in_engine(self) -> int:
-        s = self.engine.stats()
-        return int(s["queue_depth"] + s["running"])
+    def _abort_doomed(self, train_version: int) -> None:
+        """Abort groups in flight that cannot be trained within max_lag (see the module doc)."""
+        doomed = [gid for gid, entry in self.pending.items()
+                  if gid not in self.doomed and train_version - entry.submitted_version > self.rollout.max_lag]
+        if not doomed:
+            return
+        self.backend.abort([self.pending[gid].request_id for gid in doomed])
+        for gid in doomed:
+            self.doomed.add(gid)
+            self.groups.pop(gid, None)  # its finished samples are useless without the rest
+        self.stale_aborted += len(doomed)
 
     def generate(self, train_version: int, n_groups: int, drain: bool) -> dict:
         """Groups for the trainer, and this replica's timing.
@@ -81,46 +146,54 @@ class GeneratorExecutor:
         """
         start = time.perf_counter()
         if drain:
-            self.engine.submit([self._request() for _ in range(n_groups)])
+            self._submit([self._request() for _ in range(n_groups)])
+        else:
+            self._abort_doomed(train_version)
         while True:
             self.ready = [g for g in self.ready if self._fresh(g, train_version, drain)]
             if len(self.ready) >= n_groups:
                 break
             if not drain:
                 self._keep_full()
-            self._step_engine()
+            self._step_backend()
         return self._hand_over(n_groups, start)
 
     def _hand_over(self, n_groups: int, start: float) -> dict:
         ready, self.ready = self.ready[:n_groups], self.ready[n_groups:]
         return {"groups": ready, "time_generate": time.perf_counter() - start,
-                "engine_version": self.engine.version, "stale_dropped": self.stale_dropped,
-                "in_flight": self._in_engine()}
+                "engine_version": self.version, "stale_dropped": self.stale_dropped,
+                "stale_aborted": self.stale_aborted, "in_flight": self.in_flight}
 
-    def generate_until(self, stop, tp_group=None) -> int:
+    def generate_until(self, stop, next_train_version: int) -> int:
         """Keep decoding (groups that finish wait for the next batch) until ``stop()`` says the
         trainer is done: PipelineRL's generator never idles while the trainer works. The
         replica's first rank decides; its TP peers follow, so all run the same steps."""
         import torch.distributed as dist
 
+        self._abort_doomed(next_train_version)
+        # batches next_train_version .. version + max_lag can still take a group started now
+        useful = self.groups_per_step * max(0, self.version + self.rollout.max_lag - next_train_version + 1)
         steps = 0
         while True:
             flag = torch.tensor([1 if (self.tp_rank == 0 and stop()) else 0])
-            if tp_group is not None:
-                dist.broadcast(flag, group=tp_group, group_src=0)
+            if self.tp_group is not None:
+                dist.broadcast(flag, group=self.tp_group, group_src=0)
             if flag.item():
                 return steps
-            self._keep_full()
-            self._step_engine()
+            self._keep_full(admit_until=useful)
+            if self.in_flight:
+                self._step_backend()
+            else:
+                time.sleep(0.01)  # ahead of the trainer: nothing useful to start
             steps += 1
 
     def _fresh(self, group: List[Completion], train_version: int, drain: bool) -> bool:
         oldest = min(min(c.versions) for c in group)
-        if drain or train_version - oldest <= self.cfg.rollout.max_lag:
+        if drain or train_version - oldest <= self.rollout.max_lag:
             return True
         self.stale_dropped += 1  # too old to train on: dropped, a fresh prompt takes its slot
         return False
 
-    def receive_weights(self, apply, version: int) -> None:
-        """Between decode steps: in-flight sequences keep their KV cache (or recompute it)."""
-        self.engine.update_weights(apply, version)
+    def close(self) -> None:
+        self.backend.close()
+

@@ -24,6 +24,8 @@ class RewardExecutor:
         self.tokenizer = tokenizer
 
     def decode(self, c: Completion) -> str:
+        if self.tokenizer is None:  # model.tokenizer: none -- the reward sees the ids as text
+            return " ".join(map(str, c.output_ids))
         return self.tokenizer.decode(c.output_ids, skip_special_tokens=True)
 
     def score(self, groups: List[List[Completion]]) -> dict:

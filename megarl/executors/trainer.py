@@ -1,9 +1,9 @@
 """The trainer executor: Megatron-Core GPTModel + DDP + distributed optimizer, the AIPO hook.
 
 step(samples) runs one optimizer step (PolicyTrainer) after checking that no
-token is older than ``rollout.max_lag`` policy versions; push_weights() sends
-the new policy to the generators -- shard to shard over the weight-sync group
-(async), or copied into this rank's own engine (sync, colocated).
+token is older than ``rollout.max_lag`` policy versions. How the new policy
+reaches the generators is the weight synchronizer's business
+(weight_sync/factory.py); it reads ``chunks`` and ``norm_names`` from here.
 """
 
 from __future__ import annotations
@@ -49,7 +49,10 @@ class TrainerExecutor:
         t = cfg.trainer
         self.cfg, self.job = cfg, job
         # saved with every checkpoint, so `megarl eval` and exports find the tokenizer beside the weights
-        self.tokenizer_files = sorted(p for p in Path(prepared.tokenizer).iterdir() if p.is_file())
+        from megarl.generator.tokenizer import NO_TOKENIZER
+
+        self.tokenizer_files = [] if prepared.tokenizer == NO_TOKENIZER else sorted(
+            p for p in Path(prepared.tokenizer).iterdir() if p.is_file())
         layout = ParallelLayout(t.tp, t.pp)
         init_megatron(layout, seed=cfg.run.seed)
         dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
@@ -76,34 +79,16 @@ class TrainerExecutor:
         ref = load_llama(prepared.checkpoint, layout, params_dtype=dtype)[1] if t.kl_coef else None
         self.trainer = PolicyTrainer(self.ddp, self.optimizer, self.spec.vocab_size, loss,
                                      t.max_tokens_per_microbatch, ref_chunks=ref)
-        self.sync = None
+        from megarl.models.megatron_llama import transformer_engine_usable
+
+        # Transformer Engine's layer spec fuses the norms into the linears: other parameter names
+        self.norm_names = "te" if transformer_engine_usable() else "local"
 
     @property
     def chunks(self):
         from megarl.trainer.setup import unwrap
 
         return unwrap(self.ddp)
-
-    # -- weights -------------------------------------------------------------------------------
-
-    def connect_generators(self, generator_topology, fp8: bool) -> None:
-        """Async: the shard-to-shard sender of this rank (built once; the plan is reused)."""
-        from megarl.weight_sync.endpoints import TrainerSync
-        from megarl.weight_sync.planner import TrainerTopology
-
-        t = self.cfg.trainer
-        self.sync = TrainerSync(self.spec, TrainerTopology(t.tp, t.pp, t.dp), generator_topology, self.chunks,
-                                self.job.sync_group, self.job.rank, fp8=fp8, verify=self.cfg.generator.verify_sync)
-
-    def push_weights(self, engine_params=None) -> float:
-        start = time.perf_counter()
-        if self.sync is not None:
-            self.sync.push(self.version)
-        else:
-            from megarl.weight_sync.colocated import copy_colocated
-
-            copy_colocated(self.spec, self.chunks, engine_params)
-        return time.perf_counter() - start
 
     # -- the step ------------------------------------------------------------------------------
 

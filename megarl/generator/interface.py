@@ -3,20 +3,34 @@
 Nothing above this interface knows which backend runs:
 
     backend.submit([GenerationRequest(...)])       prompts, sampling parameters, n samples each
-    backend.step() / backend.poll()                finished Completions (tokens, behaviour
+    backend.step()                                 finished Completions (tokens, behaviour
                                                    log-probs, policy version of every token)
-    backend.pause(); backend.update_weights(apply, version); backend.resume()
+    backend.abort([request_id, ...])               drop those requests' samples; each comes back
+                                                   from step() as a Completion with
+                                                   finish_reason "abort"
+    backend.update_weights(apply)                  between decode steps: ``apply()`` lands new
+                                                   weights and returns their SyncStats; tokens
+                                                   sampled afterwards carry ``stats.version``
     backend.stats()                                queue depth, running, tokens/s
+    backend.close()                                release threads, servers, memory
+
+The executor above (executors/generator.py) owns prompts, groups, admission
+control and partial rollouts; a backend only generates.
 """
 
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple
 
 from megarl.errors import ConfigError
 from megarl.rollout import Sample
+
+if TYPE_CHECKING:
+    from megarl.weight_sync.transport import SyncStats
+
+ABORTED = "abort"  # finish_reason of a sample stopped by GeneratorBackend.abort
 
 
 @dataclass(frozen=True)
@@ -58,7 +72,7 @@ class Completion:
     output_ids: List[int]
     logprobs: List[float]  # behaviour log-prob of each output token, as sampled
     versions: List[int]  # policy version that produced each output token
-    finish_reason: str  # "stop" | "length"
+    finish_reason: str  # "stop" | "length" | "abort" (asked for by ``abort``: not a sample)
     meta: dict = field(default_factory=dict)
 
     def version_spans(self) -> List[Tuple[int, int, int]]:
@@ -85,18 +99,21 @@ class GeneratorBackend(abc.ABC):
         """Advance generation a little (one decode step for the torch engine); return what finished."""
 
     @abc.abstractmethod
-    def pause(self) -> None: ...
+    def abort(self, request_ids: Sequence[str]) -> None:
+        """Stop every sample of these requests (queued or running); each is returned by a later
+        ``step()`` as a Completion with finish_reason ``ABORTED`` and the tokens it had."""
 
     @abc.abstractmethod
-    def resume(self) -> None: ...
-
-    @abc.abstractmethod
-    def update_weights(self, apply: Callable[[], object], version: int) -> None:
-        """Between decode steps: ``apply()`` writes the new weights (e.g. GeneratorSync.pull);
-        tokens sampled afterwards carry ``version``."""
+    def update_weights(self, apply: Callable[[], "SyncStats"]) -> "SyncStats":
+        """Between decode steps: ``apply()`` writes the new weights (a weight synchronizer's
+        receiving end) and returns their SyncStats; tokens sampled afterwards carry
+        ``stats.version`` -- the version that landed, never one set from outside."""
 
     @abc.abstractmethod
     def stats(self) -> Dict[str, float]: ...
+
+    def close(self) -> None:
+        """Release what the backend holds (threads, server processes); idempotent."""
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> List[Completion]:
         done: List[Completion] = []

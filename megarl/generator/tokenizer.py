@@ -7,7 +7,13 @@ from typing import List, Sequence, Union
 Messages = Sequence[dict]
 
 
+NO_TOKENIZER = "none"  # model.tokenizer for runs on token ids alone (prompts random:..., no transformers)
+
+
 def load_tokenizer(path):
+    """transformers' tokenizer from ``path``; None for ``model.tokenizer: none``."""
+    if path == NO_TOKENIZER:
+        return None
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
@@ -25,7 +31,10 @@ def encode_prompt(tokenizer, prompt: Union[str, Messages], chat: bool = True) ->
 
 
 def stop_ids(tokenizer) -> tuple:
-    """End-of-sequence ids the model emits (eos, and the chat end-of-turn token when distinct)."""
+    """End-of-sequence ids the model emits (eos, and the chat end-of-turn token when distinct);
+    none without a tokenizer (every sample then runs to max_new_tokens)."""
+    if tokenizer is None:
+        return ()
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     for name in ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>"):
         tid = tokenizer.convert_tokens_to_ids(name)

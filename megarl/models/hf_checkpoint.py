@@ -150,8 +150,9 @@ def smollm2_gguf_path() -> Path:
     return files[0]
 
 
-def write_config(spec: LlamaSpec, dest: Path, dtype: torch.dtype) -> None:
-    """config.json for an exported model: the original config with this export's dtype."""
+def write_config(spec: LlamaSpec, dest: Path, dtype: torch.dtype, quantization_config: Optional[dict] = None) -> None:
+    """config.json for an exported model: the original config with this export's dtype
+    (and ``quantization_config`` for a block-fp8 export)."""
     config = dict(spec.hf_config)
     config.update(
         architectures=["LlamaForCausalLM"],
@@ -160,6 +161,9 @@ def write_config(spec: LlamaSpec, dest: Path, dtype: torch.dtype) -> None:
         tie_word_embeddings=spec.tie_embeddings,
         dtype=str(dtype).removeprefix("torch."),
     )
-    for stale in ("_name_or_path", "_model_name_or_path", "transformers_version", "torch_dtype"):
+    for stale in ("_name_or_path", "_model_name_or_path", "transformers_version", "torch_dtype",
+                  "quantization_config"):
         config.pop(stale, None)
+    if quantization_config:
+        config["quantization_config"] = dict(quantization_config)
     (dest / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -20,6 +20,9 @@ PRESETS = {
                        num_key_value_heads=8, vocab_size=128256),
     "llama3-405b": dict(hidden_size=16384, intermediate_size=53248, num_hidden_layers=126, num_attention_heads=128,
                         num_key_value_heads=8, vocab_size=128256),
+    # Llama 3.2 1B's shape with an untied head (the sync moves both ends): the one-GPU checks' model
+    "llama3-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256),
     # head_dim 128 and ffn/TP a multiple of 128 like Llama 3, so block-fp8 boxes align as at scale
     "llama-mini": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=8,
                        num_key_value_heads=4, vocab_size=32000),

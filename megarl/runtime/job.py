@@ -9,7 +9,16 @@ prefix of it:
                     (Megatron's parallel state is built over it) or the
                     generators' (their TP groups are subgroups of it)
     control         gloo, all ranks: the channels (topology.py)
-    weight sync     trainer + generator ranks (async): NCCL on GPUs, gloo on CPU
+    weight sync     trainer + generator ranks (async, torch engine): NCCL on
+                    GPUs, gloo on CPU or where ranks share a GPU (their bytes
+                    then go through CUDA IPC); with SGLang servers the trainer
+                    ranks form it with the servers' workers instead
+                    (weight_sync/factory.py)
+
+GPUs: rank with local rank L uses GPU L mod (GPUs on the node): more ranks
+than GPUs (a one-GPU check) share devices, which ``shared_devices`` records.
+Generator ranks that drive SGLang servers never touch a GPU: the servers'
+own workers own them.
 
 A collective that waits on a dead peer fails after ``timeout_s`` at worst;
 the launcher ends the job as soon as any process exits with an error.
@@ -37,6 +46,8 @@ class Job:
     control: object
     sync_group: Optional[object] = None
     device: str = "cpu"
+    local_rank: int = 0
+    shared_devices: bool = False  # more ranks than GPUs on this node
 
     def has(self, role: str) -> bool:
         return self.rank in self.topology.executors[role]
@@ -53,9 +64,13 @@ def init_job(topology: Topology, timeout_s: float = 600.0) -> Job:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world != topology.world_size:
         raise RuntimeError(f"launched with WORLD_SIZE={world}, the config needs {topology.world_size} ranks")
-    cuda = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    role = "trainer" if rank in topology.executors["trainer"] else "generator"
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    shared = gpus > 0 and int(os.environ.get("LOCAL_WORLD_SIZE", world)) > gpus
+    cuda = gpus > 0 and not (role == "generator" and topology.generator_backend == "sglang")
     if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(local_rank % gpus)
     else:
         import megatron_patches
 
@@ -64,14 +79,13 @@ def init_job(topology: Topology, timeout_s: float = 600.0) -> Job:
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
     # this executor's own world: trainer ranks first, then generators (async); all ranks (sync)
-    role = "trainer" if rank in topology.executors["trainer"] else "generator"
     members = topology.executors[role]
     dist.init_process_group("nccl" if cuda else "gloo", store=dist.PrefixStore(role, store),
                             rank=members.index(rank), world_size=len(members), timeout=timeout)
     control = init_sync_group(host, port, world, rank, group_name="megarl_control", backend="gloo",
                               timeout_s=timeout_s, store=store)
     sync = None
-    if topology.mode == "async":
+    if topology.mode == "async" and topology.generator_backend == "torch":
         sync = init_sync_group(host, port, world, rank, group_name="megarl_weight_sync", timeout_s=timeout_s,
-                               store=store)
-    return Job(rank, world, topology, store, control, sync, "cuda" if cuda else "cpu")
+                               store=store, backend="gloo" if shared or not cuda else "nccl")
+    return Job(rank, world, topology, store, control, sync, "cuda" if cuda else "cpu", local_rank, shared)

@@ -26,8 +26,7 @@ import torch.multiprocessing as mp
 
 from megarl.errors import MegarlError
 from megarl.runtime.distributed import free_port
-
-USER_ERROR_EXIT_CODE = 2
+from megarl.runtime.failure import REPORT_ENV, USER_ERROR_EXIT_CODE
 
 
 def running_under_torchrun() -> bool:
@@ -62,10 +61,11 @@ def _child(index: int, worlds: list, error_dir: str) -> None:
         MASTER_PORT=str(port),
     )
     report = Path(error_dir) / f"rank{index}"
+    os.environ[REPORT_ENV] = str(report.with_suffix(".user"))  # runtime.failure.fail_rank writes it
     try:
         fn(*args)
     except MegarlError as err:
-        report.with_suffix(".user").write_text(str(err))
+        report.with_suffix(".user").write_text(f"{time.time()}\n{err}")
         sys.exit(USER_ERROR_EXIT_CODE)
     except BaseException:
         report.with_suffix(".crash").write_text(f"{time.time()}\n{traceback.format_exc()}")
@@ -73,9 +73,14 @@ def _child(index: int, worlds: list, error_dir: str) -> None:
 
 
 def _failure_message(error_dir: Path, fallback: str) -> str:
-    user = sorted(error_dir.glob("*.user"))
-    if user:
-        return f"rank {user[0].stem[4:]}: {user[0].read_text()}"
+    """The first failure: a peer that failed because another rank vanished reports later."""
+    users = []
+    for path in error_dir.glob("*.user"):
+        stamp, _, text = path.read_text().partition("\n")
+        users.append((float(stamp), path.stem, text))
+    if users:
+        _, rank, text = min(users)
+        return f"rank {rank[4:]}: {text}"
     crashes = []
     for path in error_dir.glob("*.crash"):
         stamp, _, text = path.read_text().partition("\n")

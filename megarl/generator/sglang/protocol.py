@@ -25,14 +25,20 @@ The weight-update protocol (SGLang 0.5.x, http_server.py), in order, per server:
 Tokens generated after step 6 report version V; a finished request's
 ``meta_info.weight_versions`` lists ``{"version", "start", "end"}`` spans over
 its output tokens.
+
+Requests whose group can no longer be trained within ``max_lag`` are stopped
+with ``POST /abort_request {"rid": ...}``; their ``/generate`` call then
+answers with ``finish_reason.type == "abort"``.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence
+import base64
+import io
+from typing import Dict, List, Sequence, Tuple
 
 from megarl.errors import MegarlError
-from megarl.generator.interface import Completion, GenerationRequest, SamplingParams
+from megarl.generator.interface import ABORTED, Completion, GenerationRequest, SamplingParams
 
 PAUSE_IN_PLACE = {"mode": "in_place"}
 
@@ -136,12 +142,54 @@ def parse_generate_output(out: Dict, request: GenerationRequest, sample_index: i
         logprobs.append(float(logprob))
     finish = meta.get("finish_reason") or {}
     kind = finish.get("type") if isinstance(finish, dict) else str(finish)
-    if kind == "abort":
-        raise SglangResponseError(f"server {server}, request {rid} was aborted: {finish.get('message', '')}")
-    reason = "length" if kind == "length" else "stop"
+    # an abort megarl asked for (the caller checks that it did); its tokens are never trained on
+    reason = ABORTED if kind == "abort" else "length" if kind == "length" else "stop"
     versions = token_versions(meta, len(output_ids), server_version)
     return Completion(request.request_id, sample_index, request.group_id, list(request.prompt_ids), output_ids,
                       logprobs, versions, reason, dict(request.meta))
+
+
+def abort_payload(rid: str) -> Dict:
+    """Body of ``POST /abort_request`` for one sample (SGLang's AbortReq)."""
+    return {"rid": rid, "abort_all": False}
+
+
+SYNC_TENSOR_PREFIX = "megarl_sync"
+
+
+def sync_trigger_name(version: int, replica: int) -> str:
+    return f"{SYNC_TENSOR_PREFIX}/{int(version)}/{int(replica)}"
+
+
+def parse_sync_trigger_name(name: str) -> Tuple[int, int]:
+    """(version, replica) from the trigger's tensor name; names the fault otherwise."""
+    parts = name.split("/")
+    if len(parts) != 3 or parts[0] != SYNC_TENSOR_PREFIX:
+        raise MegarlError(f"megarl's weight loader got tensor {name!r}; expected '{SYNC_TENSOR_PREFIX}/<version>/<replica>'")
+    return int(parts[1]), int(parts[2])
+
+
+def sync_trigger_payload(version: int, replica: int, tp: int, loader: str) -> Dict:
+    """``/update_weights_from_tensor`` body that runs megarl's receiver in every TP worker.
+
+    SGLang deserialises ``serialized_named_tensors[tp_rank]`` in each TP
+    worker (its MultiprocessingSerializer: ForkingPickler bytes, base64 in
+    JSON) and hands the list to the custom loader named by ``load_format``.
+    The one tensor is empty -- version and replica travel in its name -- so
+    the payload carries no shared memory or file descriptor: it deserialises
+    on any host, and passes SGLang's SafeUnpickler allow-list (an empty
+    storage rebuilds through ``rebuild_storage_empty``).
+    """
+    import torch
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401  (registers torch's ForkingPickler reductions)
+
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump([(sync_trigger_name(version, replica), torch.empty(0, dtype=torch.int64))])
+    blob = base64.b64encode(buf.getvalue()).decode()
+    return {"serialized_named_tensors": [blob] * tp, "load_format": loader, "flush_cache": False,
+            "abort_all_requests": False, "weight_version": str(version)}
 
 
 def update_version_payload(version: int) -> Dict:
@@ -178,6 +226,7 @@ def distributed_update(names: Sequence[str], dtypes: Sequence[str], shapes: Sequ
 
 
 def check_ok(answer: Dict, server: str, endpoint: str) -> None:
-    """Control endpoints answer {"success": bool, "message": str}; some answer nothing."""
+    """Control endpoints answer {"success": bool, "message": str}; some answer nothing.
+    ``server``: how to name the server in the error (its URL, or replica and URL)."""
     if isinstance(answer, dict) and answer.get("success") is False:
-        raise SglangResponseError(f"server {server}: {endpoint} failed: {answer.get('message', '')}")
+        raise SglangResponseError(f"{server}: {endpoint} failed: {answer.get('message', '')}")

@@ -4,10 +4,11 @@ SGLang spawns its TP workers itself, so megarl's receiver reaches them as a
 *custom weight loader*: the server is started with
 ``--custom-weight-loader megarl.generator.sglang.worker_receiver.pull_shards``
 and the backend triggers a sync with ``POST /update_weights_from_tensor``
-whose ``load_format`` is that path and whose one tensor carries the version.
-SGLang then calls ``pull_shards(model, named_tensors)`` in every TP worker,
-between decode steps (generation is paused in place), and each worker
-receives exactly its own shard from the trainer ranks that hold it.
+whose ``load_format`` is that path and whose one (empty) tensor is named
+``megarl_sync/<version>/<replica>``. SGLang then calls
+``pull_shards(model, named_tensors)`` in every TP worker, between decode steps
+(generation is paused in place), and each worker receives exactly its own
+shard from the trainer ranks that hold it.
 
 Why not SGLang's ``load_weights``: it expects full (unsharded) HF tensors
 from a broadcast, and in 0.5.23 its Llama loader renames
@@ -16,9 +17,10 @@ scales. The receiver writes the model's own parameters by their own names
 (``qkv_proj.weight``, ``qkv_proj.weight_scale_inv``...), already sharded
 and, for fp8, already quantised by the senders -- nothing to rename.
 
-The sync group and the plan come from a JSON file named by
-``MEGARL_SYNC_CONFIG`` in the server's environment (written by
-``serving.write_sync_config``); the group is built on first use and kept.
+The sync group and the plan come from the JSON file named by
+``MEGARL_SYNC_CONFIG`` in the server's environment (written by the job at
+start: ``serving.write_sync_config``); the group is formed with the trainer
+ranks on the first update and kept.
 """
 
 from __future__ import annotations
@@ -35,10 +37,15 @@ _STATE: Dict[str, object] = {}
 
 
 def _config() -> dict:
-    path = os.environ.get("MEGARL_SYNC_CONFIG")
+    from megarl.generator.sglang.serving import SYNC_CONFIG_ENV
+
+    path = os.environ.get(SYNC_CONFIG_ENV)
     if not path:
-        raise ConfigError("MEGARL_SYNC_CONFIG is not set in the SGLang server's environment "
-                          "(start servers through megarl.generator.sglang.serving)")
+        raise ConfigError(f"{SYNC_CONFIG_ENV} is not set in the SGLang server's environment (start servers with "
+                          f"the command `megarl sglang-command --config FILE` prints, or let the job launch them)")
+    if not os.path.isfile(path):
+        raise ConfigError(f"{SYNC_CONFIG_ENV}={path}: no such file; the megarl job writes it at start -- is the run "
+                          f"directory shared with this server's node?")
     with open(path) as f:
         return json.load(f)
 
@@ -47,13 +54,18 @@ def _model_params(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
     return {name: p.data for name, p in model.named_parameters()}
 
 
+def _tp_rank() -> int:
+    from sglang.srt.distributed import get_tensor_model_parallel_rank  # lazily: SGLang is GPU-only
+
+    return get_tensor_model_parallel_rank()
+
+
 def _receiver(model: torch.nn.Module, replica: int):
     if "sync" in _STATE:
         return _STATE["sync"]
-    from sglang.srt.distributed import get_tensor_model_parallel_rank  # lazily: SGLang is GPU-only
-
     from megarl.models.spec import LlamaSpec
     from megarl.weight_sync.endpoints import GeneratorSync
+    from megarl.weight_sync.ipc import colocated_peers
     from megarl.weight_sync.planner import GeneratorTopology, TrainerTopology
     from megarl.weight_sync.rendezvous import init_sync_group
 
@@ -61,25 +73,26 @@ def _receiver(model: torch.nn.Module, replica: int):
     spec = LlamaSpec.from_dict(cfg["spec"])
     trainer = TrainerTopology(**cfg["trainer"])
     generator = GeneratorTopology(**cfg["generator"])
-    tp_rank = get_tensor_model_parallel_rank()
+    tp_rank = _tp_rank()
     rank = generator.rank(replica, tp_rank)
     group = init_sync_group(cfg["host"], cfg["port"], trainer.size + generator.size, rank,
-                            group_name=cfg.get("group_name", "megarl_weight_sync"), backend=cfg.get("backend"))
-    from megarl.weight_sync.ipc import colocated_peers
-
+                            group_name=cfg["group_name"], backend=cfg.get("backend"),
+                            timeout_s=cfg.get("timeout_s", 600.0))
     params = _model_params(model)
     # a trainer rank on this same GPU (single-GPU checks, colocated layouts): CUDA IPC, not NCCL
     peers = colocated_peers(group, rank, next(iter(params.values())).device)
+    wire = torch.float32 if cfg.get("wire_dtype") == "fp32" else torch.bfloat16
     sync = GeneratorSync(spec, trainer, generator, replica, tp_rank, params, group, fp8=cfg["fp8"],
-                         verify=cfg.get("verify", False), ipc_peers=peers)
+                         wire_dtype=wire, verify=cfg.get("verify", False), ipc_peers=peers)
     _STATE["sync"] = sync
     return sync
 
 
 def pull_shards(model: torch.nn.Module, named_tensors: List[Tuple[str, torch.Tensor]]) -> None:
-    """SGLang custom weight loader: receive this worker's shards of policy ``version``."""
-    (name, header), = named_tensors
-    if name != "megarl_sync":
-        raise ConfigError(f"megarl's weight loader got tensor {name!r}; expected the 'megarl_sync' header")
-    version, replica = (int(x) for x in header.tolist())
+    """SGLang custom weight loader: receive this worker's shards of the announced policy version."""
+    from megarl.generator.sglang.protocol import parse_sync_trigger_name
+
+    if len(named_tensors) != 1:
+        raise ConfigError(f"megarl's weight loader got {len(named_tensors)} tensors; expected one trigger")
+    version, replica = parse_sync_trigger_name(named_tensors[0][0])
     _receiver(model, replica).pull(expected_version=version)

@@ -9,9 +9,11 @@ and frees its slot while long ones keep going, and new prompts start at once.
 
 Every token records the policy version of the weights that produced it.
 ``update_weights`` runs between steps: the new weights land in the same
-tensors (weight sync or a load), later tokens carry the new version; the KV
-cache of earlier tokens is kept, or recomputed under the new weights when
-``recompute_kv_on_update`` (PipelineRL's two options).
+tensors (weight sync or a load), later tokens carry the version that landed;
+the KV cache of earlier tokens is kept, or recomputed under the new weights
+when ``recompute_kv_on_update`` (PipelineRL's two options). ``abort`` frees
+the slots of the named requests at once; their samples come back from the
+next ``step()`` with finish_reason "abort".
 
 Tensor parallel: every rank of the engine's group runs the same schedule on
 the same requests; logits are all-gathered, so every rank samples the same
@@ -23,12 +25,12 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Deque, Dict, List, Optional, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from megarl.errors import ConfigError
-from megarl.generator.interface import Completion, GenerationRequest, GeneratorBackend
+from megarl.generator.interface import ABORTED, Completion, GenerationRequest, GeneratorBackend
 from megarl.generator.sampling import sample
 from megarl.generator.torch_engine.model import KVCache, Segment, SglangLayoutLlama
 from megarl.models.spec import LlamaSpec
@@ -63,6 +65,7 @@ class TorchEngine(GeneratorBackend):
         self.version = version
         self.recompute_kv_on_update = recompute_kv_on_update
         self.paused = False
+        self.aborted: List[Completion] = []  # returned by the next step()
         self.generated_tokens = 0
         self.busy_seconds = 0.0
 
@@ -86,12 +89,21 @@ class TorchEngine(GeneratorBackend):
     def resume(self) -> None:
         self.paused = False
 
-    def update_weights(self, apply: Callable[[], object], version: int) -> None:
-        apply()
-        self.version = version
+    def update_weights(self, apply: Callable[[], object]):
+        stats = apply()
+        self.version = int(stats.version)
         if self.recompute_kv_on_update and self.running:
             seqs = list(self.running.values())
             self._forward([(s, 0, s.cached) for s in seqs], want_logits=False)
+        return stats
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        doomed = set(request_ids)
+        for seq in [s for s in self.waiting if s.request.request_id in doomed]:
+            self.waiting.remove(seq)
+            self.aborted.append(self._completion(seq, ABORTED))
+        for seq in [s for s in self.running.values() if s.request.request_id in doomed]:
+            self.aborted.append(self._retire(seq, ABORTED))
 
     def stats(self) -> Dict[str, float]:
         return {
@@ -104,8 +116,9 @@ class TorchEngine(GeneratorBackend):
         }
 
     def step(self) -> List[Completion]:
+        finished, self.aborted = self.aborted, []
         if self.paused:
-            return []
+            return finished
         start = time.perf_counter()
         admitted = []
         while self.waiting and self.free_slots:
@@ -115,7 +128,6 @@ class TorchEngine(GeneratorBackend):
             admitted.append(seq)
         # in slot order, so consecutive slots let the decode read the cache as a view
         decoding = sorted((s for s in self.running.values() if s not in admitted), key=lambda s: s.slot)
-        finished: List[Completion] = []
         # One forward per step: the admitted prompts are prefilled (and their first token
         # sampled) in the same pass that decodes one token for every other sequence.
         work = [(s, 0, len(s.tokens)) for s in admitted] + [(s, s.cached, 1) for s in decoding]
@@ -162,6 +174,10 @@ class TorchEngine(GeneratorBackend):
     def _retire(self, seq: _Sequence, reason: str) -> Completion:
         del self.running[seq.slot]
         self.free_slots.append(seq.slot)
+        return self._completion(seq, reason)
+
+    @staticmethod
+    def _completion(seq: _Sequence, reason: str) -> Completion:
         r = seq.request
         return Completion(r.request_id, seq.index, r.group_id, list(r.prompt_ids), seq.output, seq.logprobs,
                           seq.versions, reason, dict(r.meta))

@@ -1,0 +1,70 @@
+"""Build a generator replica's backend from ``generator.backend``.
+
+    torch    megarl's reference engine in this process, its weights in SGLang's TP layout
+             (every TP rank of the replica builds one over the replica's TP group)
+    sglang   one SGLang server per replica, driven over HTTP by the replica's first rank:
+             attached (``generator.sglang_urls[replica]``) or launched here
+             (generator/sglang/launch.py)
+
+The generator executor above never knows which one it drives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from megarl.generator.interface import GeneratorBackend
+
+
+@dataclass(frozen=True)
+class ReplicaPlacement:
+    replica: int
+    tp: int  # the engine's tensor-parallel size (1 for sync mode's colocated engines)
+    tp_rank: int
+    tp_group: object = None
+    device: str = "cpu"
+    local_rank: int = 0  # the first GPU of a launched server (its node-local rank)
+
+
+def build_backend(g, spec, placement: ReplicaPlacement, samples_per_prompt: int, run_dir=None, store=None,
+                  on_failure: Optional[Callable[[str], None]] = None) -> GeneratorBackend:
+    """``g``: the config's GeneratorConfig section."""
+    if g.backend == "torch":
+        return _torch_engine(g, spec, placement)
+    if g.backend == "sglang":
+        return _sglang(g, placement, samples_per_prompt, run_dir, store, on_failure)
+    raise ValueError(f"generator.backend {g.backend!r}")  # refused by the config already
+
+
+def _torch_engine(g, spec, p: ReplicaPlacement) -> GeneratorBackend:
+    from megarl.generator.torch_engine.engine import TorchEngine
+    from megarl.weight_sync.endpoints import allocate_generator_params
+
+    dtype = torch.bfloat16 if g.dtype == "bf16" else torch.float32
+    params = allocate_generator_params(spec, p.tp, p.tp_rank, dtype, g.fp8, device=p.device)
+    return TorchEngine(spec, params, max_running=g.max_running, max_seq_len=g.max_seq_len, tp=p.tp,
+                       tp_rank=p.tp_rank, group=p.tp_group, recompute_kv_on_update=g.recompute_kv_on_update)
+
+
+def _sglang(g, p: ReplicaPlacement, samples_per_prompt: int, run_dir, store, on_failure) -> GeneratorBackend:
+    from megarl.generator.sglang.http_backend import SglangBackend
+
+    server = None
+    if g.sglang_urls:
+        from megarl.generator.sglang.server import wait_for_attached
+
+        url = g.sglang_urls[p.replica]
+        wait_for_attached(url, f"SGLang server of generator replica {p.replica} ({url})", g.sglang_startup_timeout_s)
+    else:
+        from megarl.generator.sglang.launch import serving_model, start_replica_server
+
+        model_dir = serving_model(run_dir, store, p.replica, g.fp8, g.dtype, timeout_s=g.sglang_startup_timeout_s)
+        server = start_replica_server(g, p.replica, model_dir, run_dir, base_gpu_id=p.local_rank)
+        url = server.url
+    # the executor keeps max_running samples in flight plus one group queued: one thread each
+    return SglangBackend(url, p.replica, max_inflight=g.max_running + samples_per_prompt,
+                         request_timeout_s=g.sglang_request_timeout_s, health_timeout_s=g.sglang_health_timeout_s,
+                         server=server, on_failure=on_failure)

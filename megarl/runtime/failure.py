@@ -1,0 +1,35 @@
+"""Ending a rank at once from any thread, with a message that names the fault.
+
+A watchdog thread (e.g. the SGLang backend's server check) cannot raise into
+the main thread while that thread waits inside a collective -- gloo or NCCL
+would hold it until their timeout. ``fail_rank`` instead reports the message
+the way a MegarlError from the main thread would be reported (the local
+launcher's error file, else stderr, which torchrun shows) and exits the
+process, so the launcher ends the whole job within seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+REPORT_ENV = "MEGARL_ERROR_REPORT"  # set by runtime.launch for the ranks it spawns
+USER_ERROR_EXIT_CODE = 2
+
+
+def fail_rank(message: str) -> None:
+    import multiprocessing
+
+    rank = os.environ.get("RANK", "?")
+    path = os.environ.get(REPORT_ENV)
+    if path:
+        try:
+            with open(path, "w") as f:
+                f.write(f"{time.time()}\n{message}")
+        except OSError:
+            pass
+    print(f"megarl: rank {rank}: {message}", file=sys.stderr, flush=True)
+    for child in multiprocessing.active_children():  # e.g. reward workers: they must not outlive the job
+        child.kill()
+    os._exit(USER_ERROR_EXIT_CODE)
