@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The SGLang GPU check, for machines with SGLang and Transformer Engine (pip install -e '.[gpu]'):
-# an SGLang server serving a random ~1.2B Llama in block fp8, the Megatron trainer (TE layer
-# spec, bf16) as a second process on the same GPU, and SGLang's in-flight update protocol
-# driving megarl's shard-to-shard receiver inside the SGLang TP worker mid-generation.
-# Prints one JSON line (generator tokens/s, sync seconds and GB/s, version spans).
+# `megarl train` with generator.backend=sglang for a few asynchronous steps on one GPU -- the job
+# writes a block-fp8 checkpoint from the trainer's weights, launches an SGLang server on it for its
+# generator replica (sharing the GPU with the Megatron trainer, TE layer spec, bf16) and runs
+# SGLang's in-flight update protocol into megarl's receiver inside the SGLang TP worker every step.
+# Prints one JSON line (trainer and generator tokens/s, sync seconds and GB/s, lag, KL at step 1).
 #
-#   scripts/gpu_check_sglang.sh [--preset llama3-1b] [--prompts 256] [...]
+#   scripts/gpu_check_sglang.sh [--preset llama3-1b] [--steps 4] [...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}
