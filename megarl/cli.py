@@ -25,6 +25,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--prepare-only", action="store_true",
                        help="convert the model (first use) and print the world size; start no ranks")
 
+    sgc = sub.add_parser("sglang-command", help="the launch command of each replica's SGLang server (attach mode)")
+    sgc.add_argument("--config", required=True)
+    sgc.add_argument("--model-path", help="the Hugging Face directory the servers load (default: model.source)")
+    sgc.add_argument("--replica", type=int, help="print only this replica's command")
+    sgc.add_argument("--hosts", default="", help="the job's nodes in order: print host, URL and command per replica")
+    sgc.add_argument("--gpus-per-node", type=int, default=8)
+    sgc.add_argument("overrides", nargs="*", help="config overrides, as for megarl train")
+
     ev = sub.add_parser("eval", help="greedy accuracy of a checkpoint on a prompt set (one JSON line)")
     ev.add_argument("--checkpoint", required=True, help="a Megatron checkpoint dir, an HF dir, or smollm2")
     ev.add_argument("--data", required=True, help=".jsonl/.parquet prompts with answers, or arithmetic:<n>:<seed>")
@@ -59,20 +67,32 @@ def build_parser() -> argparse.ArgumentParser:
     avs.add_argument("--workdir", default="runs/bench_async_vs_sync")
     avs.add_argument("overrides", nargs="*", help="config overrides for both runs")
 
-    ws = bench_sub.add_parser("weight-sync", help="shard-to-shard weight sync vs gather+broadcast (or --plan-only)")
-    ws.add_argument("--model", default="llama-mini", help="preset (llama3-8b/70b/405b, llama-mini, tiny), smollm2, or a path")
-    ws.add_argument("--src-tp", type=int, default=4)
-    ws.add_argument("--src-pp", type=int, default=1)
-    ws.add_argument("--src-dp", type=int, default=1)
-    ws.add_argument("--dst-tp", type=int, default=2)
-    ws.add_argument("--dst-replicas", type=int, default=2)
+    ws = bench_sub.add_parser("weight-sync", help="shard-to-shard weight sync vs slime's gather+broadcast "
+                                                  "(or --plan-only: a predicted time)")
+    ws.add_argument("--model", default=None,
+                    help="preset (llama3-8b/70b/405b, llama-mini, tiny), smollm2, or a path (default llama-mini)")
+    ws.add_argument("--src-tp", type=int, default=None, help="trainer TP (default 4)")
+    ws.add_argument("--src-pp", type=int, default=None, help="trainer PP (default 1)")
+    ws.add_argument("--src-dp", type=int, default=None, help="trainer DP (default 1)")
+    ws.add_argument("--dst-tp", type=int, default=None, help="generator TP (default 2)")
+    ws.add_argument("--dst-replicas", type=int, default=None, help="generator replicas (default 2)")
     ws.add_argument("--fp8", action="store_true", help="generators serve block fp8 (senders quantise)")
     ws.add_argument("--verify", action="store_true", help="checksum every destination shard")
     ws.add_argument("--iters", type=int, default=3)
+    ws.add_argument("--bucket-mb", type=int, default=64,
+                    help="megarl's round size per pair and the baseline's bucket size (the same for both)")
     ws.add_argument("--plan-only", action="store_true", help="plan from shapes and predict the time; start nothing")
-    ws.add_argument("--gpus-per-node", type=int, default=8)
-    ws.add_argument("--nvlink-gb-s", type=float, default=450.0, help="per GPU, within a node")
-    ws.add_argument("--network-gb-s", type=float, default=50.0, help="per GPU, across nodes")
+    ws.add_argument("--config", default=None,
+                    help="with --plan-only: take the model, trainer tp/pp/dp, generator tp/replicas, fp8 and "
+                         "links from a megarl run config (flags given override it)")
+    ws.add_argument("--gpus-per-node", type=int, default=None, help="default 8 (or the config's plan section)")
+    ws.add_argument("--nvlink-gb-s", type=float, default=None, help="per GPU, within a node (default 450)")
+    ws.add_argument("--network-gb-s", type=float, default=None, help="per GPU, across nodes (default 50)")
+    ws.add_argument("--latency-us", type=float, default=None,
+                    help="fixed cost of one point-to-point message (default 20, NCCL's ~10-30 us)")
+    ws.add_argument("--fp8-quant-gb-s", type=float, default=None,
+                    help="bf16 bytes per second one GPU quantises to block fp8 (default 90: megarl's eager "
+                         "quantiser on an H100)")
 
     from megarl.plan.cli import add_plan_args
 
@@ -91,6 +111,10 @@ def dispatch(args: argparse.Namespace) -> None:
         from megarl.train import train
 
         train(args.config, args.overrides, args.prepare_only)
+    elif args.command == "sglang-command":
+        from megarl.generator.sglang.command import run
+
+        run(args.config, args.overrides, args.model_path, args.replica, args.hosts, args.gpus_per_node)
     elif args.command == "eval":
         from megarl.evaluate import evaluate
 
@@ -123,8 +147,9 @@ def dispatch(args: argparse.Namespace) -> None:
         run(WeightSyncBench(
             model=args.model, src_tp=args.src_tp, src_pp=args.src_pp, src_dp=args.src_dp, dst_tp=args.dst_tp,
             dst_replicas=args.dst_replicas, fp8=args.fp8, verify=args.verify, iters=args.iters,
-            plan_only=args.plan_only, gpus_per_node=args.gpus_per_node, nvlink_gb_s=args.nvlink_gb_s,
-            network_gb_s=args.network_gb_s,
+            plan_only=args.plan_only, config=args.config, gpus_per_node=args.gpus_per_node,
+            nvlink_gb_s=args.nvlink_gb_s, network_gb_s=args.network_gb_s, message_latency_us=args.latency_us,
+            fp8_quant_gb_s=args.fp8_quant_gb_s, bucket_mb=args.bucket_mb,
         ))
     elif args.command == "plan":
         from megarl.plan.cli import run_plan

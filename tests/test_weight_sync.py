@@ -22,7 +22,8 @@ DST_TPS = ["1", "2", "4"]  # 4, 2 and 1 generator replicas of 4 workers
 
 def converted(base, **overrides):
     hf = make_tiny_llama(base / "hf", **overrides)
-    run_tool("convert_hf_to_megatron.py", "--hf-model", hf, "--output", base / "megatron", "--tp", 2, "--pp", 2)
+    # converted at TP1 (one process, ~2x faster than four); a dist checkpoint loads at any TP x PP
+    run_tool("convert_hf_to_megatron.py", "--hf-model", hf, "--output", base / "megatron", "--tp", 1, "--pp", 1)
     return base / "megatron"
 
 
@@ -42,8 +43,15 @@ def run_sync(models, out, extra=(), layouts=LAYOUTS, dst_tps=DST_TPS, trainers=8
     return [r for rank in range(generators) for r in json.loads((out / f"results_rank{rank}.json").read_text())]
 
 
+# Transport pack thresholds, used in turn case by case (5 is prime to the 6 dtype x TP
+# combinations, so each model and layout meets several): 1 KiB and 4 KiB mix packed small
+# payloads with zero-copy / staged large ones, -1 is the default (everything of these
+# tiny models packed), 0 packs nothing, 1 GiB packs every round whole.
+PACK_BELOW = ["1024", "-1", "0", "4096", str(1 << 30)]
+
+
 def test_every_generator_shard_is_bitwise_sglangs(models, tmp_path):
-    results = run_sync(models, tmp_path)
+    results = run_sync(models, tmp_path, extra=["--pack-below", *PACK_BELOW])
     # 2 models x 6 trainer layouts x 3 generator TPs x 2 dtypes, on each of 4 workers
     assert len(results) == 2 * 6 * 3 * 2 * 4
     bad = [(r["case"], r["rank"], r["mismatches"]) for r in results if r["mismatches"]]
@@ -53,13 +61,22 @@ def test_every_generator_shard_is_bitwise_sglangs(models, tmp_path):
              if r["bytes_received"] != r["expected_bytes"]]
     assert not wrong, wrong[:5]
     assert {r["version"] for r in results} == set(range(1, 2 * 6 * 3 * 2 + 1))
+    # packing: nothing packed -> one message per payload; packed -> fewer messages than planned
+    by = {p: [r for r in results if r["pack_below"] == p] for p in (0, 1024, None, 1 << 30)}
+    assert all(by.values()), {p: len(rs) for p, rs in by.items()}
+    assert all(r["wire_messages"] >= r["messages"] for r in by[0])
+    for p in (1024, None, 1 << 30):
+        assert all(r["wire_messages"] <= r["messages"] for r in by[p])
+        assert sum(r["wire_messages"] for r in by[p]) < sum(r["messages"] for r in by[p])
 
 
 def test_fp8_blocks_and_scales(tmp_path_factory, models, tmp_path):
     # head_dim 128: every 128x128 block of a generator weight has one sender, which quantises it
     aligned = converted(tmp_path_factory.mktemp("aligned"), hidden_size=512, num_attention_heads=4,
                         num_key_value_heads=2, intermediate_size=1024, num_hidden_layers=2)
-    results = run_sync([aligned, models[0]], tmp_path, extra=["--fp8"], layouts=["1x1", "2x1", "4x2"])
+    # thresholds in turn: fp8 bytes direct with their scales packed (4 KiB), all direct (0), the default
+    results = run_sync([aligned, models[0]], tmp_path, extra=["--fp8", "--pack-below", "4096", "0", "-1", "4096"],
+                       layouts=["1x1", "2x1", "4x2"])
     assert len(results) == 2 * 3 * 3 * 4
     for r in results:
         assert not r["mismatches"] and not r["scale_mismatches"], r

@@ -6,10 +6,12 @@ import torch
 
 from megarl.models.presets import preset_spec
 from megarl.models.spec import LlamaSpec
+from megarl.weight_sync.fp8 import FP8_LINEARS
 from megarl.weight_sync.layouts import sglang_padded_vocab
 from megarl.weight_sync.planner import GeneratorTopology, TrainerTopology, build_plan
-from megarl.weight_sync.predict import Links, predict_seconds
+from megarl.weight_sync.predict import Links, predict
 from megarl.weight_sync.schedule import pair_messages, receiver_quantised_params, sender_quantised_boxes
+from megarl.weight_sync.transport import PACK_BELOW_BYTES, payload_specs, wire_rounds
 from tests.conftest import TINY_CONFIG
 
 
@@ -59,9 +61,15 @@ def test_llama3_405b_plan_at_1024_gpus():
             assert received[generator.rank(replica, r)] == expected_sglang_elements(spec, 8, r)
     sent = plan.elements_sent()
     assert len(sent) == trainer.size and max(sent.values()) / min(sent.values()) < 1.2  # every rank sends, evenly
-    seconds = predict_seconds(plan, fp8=True, links=Links())
-    # the busiest generator GPU receives ~51 GB of fp8 over a 50 GB/s NIC
-    assert seconds == pytest.approx(max(received.values()) * (1 + 4 / 128**2) / 50e9, rel=0.05)
+    p = predict(plan, fp8=True, links=Links())
+    # by bandwidth alone, the busiest generator GPU receives ~51 GB of fp8 over a 50 GB/s NIC
+    assert p.busiest_bandwidth_only.bandwidth_s == pytest.approx(max(received.values()) * (1 + 4 / 128**2) / 50e9,
+                                                                 rel=0.05)
+    # each of the 576 senders quantises 56 replicas' share of the linears: ~80 GB of bf16 at 90 GB/s
+    linear = 56 * (spec.num_parameters() - 2 * spec.vocab_size * spec.hidden_size) / 576
+    assert p.busiest.direction == "send" and p.busiest.quantised_bytes == pytest.approx(2 * linear, rel=0.05)
+    assert p.busiest.quantise_s == pytest.approx(2 * linear / 90e9, rel=0.05)
+    assert p.seconds == pytest.approx(p.busiest.bandwidth_s + p.busiest.latency_s + p.busiest.quantise_s)
 
 
 def test_fp8_senders_quantise_every_block_of_llama_shapes():
@@ -86,3 +94,47 @@ def test_tp_beyond_kv_heads_on_both_sides():
     spec = preset_spec("llama3-8b")
     plan = build_plan(spec, TrainerTopology(16, 2, 1), GeneratorTopology(16, 1, first_rank=32))
     assert plan.elements_received()[32] == expected_sglang_elements(spec, 16, 0)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_wire_rounds_pack_small_payloads_densely(fp8):
+    # llama-mini TP4 -> 2 x TP2: norms, fp8 scales and thin rectangles below 1 MiB, q/o/mlp pieces above
+    spec = preset_spec("llama-mini")
+    plan = build_plan(spec, TrainerTopology(4, 1, 1), GeneratorTopology(2, 2, first_rank=4))
+    boxes = sender_quantised_boxes(plan) if fp8 else {}
+    total, packed_any, direct_any = 0, False, False
+    for src, dst in plan.transfers:
+        messages = pair_messages(plan, src, dst, fp8, boxes)
+        rounds = wire_rounds(messages, torch.bfloat16, bucket_bytes=8 << 20)
+        assert [m for r in rounds for m in r.messages] == messages
+        for r in rounds:
+            assert sum(_bytes(s) for m in r.messages for s in payload_specs(m, torch.bfloat16)) <= 8 << 20 or \
+                len(r.messages) == 1
+            items = {(i, j) for i, m in enumerate(r.messages) for j in range(len(payload_specs(m, torch.bfloat16)))}
+            packed = [(i, j) for i, j, _ in r.packed]
+            assert sorted(packed + list(r.direct)) == sorted(items)  # every payload exactly once
+            offset = 0
+            for i, j, at in r.packed:  # dense, in order, each offset aligned for its dtype
+                spec_ = payload_specs(r.messages[i], torch.bfloat16)[j]
+                assert at == offset and at % spec_[1].itemsize == 0 and _bytes(spec_) < PACK_BELOW_BYTES
+                offset += _bytes(spec_)
+            assert r.pack_bytes == offset and len(r.packed) != 1
+            small_direct = [ij for ij in r.direct
+                            if _bytes(payload_specs(r.messages[ij[0]], torch.bfloat16)[ij[1]]) < PACK_BELOW_BYTES]
+            assert not small_direct or (len(small_direct) == 1 and not r.packed)
+            total += r.pack_bytes + sum(_bytes(payload_specs(r.messages[i], torch.bfloat16)[j]) for i, j in r.direct)
+            packed_any |= bool(r.packed)
+            direct_any |= bool(r.direct)
+    assert packed_any and direct_any
+    # exactly the minimum on the wire: every worker's own elements (fp8: one byte + a scale per block)
+    minimum = sum(t.numel * (1 if fp8 and t.dst_param.endswith(FP8_LINEARS) else 2)
+                  for ts in plan.transfers.values() for t in ts)
+    scales = sum(s[0][0] * s[0][1] * 4 for (src, dst) in plan.transfers
+                 for m in pair_messages(plan, src, dst, fp8, boxes) if m.kind == "fp8"
+                 for s in payload_specs(m, torch.bfloat16)[1:])
+    assert total == minimum + scales
+
+
+def _bytes(spec):
+    (h, w), dtype = spec
+    return h * w * dtype.itemsize

@@ -1,23 +1,29 @@
-"""`megarl bench weight-sync`: shard-to-shard sync vs gather-then-broadcast, one run.
+"""`megarl bench weight-sync`: shard-to-shard sync vs slime's gather-then-broadcast, one run.
 
 Launches the trainer ranks (Megatron GPTModel at --src-tp x --src-pp) and the
 generator workers (--dst-replicas x --dst-tp, SGLang layout) as two worlds
-that meet over TCP-store sync groups, times megarl's sync and the baseline
-(baseline.py) on the same weights, and prints one JSON line: bytes moved and
-the minimum (every worker's own shard), seconds, and the ratio.
+that meet over TCP-store groups, times megarl's sync and the baseline
+(baseline.py: what slime does -- TP all-gather, per-stage flattened buckets
+broadcast to every worker) alternately on the same weights with the same
+bucket size, and prints one JSON line: bytes moved and the minimum (every
+worker's own shard), seconds, message counts and the ratio.
 
-``--plan-only`` builds the plan from shapes (e.g. ``--model llama3-405b``) and
-prints per-rank byte totals and the predicted time from link bandwidths.
+``--plan-only`` builds the plan from shapes (``--model llama3-405b ...`` or a
+run config with ``--config``) and prints a predicted time -- a model (link
+bandwidths, a per-message latency, fp8 quantisation throughput; predict.py),
+not a measurement -- with every assumption beside it.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import statistics
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -27,20 +33,48 @@ from megarl.models.spec import LlamaSpec
 
 @dataclass(frozen=True)
 class WeightSyncBench:
-    model: str = "llama-mini"
-    src_tp: int = 4
-    src_pp: int = 1
-    src_dp: int = 1
-    dst_tp: int = 2
-    dst_replicas: int = 2
+    model: Optional[str] = None  # default llama-mini (or the config's model with --config)
+    src_tp: Optional[int] = None  # None: 4, or the config's trainer.tp
+    src_pp: Optional[int] = None
+    src_dp: Optional[int] = None
+    dst_tp: Optional[int] = None
+    dst_replicas: Optional[int] = None
     fp8: bool = False
     verify: bool = False
     iters: int = 3
     plan_only: bool = False
-    gpus_per_node: int = 8
-    nvlink_gb_s: float = 450.0
-    network_gb_s: float = 50.0
-    bucket_mb: int = 64
+    config: Optional[str] = None  # a megarl run config (--plan-only)
+    gpus_per_node: Optional[int] = None
+    nvlink_gb_s: Optional[float] = None
+    network_gb_s: Optional[float] = None
+    message_latency_us: Optional[float] = None
+    fp8_quant_gb_s: Optional[float] = None
+    bucket_mb: int = 64  # both megarl's rounds and the baseline's buckets (DEFAULT_BUCKET_BYTES)
+
+    @property
+    def bucket_bytes(self) -> int:
+        return self.bucket_mb << 20
+
+
+DEFAULTS = dict(model="llama-mini", src_tp=4, src_pp=1, src_dp=1, dst_tp=2, dst_replicas=2)
+
+
+def resolved(b: WeightSyncBench) -> WeightSyncBench:
+    """Unset layout fields from the config (--config), else the defaults."""
+    from dataclasses import replace
+
+    values = dict(DEFAULTS)
+    if b.config is not None:
+        from megarl.config import load_config
+        from megarl.plan.config_plan import model_preset, plan_section
+
+        cfg = load_config(b.config)
+        section = plan_section(cfg)
+        values.update(model=model_preset(cfg, section), src_tp=cfg.trainer.tp, src_pp=cfg.trainer.pp,
+                      src_dp=cfg.trainer.dp, dst_tp=cfg.generator.tp, dst_replicas=cfg.generator.replicas)
+        if not b.fp8:
+            b = replace(b, fp8=bool(cfg.generator.fp8))
+    return replace(b, **{k: getattr(b, k) if getattr(b, k) is not None else v for k, v in values.items()})
 
 
 def model_spec(model: str) -> LlamaSpec:
@@ -60,31 +94,76 @@ def model_spec(model: str) -> LlamaSpec:
     return read_spec(resolve_checkpoint_dir(path, what="--model"))
 
 
+def links_of(b: WeightSyncBench):
+    """Link model: command-line values, else the config's plan section (hardware), else predict.py's defaults."""
+    from megarl.weight_sync.predict import Links
+
+    values = {}
+    if b.config is not None:
+        from megarl.config import load_config
+        from megarl.plan.config_plan import plan_section, section_hardware
+
+        section = plan_section(load_config(b.config))
+        hw = section_hardware(section)
+        values.update(gpus_per_node=hw.gpus_per_node, nvlink_gb_s=hw.nvlink_gb_s, network_gb_s=hw.network_gb_s)
+    for name in ("gpus_per_node", "nvlink_gb_s", "network_gb_s", "message_latency_us", "fp8_quant_gb_s"):
+        if getattr(b, name) is not None:
+            values[name] = getattr(b, name)
+    return Links(**values)
+
+
 def plan_only(b: WeightSyncBench) -> dict:
     from megarl.weight_sync.planner import GeneratorTopology, TrainerTopology, build_plan
-    from megarl.weight_sync.predict import Links, predict_seconds, rank_bytes
+    from megarl.weight_sync.predict import predict, rank_bytes
 
+    b = resolved(b)
     spec = model_spec(b.model)
     trainer = TrainerTopology(b.src_tp, b.src_pp, b.src_dp)
     generator = GeneratorTopology(b.dst_tp, b.dst_replicas, first_rank=trainer.size)
     start = time.perf_counter()
     plan = build_plan(spec, trainer, generator)
     plan_s = time.perf_counter() - start
-    links = Links(b.gpus_per_node, b.nvlink_gb_s, b.network_gb_s)
+    links = links_of(b)
     per_rank = rank_bytes(plan, b.fp8, links)
     recv = [sum(v for k, v in per_rank[r].items() if k.startswith("recv")) for r in range(trainer.size, trainer.size + generator.size)]
     send = [sum(v for k, v in per_rank[r].items() if k.startswith("send")) for r in range(trainer.size)]
+    p = predict(plan, b.fp8, links, bucket_bytes=b.bucket_bytes)
+    busy = p.busiest
     result = {
-        "model": b.model, "parameters_B": spec.num_parameters() / 1e9,
+        "model": b.model, "config": b.config, "parameters_B": spec.num_parameters() / 1e9,
         "trainer": f"TP{b.src_tp} x PP{b.src_pp} x DP{b.src_dp} = {trainer.size} GPUs",
         "generator": f"{b.dst_replicas} x TP{b.dst_tp} = {generator.size} GPUs", "fp8": b.fp8,
         "plan_seconds": round(plan_s, 2),
         "transfers": sum(len(v) for v in plan.transfers.values()),
         "max_bytes_per_receiving_gpu": max(recv), "min_bytes_per_receiving_gpu": min(recv),
         "max_bytes_per_sending_gpu": max(send), "min_bytes_per_sending_gpu": min(send),
-        "predicted_seconds": predict_seconds(plan, b.fp8, links),
-        "links": {"gpus_per_node": b.gpus_per_node, "nvlink_GB_s": b.nvlink_gb_s, "network_GB_s": b.network_gb_s},
+        "predicted_seconds": p.seconds,
+        "kind": "prediction from a model (predict.py), not a measurement",
+        "breakdown": {  # of the GPU that sets the time
+            "rank": busy.rank, "role": "generator" if busy.rank >= trainer.size else "trainer",
+            "direction": busy.direction, "bandwidth_s": busy.bandwidth_s, "latency_s": busy.latency_s,
+            "quantise_s": busy.quantise_s, "network_bytes": busy.network_bytes, "nvlink_bytes": busy.nvlink_bytes,
+            "messages": busy.messages, "quantised_bf16_bytes": busy.quantised_bytes,
+        },
+        "bandwidth_only_seconds": p.busiest_bandwidth_only.bandwidth_s,
+        "max_messages_per_rank": p.max_messages,
+        "assumptions": {"gpus_per_node": links.gpus_per_node, "nvlink_GB_s": links.nvlink_gb_s,
+                        "network_GB_s": links.network_gb_s, "message_latency_us": links.message_latency_us,
+                        "fp8_quant_GB_s": links.fp8_quant_gb_s, "bucket_MB": b.bucket_mb,
+                        "quantisation_overlapped": False},
     }
+    print(f"weight sync, {b.model}: trainer {result['trainer']} -> generator {result['generator']}"
+          f"{' (fp8)' if b.fp8 else ''}\n"
+          f"  predicted {p.seconds:.3f} s -- a model, not a measurement: busiest GPU = {result['breakdown']['role']} "
+          f"sync rank {busy.rank} ({busy.direction}): bandwidth {busy.bandwidth_s:.3f} s "
+          f"({busy.network_bytes / 1e9:.2f} GB network, {busy.nvlink_bytes / 1e9:.2f} GB NVLink) + "
+          f"{busy.messages} messages x {links.message_latency_us:g} us = {busy.latency_s * 1e3:.1f} ms + "
+          f"fp8 quantisation {busy.quantised_bytes / 1e9:.2f} GB bf16 / {links.fp8_quant_gb_s:g} GB/s = "
+          f"{busy.quantise_s * 1e3:.1f} ms\n"
+          f"  assumptions: {links.gpus_per_node} GPUs per node, NVLink {links.nvlink_gb_s:g} GB/s, network "
+          f"{links.network_gb_s:g} GB/s per GPU, {links.message_latency_us:g} us per point-to-point message, "
+          f"fp8 quantisation {links.fp8_quant_gb_s:g} GB/s of bf16 per GPU (not overlapped), "
+          f"{b.bucket_mb} MB rounds; most messages of one rank: {p.max_messages}", flush=True)
     print(json.dumps(result), flush=True)
     return result
 
@@ -92,118 +171,171 @@ def plan_only(b: WeightSyncBench) -> dict:
 # -- the measured run -----------------------------------------------------------------------------
 
 
-def _trainer_rank(b: WeightSyncBench, ports, out_dir: str) -> None:
+def _groups(b: WeightSyncBench, port: int, sync_rank: int, trainer_size: int, generators: int, stage_member):
+    """The sync group, and the baseline's per-stage broadcast groups this rank belongs to
+    ({stage: group}), all over one TCP store hosted by sync rank 0."""
     import torch.distributed as dist
+
+    from megarl.weight_sync.rendezvous import init_sync_group
+
+    world = trainer_size + generators
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=sync_rank == 0, timeout=datetime.timedelta(seconds=300))
+    sync = init_sync_group("127.0.0.1", port, world, sync_rank, store=store)
+    stages = {}
+    for s in range(b.src_pp):
+        rank = stage_member(s)
+        if rank is not None:
+            stages[s] = init_sync_group("127.0.0.1", port, 1 + generators, rank, group_name=f"baseline-pp_{s}",
+                                        store=store)
+    return sync, stages
+
+
+def _baseline_fp8(b: WeightSyncBench, spec: LlamaSpec) -> bool:
+    """The baseline quantises like SGLang's block-fp8 checkpoints, per HF weight: only for shapes
+    whose shards are whole 128x128 blocks (real Llamas, llama-mini); else it sends bf16."""
+    from megarl.weight_sync.baseline import fp8_supported
+
+    return b.fp8 and fp8_supported(spec, b.dst_tp)
+
+
+def _trainer_rank(b: WeightSyncBench, port: int, out_dir: str, generators: int) -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
 
     from megarl.models.megatron_llama import build_model_chunks, transformer_config
     from megarl.runtime.distributed import ParallelLayout, init_distributed, init_megatron, shutdown
     from megarl.weight_sync.baseline import gather_broadcast_send
     from megarl.weight_sync.endpoints import TrainerSync, megatron_params
     from megarl.weight_sync.planner import GeneratorTopology, TrainerTopology, build_plan
-    from megarl.weight_sync.rendezvous import init_sync_group
 
     rank = init_distributed()
     spec = model_spec(b.model)
     init_megatron(ParallelLayout(b.src_tp, b.src_pp))
     config = transformer_config(spec, b.src_tp, b.src_pp, params_dtype=torch.bfloat16, perform_initialization=False)
     chunks = build_model_chunks(spec, config)
-    generator_rng = torch.Generator().manual_seed(rank)
-    with torch.no_grad():  # any finite values do for timing (Megatron's initialiser is slow on CPU)
-        for p in chunks[0].parameters():
-            p.copy_(torch.randn(p.shape, generator=generator_rng) * 0.02)
+    tp_rank, pp_rank = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
+    with torch.no_grad():  # any finite values do for timing (Megatron's initialiser is slow on CPU), but
+        # consistent ones: replicated tensors (norms) equal on every TP rank, DP replicas equal
+        for i, p in enumerate(chunks[0].parameters()):
+            sharded = getattr(p, "tensor_model_parallel", False)
+            seed = (pp_rank * 1000 + i) * 1000 + (tp_rank if sharded else 0)
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)) * 0.02)
     trainer = TrainerTopology(b.src_tp, b.src_pp, dist.get_world_size() // (b.src_tp * b.src_pp))
     generator = GeneratorTopology(b.dst_tp, b.dst_replicas, first_rank=trainer.size)
-    sync = init_sync_group("127.0.0.1", ports[0], trainer.size + generator.size, rank)
-    bcast = init_sync_group("127.0.0.1", ports[1], 1 + generator.size, rank, group_name="baseline") if rank == 0 else None
+    sources = {trainer.rank(0, 0, s): s for s in range(trainer.pp)}
+    sync, stages = _groups(b, port, rank, trainer.size, generators,
+                           lambda s: 0 if sources.get(rank) == s else None)
     plan = build_plan(spec, trainer, generator)
     ours = TrainerSync(spec, trainer, generator, chunks, sync, rank, fp8=b.fp8, wire_dtype=torch.bfloat16,
-                       verify=b.verify, plan=plan, bucket_bytes=b.bucket_mb << 20)
-    times, base_times = [], []
-    for i in range(b.iters + 1):  # the first round warms up
+                       verify=b.verify, plan=plan, bucket_bytes=b.bucket_bytes)
+    params = megatron_params(chunks)
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    stage_group = stages.get(sources.get(rank))
+    times, base_times, stats, base = [], [], None, None
+    for i in range(b.iters + 1):  # the first round of each warms up; the two alternate
         dist.barrier(group=sync)
         start = time.perf_counter()
-        ours.push(i)
+        stats = ours.push(i)
         dist.barrier(group=sync)
         times.append(time.perf_counter() - start)
-    params = megatron_params(chunks)
-    gathered = 0
-    for i in range(b.iters + 1):
         dist.barrier(group=sync)
         start = time.perf_counter()
-        gathered = gather_broadcast_send(spec, trainer, rank, params, sync, bcast, torch.bfloat16)["gathered_bytes"]
+        base = gather_broadcast_send(spec, trainer, rank, params, tp_group, stage_group, torch.bfloat16,
+                                     b.bucket_bytes, fp8=_baseline_fp8(b, spec))
         dist.barrier(group=sync)
         base_times.append(time.perf_counter() - start)
-    if rank == 0:
-        Path(out_dir, "trainer.json").write_text(json.dumps(
-            {"seconds": times[1:], "baseline_seconds": base_times[1:], "gathered": gathered}))
+    Path(out_dir, f"trainer{rank}.json").write_text(json.dumps(
+        {"seconds": times[1:], "baseline_seconds": base_times[1:], "wire_messages": stats.wire_messages,
+         "pairs": len(ours.sender.peers), "baseline": base}))
     shutdown()
 
 
-def _generator_rank(b: WeightSyncBench, ports, out_dir: str, trainer_size: int) -> None:
+def _generator_rank(b: WeightSyncBench, port: int, out_dir: str, trainer_size: int) -> None:
     import torch.distributed as dist
 
     from megarl.runtime.distributed import init_distributed, shutdown
     from megarl.weight_sync.baseline import gather_broadcast_receive
     from megarl.weight_sync.endpoints import GeneratorSync, allocate_generator_params
     from megarl.weight_sync.planner import GeneratorTopology, TrainerTopology, build_plan
-    from megarl.weight_sync.rendezvous import init_sync_group
 
     rank = init_distributed()
     spec = model_spec(b.model)
     trainer = TrainerTopology(b.src_tp, b.src_pp, trainer_size // (b.src_tp * b.src_pp))
     generator = GeneratorTopology(b.dst_tp, b.dst_replicas, first_rank=trainer.size)
     sync_rank = trainer.size + rank
-    sync = init_sync_group("127.0.0.1", ports[0], trainer.size + generator.size, sync_rank)
-    bcast = init_sync_group("127.0.0.1", ports[1], 1 + generator.size, 1 + rank, group_name="baseline")
+    sync, stages = _groups(b, port, sync_rank, trainer.size, generator.size, lambda s: 1 + rank)
     replica, tp_rank = divmod(rank, b.dst_tp)
     params = allocate_generator_params(spec, b.dst_tp, tp_rank, torch.bfloat16, b.fp8)
     ours = GeneratorSync(spec, trainer, generator, replica, tp_rank, params, sync, fp8=b.fp8,
                          wire_dtype=torch.bfloat16, verify=b.verify, plan=build_plan(spec, trainer, generator),
-                         bucket_bytes=b.bucket_mb << 20)
-    received = 0
+                         bucket_bytes=b.bucket_bytes)
+    base_params = allocate_generator_params(spec, b.dst_tp, tp_rank, torch.bfloat16, _baseline_fp8(b, spec))
+    stats, base = None, None
     for i in range(b.iters + 1):
         dist.barrier(group=sync)
-        received = ours.pull(expected_version=i).bytes_received
+        stats = ours.pull(expected_version=i)
         dist.barrier(group=sync)
-    base_params = allocate_generator_params(spec, b.dst_tp, tp_rank, torch.bfloat16, False)
-    base_received = 0
-    for _ in range(b.iters + 1):
         dist.barrier(group=sync)
-        base_received = gather_broadcast_receive(spec, b.dst_tp, tp_rank, base_params, bcast, torch.bfloat16)["received_bytes"]
+        base = gather_broadcast_receive(spec, trainer, b.dst_tp, tp_rank, base_params,
+                                        [stages[s] for s in range(trainer.pp)], torch.bfloat16, b.bucket_bytes,
+                                        fp8=_baseline_fp8(b, spec))
         dist.barrier(group=sync)
-    Path(out_dir, f"generator{rank}.json").write_text(json.dumps({"received": received, "baseline_received": base_received}))
+    same = set(params) == set(base_params) and all(
+        torch.equal(params[n].view(torch.uint8) if params[n].dtype == torch.float8_e4m3fn else params[n],
+                    base_params[n].view(torch.uint8) if base_params[n].dtype == torch.float8_e4m3fn else base_params[n])
+        for n in params)
+    Path(out_dir, f"generator{rank}.json").write_text(json.dumps(
+        {"received": stats.bytes_received, "wire_messages": stats.wire_messages, "pairs": len(ours.receiver.peers),
+         "baseline": base, "same_weights": same}))
     shutdown()
 
 
 def run(b: WeightSyncBench) -> dict:
     if b.plan_only:
         return plan_only(b)
+    if b.config is not None:
+        from megarl.errors import ConfigError
+
+        raise ConfigError("--config goes with --plan-only (the measured run takes --model and the layout flags)")
+    b = resolved(b)
     from megarl.runtime.distributed import free_port
     from megarl.runtime.launch import run_worlds
     from megarl.weight_sync.planner import GeneratorTopology, TrainerTopology, build_plan
+    from megarl.weight_sync.predict import transfer_bytes
 
     spec = model_spec(b.model)
     trainer_size = b.src_tp * b.src_pp * b.src_dp
-    ports = (free_port(), free_port())
+    generators = b.dst_tp * b.dst_replicas
+    port = free_port()
     with tempfile.TemporaryDirectory(prefix="megarl_bench_") as out:
-        run_worlds([(_trainer_rank, trainer_size, (b, ports, out)),
-                    (_generator_rank, b.dst_tp * b.dst_replicas, (b, ports, out, trainer_size))])
-        t = json.loads(Path(out, "trainer.json").read_text())
-        gens = [json.loads(Path(out, f"generator{r}.json").read_text()) for r in range(b.dst_tp * b.dst_replicas)]
+        run_worlds([(_trainer_rank, trainer_size, (b, port, out, generators)),
+                    (_generator_rank, generators, (b, port, out, trainer_size))])
+        ts = [json.loads(Path(out, f"trainer{r}.json").read_text()) for r in range(trainer_size)]
+        gens = [json.loads(Path(out, f"generator{r}.json").read_text()) for r in range(generators)]
     plan = build_plan(spec, TrainerTopology(b.src_tp, b.src_pp, b.src_dp),
                       GeneratorTopology(b.dst_tp, b.dst_replicas, first_rank=trainer_size))
-    from megarl.weight_sync.predict import transfer_bytes
-
     # every worker's own shard, once (fp8 weights at one byte plus their scales)
-    minimum = int(sum(transfer_bytes(t.dst_param, t.numel, b.fp8) for ts in plan.transfers.values() for t in ts))
-    ours_s, base_s = statistics.median(t["seconds"]), statistics.median(t["baseline_seconds"])
+    minimum = int(sum(transfer_bytes(t.dst_param, t.numel, b.fp8) for ts_ in plan.transfers.values() for t in ts_))
+    t0 = ts[0]
+    ours_s, base_s = statistics.median(t0["seconds"]), statistics.median(t0["baseline_seconds"])
+    gathered = sum(t["baseline"]["gathered_bytes"] for t in ts)
+    broadcast = sum(g["baseline"]["received_bytes"] for g in gens)
     result = {
         "model": b.model, "parameters_M": round(spec.num_parameters() / 1e6, 1),
         "trainer": f"TP{b.src_tp} x PP{b.src_pp} x DP{b.src_dp}", "generator": f"{b.dst_replicas} x TP{b.dst_tp}",
-        "fp8": b.fp8, "verify": b.verify, "iters": b.iters,
-        "bytes_moved": sum(g["received"] for g in gens), "min_bytes": minimum, "seconds": ours_s,
-        "baseline_bytes_moved": t["gathered"] + sum(g["baseline_received"] for g in gens),
-        "baseline_seconds": base_s,
+        "fp8": b.fp8, "verify": b.verify, "iters": b.iters, "bucket_MB": b.bucket_mb,
+        "bytes_moved": sum(g["received"] for g in gens), "min_bytes": minimum,
+        "seconds": ours_s, "seconds_each": t0["seconds"],
+        "wire_messages": sum(g["wire_messages"] for g in gens),  # data point-to-point messages, all receivers
+        "max_wire_messages_per_receiver": max(g["wire_messages"] for g in gens),
+        "header_messages": sum(g["pairs"] for g in gens),
+        "baseline_bytes_moved": gathered + broadcast,
+        "baseline_gathered_bytes": gathered, "baseline_broadcast_bytes_received": broadcast,
+        "baseline_all_gathers_per_trainer_rank": max(t["baseline"]["all_gathers"] for t in ts),
+        "baseline_broadcasts_per_worker": gens[0]["baseline"]["broadcasts"],
+        "baseline_fp8": _baseline_fp8(b, spec),
+        "baseline_seconds": base_s, "baseline_seconds_each": t0["baseline_seconds"],
+        "baseline_same_weights": all(g["same_weights"] for g in gens),
         "speedup_vs_gather_broadcast": base_s / ours_s,
     }
     print(json.dumps(result), flush=True)

@@ -85,25 +85,33 @@ def sender_quantised_boxes(plan: SyncPlan) -> Dict[Tuple[int, str], Dict[int, Li
             if is_fp8_param(t.dst_param):
                 by_param[(dst, t.dst_param)][src].append(t)
     result = {}
+    # One sender's boxes depend only on where its rectangles land: replicas repeat them.
+    seen: Dict[tuple, Optional[List[Box]]] = {}
     for key, per_sender in by_param.items():
         rows_total, cols_total = shapes[key]
         boxes: Dict[int, List[Box]] = {}
-        ok = True
         for src, transfers in per_sender.items():
-            for group in _group_by_blocks(transfers):
-                rows, cols = _box(group)
-                area = (rows[1] - rows[0]) * (cols[1] - cols[0])
-                if area != sum(t.numel for t in group) or not (
-                    _aligned(rows, rows_total) and _aligned(cols, cols_total)
-                ):
-                    ok = False
-                    break
-                boxes.setdefault(src, []).append((rows, cols))
-            if not ok:
+            landing = (rows_total, cols_total, tuple((t.dst_rows, t.dst_cols) for t in transfers))
+            if landing not in seen:
+                seen[landing] = _sender_boxes(transfers, rows_total, cols_total)
+            if seen[landing] is None:
                 break
-        if ok:
+            boxes[src] = seen[landing]
+        else:
             result[key] = boxes
     return result
+
+
+def _sender_boxes(transfers: List[Transfer], rows_total: int, cols_total: int) -> Optional[List[Box]]:
+    """The boxes one sender's rectangles of a weight form, or None if they are not whole aligned boxes."""
+    out = []
+    for group in _group_by_blocks(transfers):
+        rows, cols = _box(group)
+        area = (rows[1] - rows[0]) * (cols[1] - cols[0])
+        if area != sum(t.numel for t in group) or not (_aligned(rows, rows_total) and _aligned(cols, cols_total)):
+            return None
+        out.append((rows, cols))
+    return out
 
 
 def _inside(t: Transfer, box: Box) -> bool:

@@ -7,10 +7,18 @@ per pair; a round's sends and receives for all peers go out together through
 buffering: while round k is on the wire the sender packs (and quantises)
 round k+1 and the receiver unpacks round k-1.
 
-Zero copy where the layout allows: a rectangle that is contiguous in the
-sender's parameter (and already in the wire dtype) is sent from the parameter
-itself, and one contiguous in the receiver's parameter is received straight
-into it; only column-split rectangles go through a staging buffer.
+Coalescing: within one round of one pair, every payload tensor smaller than
+``pack_below_bytes`` (norms, fp8 scales, the thin rectangles of toy models)
+travels in one flat byte buffer: the sender copies them in, the receiver
+copies them out. Both ends derive the packing (which payloads, at which byte
+offsets) from the plan, so nothing but the payload bytes goes on the wire,
+and the pack is dense (payloads ordered by element size, so every offset is
+aligned for its dtype with no padding): bytes moved stay exactly the minimum.
+
+Zero copy for the rest: a large rectangle that is contiguous in the sender's
+parameter (and already in the wire dtype) is sent from the parameter itself,
+and one contiguous in the receiver's parameter is received straight into it;
+only column-split rectangles go through a staging buffer.
 
 Pairs on one device (``ipc_peers``; NCCL refuses two ranks on one GPU) move
 their rounds through a shared staging buffer instead (ipc.py), synchronised by
@@ -43,6 +51,16 @@ from megarl.weight_sync.schedule import (
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 
+# Payloads below this size share one flat buffer per (pair, round). Why 1 MiB: a
+# point-to-point message has a fixed cost -- NCCL ~10-30 us per send/recv, about
+# what a 50 GB/s NIC needs for 1 MiB, while packing 1 MiB costs one copy in and one
+# out at HBM speed (~1 us); gloo on this project's 2-core CPU machine ~220-280 us,
+# about what copying 1 MiB in and out costs there (~0.1-0.2 ms each way), so 1 MiB
+# is near the break-even on CPU and safely below it on GPUs. Larger rectangles
+# (nearly all bytes of a real model: a 405B TP8 linear shard is tens of MB) stay
+# zero-copy: packing them would add memory traffic and staging memory for nothing.
+PACK_BELOW_BYTES = 1 << 20
+
 
 class WeightSyncError(MegarlError):
     """A sync delivered something other than what the trainer sent."""
@@ -53,9 +71,10 @@ class SyncStats:
     version: int = -1
     bytes_sent: int = 0
     bytes_received: int = 0
-    messages: int = 0
+    messages: int = 0  # planned messages (schedule.py), however they travel
     rounds: int = 0
     seconds: float = 0.0
+    wire_messages: int = 0  # point-to-point data transfers: packs + direct payloads (not headers, checksums)
 
 
 def as_2d(t: torch.Tensor) -> torch.Tensor:
@@ -95,27 +114,92 @@ def _rounds(messages: List[Message], bytes_of: Callable[[Message], int], bucket_
     return rounds
 
 
-def _message_bytes(m: Message, wire_dtype: torch.dtype) -> int:
+def payload_specs(m: Message, wire_dtype: torch.dtype) -> List[Tuple[Tuple[int, int], torch.dtype]]:
+    """(shape, dtype) of each tensor a message carries: a copy's rectangle in the wire
+    dtype, or an fp8 box's e4m3 bytes (as uint8) and its fp32 block scales."""
     if m.kind == "copy":
-        return m.wire_elements() * wire_dtype.itemsize
+        t = m.transfer
+        return [((t.src_rows[1] - t.src_rows[0], t.src_cols[1] - t.src_cols[0]), wire_dtype)]
     h, w = m.box_rows[1] - m.box_rows[0], m.box_cols[1] - m.box_cols[0]
-    rb, cb = fp8_format.scale_shape((h, w))
-    return h * w + rb * cb * 4
+    return [((h, w), torch.uint8), (fp8_format.scale_shape((h, w)), torch.float32)]
+
+
+def _nbytes(spec: Tuple[Tuple[int, int], torch.dtype]) -> int:
+    (h, w), dtype = spec
+    return h * w * dtype.itemsize
+
+
+def _message_bytes(m: Message, wire_dtype: torch.dtype) -> int:
+    return sum(_nbytes(s) for s in payload_specs(m, wire_dtype))
+
+
+@dataclass(frozen=True)
+class WireRound:
+    """One round of one pair as it goes on the wire: first the pack (if any), then the
+    direct payloads, in this order on both ends."""
+
+    messages: Tuple[Message, ...]
+    packed: Tuple[Tuple[int, int, int], ...]  # (message index, payload index, byte offset in the pack)
+    pack_bytes: int
+    direct: Tuple[Tuple[int, int], ...]  # (message index, payload index)
+
+    @property
+    def wire_messages(self) -> int:
+        return (1 if self.packed else 0) + len(self.direct)
+
+
+def wire_rounds(messages: List[Message], wire_dtype: torch.dtype, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                pack_below_bytes: int = PACK_BELOW_BYTES) -> List[WireRound]:
+    """The rounds of one pair's messages and, in each, which payloads share the pack.
+
+    A function of the plan alone (shapes and dtypes), so sender and receiver agree.
+    A lone small payload is sent directly (a pack of one would only add copies).
+    """
+    out = []
+    for msgs in _rounds(messages, lambda m: _message_bytes(m, wire_dtype), bucket_bytes):
+        items = [(i, j, spec) for i, m in enumerate(msgs) for j, spec in enumerate(payload_specs(m, wire_dtype))]
+        small = [it for it in items if _nbytes(it[2]) < pack_below_bytes]
+        if len(small) < 2:
+            small = []
+        # Widest elements first: every offset stays a multiple of its own element size.
+        small.sort(key=lambda it: -it[2][1].itemsize)
+        packed, offset = [], 0
+        for i, j, spec in small:
+            packed.append((i, j, offset))
+            offset += _nbytes(spec)
+        in_pack = {(i, j) for i, j, _ in packed}
+        direct = tuple((i, j) for i, j, _ in items if (i, j) not in in_pack)
+        out.append(WireRound(tuple(msgs), tuple(packed), offset, direct))
+    return out
+
+
+def _region(pack: torch.Tensor, offset: int, spec: Tuple[Tuple[int, int], torch.dtype]) -> torch.Tensor:
+    shape, dtype = spec
+    return pack[offset : offset + _nbytes(spec)].view(dtype).view(shape)
 
 
 class _Endpoint:
     def __init__(self, plan: SyncPlan, rank: int, group, fp8: bool, wire_dtype: torch.dtype,
-                 bucket_bytes: int, verify: bool, ipc_peers: Optional[Set[int]]):
+                 bucket_bytes: int, verify: bool, ipc_peers: Optional[Set[int]], pack_below_bytes: int):
         self.plan, self.rank, self.group = plan, rank, group
         self.fp8, self.wire_dtype, self.bucket_bytes, self.verify = fp8, wire_dtype, bucket_bytes, verify
+        self.pack_below_bytes = pack_below_bytes
         self.boxes = sender_quantised_boxes(plan) if fp8 else {}
         # Peers on this same device: their bytes go through shared memory (ipc.py).
         self.ipc_peers = set(ipc_peers or ())
         self.staging: Dict[int, torch.Tensor] = {}
+        self.packs: Dict[int, List[torch.Tensor]] = {}  # peer -> two pack buffers (double buffering)
 
-    def _rounds_by_peer(self, peers: Dict[int, List[Message]]) -> Dict[int, List[List[Message]]]:
-        return {peer: _rounds(ms, lambda m: _message_bytes(m, self.wire_dtype), self.bucket_bytes)
+    def _wire_rounds(self, peers: Dict[int, List[Message]]) -> Dict[int, List[WireRound]]:
+        return {peer: wire_rounds(ms, self.wire_dtype, self.bucket_bytes, self.pack_below_bytes)
                 for peer, ms in peers.items()}
+
+    def _pack(self, peer: int, k: int, device) -> torch.Tensor:
+        """Round k's pack buffer for ``peer`` (two per peer, alternating, reused across syncs)."""
+        if peer not in self.packs:
+            size = max((r.pack_bytes for r in self.rounds[peer]), default=0)
+            self.packs[peer] = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(2)]
+        return self.packs[peer][k % 2][: self.rounds[peer][k].pack_bytes]
 
     def _flag(self, op, peer: int, value: int = 0) -> torch.Tensor:
         flag = torch.tensor([value], dtype=torch.int64)
@@ -139,23 +223,24 @@ class WeightSender(_Endpoint):
 
     def __init__(self, plan: SyncPlan, rank: int, group, params: Dict[str, torch.Tensor], fp8: bool = False,
                  wire_dtype: torch.dtype = torch.bfloat16, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 verify: bool = False, ipc_peers: Optional[Set[int]] = None):
-        super().__init__(plan, rank, group, fp8, wire_dtype, bucket_bytes, verify, ipc_peers)
+                 verify: bool = False, ipc_peers: Optional[Set[int]] = None,
+                 pack_below_bytes: int = PACK_BELOW_BYTES):
+        super().__init__(plan, rank, group, fp8, wire_dtype, bucket_bytes, verify, ipc_peers, pack_below_bytes)
         self.params = {name: as_2d(t) for name, t in params.items()}
         self.peers = {dst: pair_messages(plan, rank, dst, fp8, self.boxes) for (src, dst) in plan.transfers if src == rank}
+        self.rounds = self._wire_rounds(self.peers)
         missing = {t.src_param for ms in plan.sends_of(rank).values() for t in ms} - set(self.params)
         if missing:
             raise WeightSyncError(f"sync rank {rank}: the plan sends parameters this rank does not hold: {sorted(missing)[:5]}")
 
     def _payload(self, m: Message) -> List[torch.Tensor]:
+        """The message's tensors as they are at hand: a view of the parameter for a copy
+        (any dtype, maybe strided), the quantised bytes and scales for an fp8 box."""
         if m.kind == "copy":
             t = m.transfer
-            rect = self.params[t.src_param][t.src_rows[0] : t.src_rows[1], t.src_cols[0] : t.src_cols[1]]
-            if rect.dtype == self.wire_dtype and rect.is_contiguous():
-                return [rect]  # zero copy: straight from the parameter
-            return [rect.to(self.wire_dtype).contiguous()]
+            return [self.params[t.src_param][t.src_rows[0] : t.src_rows[1], t.src_cols[0] : t.src_cols[1]]]
         box = torch.empty(m.box_rows[1] - m.box_rows[0], m.box_cols[1] - m.box_cols[0], dtype=torch.float32,
-                          device=next(iter(self.params.values())).device)
+                          device=self._device())
         for t in m.parts:
             src = self.params[t.src_param][t.src_rows[0] : t.src_rows[1], t.src_cols[0] : t.src_cols[1]]
             box[t.dst_rows[0] - m.box_rows[0] : t.dst_rows[1] - m.box_rows[0],
@@ -163,11 +248,19 @@ class WeightSender(_Endpoint):
         q, scale_inv = fp8_format.quantize(box)
         return [q.view(torch.uint8), scale_inv]
 
-    def _share_staging(self, ipc_peers: List[int], rounds) -> None:
+    def _wire_payload(self, m: Message) -> List[torch.Tensor]:
+        """The message's tensors in wire form: contiguous, in the wire dtype (zero copy when already so)."""
+        out = []
+        for p, (_, dtype) in zip(self._payload(m), payload_specs(m, self.wire_dtype)):
+            out.append(p if p.dtype == dtype and p.is_contiguous() else p.to(dtype).contiguous())
+        return out
+
+    def _share_staging(self, ipc_peers: List[int]) -> None:
         for peer in ipc_peers:
             if peer in self.staging:
                 continue
-            size = max(ipc.layout([p for m in r for p in self._payload_shapes(m)])[1] for r in rounds[peer])
+            size = max(ipc.layout([p for m in r.messages for p in self._payload_shapes(m)])[1]
+                       for r in self.rounds[peer])
             self.staging[peer], handle = ipc.create_staging(size, self._device())
             ipc.send_bytes(handle, peer, self.group)
 
@@ -176,36 +269,44 @@ class WeightSender(_Endpoint):
 
     def _payload_shapes(self, m: Message) -> List[torch.Tensor]:
         """Empty stand-ins with each payload tensor's shape and dtype (for buffer sizing)."""
-        if m.kind == "copy":
-            t = m.transfer
-            return [torch.empty(t.src_rows[1] - t.src_rows[0], t.src_cols[1] - t.src_cols[0], dtype=self.wire_dtype,
-                                device="meta")]
-        h, w = m.box_rows[1] - m.box_rows[0], m.box_cols[1] - m.box_cols[0]
-        return [torch.empty(h, w, dtype=torch.uint8, device="meta"),
-                torch.empty(fp8_format.scale_shape((h, w)), dtype=torch.float32, device="meta")]
+        return [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in payload_specs(m, self.wire_dtype)]
+
+    def _round_ops(self, peer: int, k: int, sums: Dict[int, List[torch.Tensor]]) -> List[Tuple[int, torch.Tensor]]:
+        """Round k for ``peer``: fill its pack, and list (peer, tensor) in wire order."""
+        r = self.rounds[peer][k]
+        payloads = [self._payload(m) for m in r.messages]
+        wire: List[List[Optional[torch.Tensor]]] = [[None] * len(p) for p in payloads]
+        out = []
+        if r.packed:
+            pack = self._pack(peer, k, self._device())
+            for i, j, offset in r.packed:
+                region = _region(pack, offset, payload_specs(r.messages[i], self.wire_dtype)[j])
+                region.copy_(payloads[i][j])
+                wire[i][j] = region
+            out.append((peer, pack))
+        for i, j in r.direct:
+            _, dtype = payload_specs(r.messages[i], self.wire_dtype)[j]
+            p = payloads[i][j]
+            wire[i][j] = p if p.dtype == dtype and p.is_contiguous() else p.to(dtype).contiguous()
+            out.append((peer, wire[i][j]))
+        if self.verify:
+            sums[peer] += [message_checksum(w) for w in wire]
+        return out
 
     def send(self, version: int) -> SyncStats:
         stats = SyncStats(version=version)
         start = time.perf_counter()
         headers = [torch.tensor([version, len(ms)], dtype=torch.int64) for ms in self.peers.values()]
         self._exchange([self._p2p(dist.isend, h, peer) for h, peer in zip(headers, self.peers)])
-        rounds = self._rounds_by_peer(self.peers)
+        rounds = self.rounds
         n_rounds = max((len(r) for r in rounds.values()), default=0)
         sums: Dict[int, List[torch.Tensor]] = {peer: [] for peer in self.peers}
         ipc_peers = sorted(self.ipc_peers & set(self.peers))
-        self._share_staging(ipc_peers, rounds)
+        self._share_staging(ipc_peers)
 
         def pack(k):
-            out = []
-            for peer, rs in rounds.items():
-                if peer in self.ipc_peers:
-                    continue
-                for m in rs[k] if k < len(rs) else []:
-                    payload = self._payload(m)
-                    if self.verify:
-                        sums[peer].append(message_checksum(payload))
-                    out += [(peer, p) for p in payload]
-            return out
+            return [op for peer, rs in rounds.items() if peer not in self.ipc_peers and k < len(rs)
+                    for op in self._round_ops(peer, k, sums)]
 
         ready = pack(0) if n_rounds else []
         for k in range(n_rounds):
@@ -214,9 +315,10 @@ class WeightSender(_Endpoint):
             for req in reqs:
                 req.wait()
             stats.bytes_sent += sum(p.numel() * p.element_size() for _, p in sent)
+            stats.wire_messages += len(sent)
             for peer in ipc_peers:  # in a global (sender, receiver) order: no cycles between pairs
                 if k < len(rounds[peer]):
-                    payloads = [self._payload(m) for m in rounds[peer][k]]
+                    payloads = [self._wire_payload(m) for m in rounds[peer][k].messages]
                     if self.verify:
                         sums[peer] += [message_checksum(p) for p in payloads]
                     flat = [p for ps in payloads for p in ps]
@@ -226,7 +328,7 @@ class WeightSender(_Endpoint):
                     self._flag("send", peer, k)  # ready
                     self._flag("recv", peer)  # done: the buffer may be reused
                     stats.bytes_sent += sum(p.numel() * p.element_size() for p in flat)
-            stats.messages += sum(len(rs[k]) for rs in rounds.values() if k < len(rs))
+            stats.messages += sum(len(rs[k].messages) for rs in rounds.values() if k < len(rs))
         if self.verify:
             self._exchange([self._p2p(dist.isend, torch.stack(s), peer) for peer, s in sums.items()])
         stats.rounds = n_rounds
@@ -241,32 +343,38 @@ class WeightReceiver(_Endpoint):
 
     def __init__(self, plan: SyncPlan, rank: int, group, params: Dict[str, torch.Tensor], fp8: bool = False,
                  wire_dtype: torch.dtype = torch.bfloat16, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 verify: bool = False, ipc_peers: Optional[Set[int]] = None):
-        super().__init__(plan, rank, group, fp8, wire_dtype, bucket_bytes, verify, ipc_peers)
+                 verify: bool = False, ipc_peers: Optional[Set[int]] = None,
+                 pack_below_bytes: int = PACK_BELOW_BYTES):
+        super().__init__(plan, rank, group, fp8, wire_dtype, bucket_bytes, verify, ipc_peers, pack_below_bytes)
         self.params = {name: as_2d(t) for name, t in params.items()}
         self.peers = {src: pair_messages(plan, src, rank, fp8, self.boxes) for (src, dst) in plan.transfers if dst == rank}
+        self.rounds = self._wire_rounds(self.peers)
         self.late_quantised = receiver_quantised_params(plan, rank, self.boxes) if fp8 else set()
         expected = {t.name for t in plan.dst_layouts[rank]}
         missing = expected - set(self.params)
         if missing:
             raise WeightSyncError(f"sync rank {rank}: receiver lacks parameters {sorted(missing)[:5]}")
 
-    def _targets(self, m: Message, staging: Dict[str, torch.Tensor]) -> List[Tuple[torch.Tensor, Optional[torch.Tensor]]]:
-        """(buffer to receive into, view to copy it to afterwards or None) for each payload tensor."""
+    def _dests(self, m: Message, staging: Dict[str, torch.Tensor]) -> List[torch.Tensor]:
+        """Where each payload tensor of ``m`` ends up (views of the parameters, maybe strided)."""
         if m.kind == "copy":
             t = m.transfer
             base = staging.get(m.dst_param, self.params[m.dst_param])
-            view = base[t.dst_rows[0] : t.dst_rows[1], t.dst_cols[0] : t.dst_cols[1]]
-            if view.dtype == self.wire_dtype and view.is_contiguous():
-                return [(view, None)]
-            return [(torch.empty(view.shape, dtype=self.wire_dtype, device=view.device), view)]
+            return [base[t.dst_rows[0] : t.dst_rows[1], t.dst_cols[0] : t.dst_cols[1]]]
         data = self.params[m.dst_param].view(torch.uint8)[m.box_rows[0] : m.box_rows[1], m.box_cols[0] : m.box_cols[1]]
         r0, c0 = m.box_rows[0] // fp8_format.BLOCK, m.box_cols[0] // fp8_format.BLOCK
         rb, cb = fp8_format.scale_shape((m.box_rows[1] - m.box_rows[0], m.box_cols[1] - m.box_cols[0]))
         scales = self.params[fp8_format.scale_name(m.dst_param)][r0 : r0 + rb, c0 : c0 + cb]
+        return [data, scales]
+
+    def _targets(self, m: Message, staging: Dict[str, torch.Tensor]) -> List[Tuple[torch.Tensor, Optional[torch.Tensor]]]:
+        """(buffer to receive into, view to copy it to afterwards or None) for each payload tensor."""
         out = []
-        for view in (data, scales):
-            out.append((view, None) if view.is_contiguous() else (torch.empty_like(view, memory_format=torch.contiguous_format), view))
+        for view, (_, dtype) in zip(self._dests(m, staging), payload_specs(m, self.wire_dtype)):
+            if view.dtype == dtype and view.is_contiguous():
+                out.append((view, None))  # zero copy: straight into the parameter
+            else:
+                out.append((torch.empty(view.shape, dtype=dtype, device=view.device), view))
         return out
 
     def receive(self, expected_version: Optional[int] = None) -> SyncStats:
@@ -284,7 +392,7 @@ class WeightReceiver(_Endpoint):
         stats.version = versions.pop() if versions else -1
         staging = {name: torch.empty(self.params[name].shape, dtype=self.wire_dtype, device=self.params[name].device)
                    for name in self.late_quantised}
-        rounds = self._rounds_by_peer(self.peers)
+        rounds = self.rounds
         n_rounds = max((len(r) for r in rounds.values()), default=0)
         landed: Dict[int, List[Tuple[Message, List[torch.Tensor]]]] = {peer: [] for peer in self.peers}
         pending: List[Tuple[torch.Tensor, torch.Tensor]] = []
@@ -293,16 +401,29 @@ class WeightReceiver(_Endpoint):
             if peer not in self.staging:
                 self.staging[peer] = ipc.open_staging(ipc.recv_bytes(peer, self.group))
         for k in range(n_rounds):
-            ops, copies = [], []
+            ops, copies = [], []  # copies: (landed buffer, destination view), done once the round is in
             for peer, rs in rounds.items():
-                if peer in self.ipc_peers:
+                if peer in self.ipc_peers or k >= len(rs):
                     continue
-                for m in rs[k] if k < len(rs) else []:
-                    targets = self._targets(m, staging)
-                    ops += [self._p2p(dist.irecv, buf, peer) for buf, _ in targets]
-                    copies += [(buf, view) for buf, view in targets if view is not None]
-                    landed[peer].append((m, [view if view is not None else buf for buf, view in targets]))
-                    stats.messages += 1
+                r = rs[k]
+                dests = [self._dests(m, staging) for m in r.messages]
+                if r.packed:
+                    pack = self._pack(peer, k, next(iter(self.params.values())).device)
+                    ops.append(self._p2p(dist.irecv, pack, peer))
+                    for i, j, offset in r.packed:
+                        copies.append((_region(pack, offset, payload_specs(r.messages[i], self.wire_dtype)[j]),
+                                       dests[i][j]))
+                for i, j in r.direct:
+                    _, dtype = payload_specs(r.messages[i], self.wire_dtype)[j]
+                    view = dests[i][j]
+                    if view.dtype == dtype and view.is_contiguous():
+                        ops.append(self._p2p(dist.irecv, view, peer))  # zero copy
+                    else:
+                        buf = torch.empty(view.shape, dtype=dtype, device=view.device)
+                        ops.append(self._p2p(dist.irecv, buf, peer))
+                        copies.append((buf, view))
+                landed[peer] += list(zip(r.messages, dests))
+                stats.messages += len(r.messages)
             reqs = dist.batch_isend_irecv(ops) if ops else []
             for buf, view in pending:  # unpack the previous round while this one is on the wire
                 view.copy_(buf)
@@ -310,10 +431,11 @@ class WeightReceiver(_Endpoint):
                 req.wait()
             pending = copies
             stats.bytes_received += sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
+            stats.wire_messages += len(ops)
             for peer in ipc_peers:
                 if k < len(rounds[peer]):
                     self._flag("recv", peer)  # ready
-                    targets = [(m, self._targets(m, staging)) for m in rounds[peer][k]]
+                    targets = [(m, self._targets(m, staging)) for m in rounds[peer][k].messages]
                     flat = [pair for _, ts in targets for pair in ts]
                     spans, _ = ipc.layout([buf for buf, _ in flat])
                     for (offset, _), (buf, view) in zip(spans, flat):

@@ -1,5 +1,6 @@
 """Generator side of the weight-sync tests: SGLang-layout receivers in their own torchrun
-world, checked against tests/sglang_reference.py (the HF tensors sliced SGLang's way).
+world (megarl's sync, or with --baseline baseline.py's broadcast receiver), checked against
+tests/sglang_reference.py (the HF tensors sliced SGLang's way).
 
 Takes the trainer worker's arguments plus --trainers N and --out DIR; TP rank r of
 replica q is sync rank N + q * tp + r. Writes OUT/results_rank<r>.json.
@@ -16,14 +17,16 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from weight_sync_cases import cases  # noqa: E402
-from weight_sync_trainer import parse  # noqa: E402
+from weight_sync_trainer import pack_threshold, parse, stage_group, sync_group  # noqa: E402
 
 from megarl.checkpointing.megatron_checkpoint import read_spec, resolve_checkpoint_dir  # noqa: E402
 from megarl.runtime.distributed import init_distributed, shutdown  # noqa: E402
 from megarl.weight_sync import fp8 as fp8_format  # noqa: E402
+from megarl.weight_sync.baseline import gather_broadcast_receive  # noqa: E402
 from megarl.weight_sync.endpoints import GeneratorSync, allocate_generator_params  # noqa: E402
 from megarl.weight_sync.planner import GeneratorTopology, TrainerTopology, build_plan  # noqa: E402
-from megarl.weight_sync.rendezvous import init_sync_group  # noqa: E402
+from megarl.weight_sync.rendezvous import destroy_sync_group  # noqa: E402
+from megarl.weight_sync.transport import SyncStats, WeightReceiver  # noqa: E402
 from tests.sglang_reference import block_fp8, sglang_shard  # noqa: E402
 
 
@@ -41,7 +44,7 @@ def main():
     args = parse_with_trainers()
     rank = init_distributed()
     sync_rank = args.trainers + rank
-    group = init_sync_group("127.0.0.1", args.port, args.trainers + args.generators, sync_rank)
+    store, group = sync_group(args, sync_rank, args.trainers + args.generators)
     results = []
     version = 0
     for case in cases(args, args.trainers):
@@ -53,16 +56,32 @@ def main():
         generator = GeneratorTopology(case.dst_tp, args.generators // case.dst_tp, first_rank=args.trainers)
         replica, tp_rank = divmod(rank, case.dst_tp)
         params = allocate_generator_params(spec, case.dst_tp, tp_rank, case.dtype, case.fp8)
-        plan = build_plan(spec, trainer, generator)
         version += 1
-        stats = GeneratorSync(spec, trainer, generator, replica, tp_rank, params, group, fp8=case.fp8,
-                              wire_dtype=case.dtype, verify=True, plan=plan, bucket_bytes=args.bucket_bytes,
-                              ipc_peers=set(range(args.trainers)) if args.ipc else None,
-                              ).pull(expected_version=version)
+        if args.baseline:
+            groups = [stage_group(store, version, s, args.generators, 1 + rank) for s in range(trainer.pp)]
+            got = gather_broadcast_receive(spec, trainer, case.dst_tp, tp_rank, params, groups, case.dtype,
+                                           args.bucket_bytes, fp8=case.fp8)
+            for g in groups:
+                destroy_sync_group(g)
+            stats = SyncStats(version=version, bytes_received=got["received_bytes"])
+        else:
+            plan = build_plan(spec, trainer, generator)
+            ipc_peers = set(range(args.trainers)) if args.ipc else None
+            pack_below = pack_threshold(args, version)
+            if pack_below is None:
+                stats = GeneratorSync(spec, trainer, generator, replica, tp_rank, params, group, fp8=case.fp8,
+                                      wire_dtype=case.dtype, verify=True, plan=plan, bucket_bytes=args.bucket_bytes,
+                                      ipc_peers=ipc_peers).pull(expected_version=version)
+            else:
+                stats = WeightReceiver(plan, generator.rank(replica, tp_rank), group, params, case.fp8, case.dtype,
+                                       args.bucket_bytes, verify=True, ipc_peers=ipc_peers,
+                                       pack_below_bytes=pack_below).receive(expected_version=version)
         full, config = hf_tensors(case.model)
         reference = sglang_shard(full, config, case.dst_tp, tp_rank)
         record = {"case": case.name, "rank": rank, "version": stats.version, "bytes_received": stats.bytes_received,
-                  "rounds": stats.rounds, "mismatches": [], "max_fp8_error": 0.0, "scale_mismatches": []}
+                  "rounds": stats.rounds, "wire_messages": stats.wire_messages, "messages": stats.messages,
+                  "pack_below": None if args.baseline else pack_threshold(args, version),
+                  "mismatches": [], "max_fp8_error": 0.0, "scale_mismatches": []}
         # The shard's size: every element SGLang's loader writes (not the vocabulary padding).
         real = 0
         for name, ref in reference.items():

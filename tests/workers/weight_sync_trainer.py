@@ -2,10 +2,15 @@
 TCP-store sync group to generator workers living in another torchrun world.
 
     torchrun --nproc-per-node 8 tests/workers/weight_sync_trainer.py --port P --generators 4 \
-        --models DIR ... --layouts 1x1 2x1 ... --dst-tps 1 2 4 [--fp8]
+        --models DIR ... --layouts 1x1 2x1 ... --dst-tps 1 2 4 [--fp8] [--pack-below N ...] [--baseline]
+
+``--pack-below`` thresholds are used in turn, case by case (both sides walk the
+same cases); ``--baseline`` runs baseline.py (slime's gather + per-stage
+broadcast) instead of megarl's sync.
 """
 
 import argparse
+import datetime
 import os
 import sys
 
@@ -17,9 +22,10 @@ from lm_batch import parse_layout  # noqa: E402
 
 from megarl.models.loading import load_llama  # noqa: E402
 from megarl.runtime.distributed import init_distributed, init_megatron, shutdown  # noqa: E402
-from megarl.weight_sync.endpoints import TrainerSync  # noqa: E402
+from megarl.weight_sync.endpoints import TrainerSync, megatron_params  # noqa: E402
 from megarl.weight_sync.planner import GeneratorTopology, TrainerTopology, build_plan  # noqa: E402
-from megarl.weight_sync.rendezvous import init_sync_group  # noqa: E402
+from megarl.weight_sync.rendezvous import destroy_sync_group, init_sync_group  # noqa: E402
+from megarl.weight_sync.transport import WeightSender  # noqa: E402
 from weight_sync_cases import cases  # noqa: E402
 
 
@@ -27,7 +33,7 @@ def main():
     args = parse()
     rank = init_distributed()
     world = dist.get_world_size()
-    group = init_sync_group("127.0.0.1", args.port, world + args.generators, rank)
+    store, group = sync_group(args, rank, world + args.generators)
     version = 0
     loaded = None
     for case in cases(args, world):
@@ -42,12 +48,52 @@ def main():
         trainer = TrainerTopology(t.tp, t.pp, world // (t.tp * t.pp))
         generator = GeneratorTopology(case.dst_tp, args.generators // case.dst_tp, first_rank=world)
         version += 1
+        if args.baseline:
+            run_baseline(args, spec, trainer, chunks, rank, case, version, store)
+            continue
         ipc_peers = set(range(world, world + args.generators)) if args.ipc else None
-        TrainerSync(spec, trainer, generator, chunks, group, rank, fp8=case.fp8, wire_dtype=case.dtype,
-                    verify=True, plan=build_plan(spec, trainer, generator), bucket_bytes=args.bucket_bytes,
-                    ipc_peers=ipc_peers).push(version)
+        plan = build_plan(spec, trainer, generator)
+        pack_below = pack_threshold(args, version)
+        if pack_below is None:
+            TrainerSync(spec, trainer, generator, chunks, group, rank, fp8=case.fp8, wire_dtype=case.dtype,
+                        verify=True, plan=plan, bucket_bytes=args.bucket_bytes, ipc_peers=ipc_peers).push(version)
+        else:
+            WeightSender(plan, rank, group, megatron_params(chunks), case.fp8, case.dtype, args.bucket_bytes,
+                         verify=True, ipc_peers=ipc_peers, pack_below_bytes=pack_below).send(version)
     dist.barrier(group=group)
     shutdown()
+
+
+def sync_group(args, sync_rank: int, size: int):
+    """The sync group over a TCP store (hosted by sync rank 0) that the baseline's groups share."""
+    store = dist.TCPStore("127.0.0.1", args.port, size, is_master=sync_rank == 0,
+                          timeout=datetime.timedelta(seconds=300))
+    return store, init_sync_group("127.0.0.1", args.port, size, sync_rank, store=store)
+
+
+def stage_group(store, version: int, stage: int, generators: int, rank_in_group: int):
+    return init_sync_group("127.0.0.1", 0, 1 + generators, rank_in_group, group_name=f"baseline{version}-pp_{stage}",
+                           store=store)
+
+
+def pack_threshold(args, version: int):
+    """The pack threshold of case number ``version`` (1-based); None (given as -1, or no
+    --pack-below): the default, through TrainerSync / GeneratorSync."""
+    value = args.pack_below[(version - 1) % len(args.pack_below)] if args.pack_below else -1
+    return None if value < 0 else value
+
+
+def run_baseline(args, spec, trainer, chunks, rank, case, version, store):
+    from megatron.core import parallel_state
+
+    from megarl.weight_sync.baseline import gather_broadcast_send
+
+    sources = {trainer.rank(0, 0, s): s for s in range(trainer.pp)}
+    group = stage_group(store, version, sources[rank], args.generators, 0) if rank in sources else None
+    gather_broadcast_send(spec, trainer, rank, megatron_params(chunks), parallel_state.get_tensor_model_parallel_group(),
+                          group, case.dtype, args.bucket_bytes, fp8=case.fp8)
+    if group is not None:
+        destroy_sync_group(group)
 
 
 def parse():
@@ -61,6 +107,9 @@ def parse():
     p.add_argument("--fp8", action="store_true")
     p.add_argument("--ipc", action="store_true", help="treat every pair as colocated (shared-memory path)")
     p.add_argument("--bucket-bytes", type=int, default=1 << 16)
+    p.add_argument("--pack-below", nargs="*", type=int, default=[],
+                   help="transport pack thresholds (bytes), used in turn case by case; -1: the default")
+    p.add_argument("--baseline", action="store_true", help="run baseline.py's gather + broadcast instead")
     p.add_argument("--out", default=None)
     return p.parse_args()
 

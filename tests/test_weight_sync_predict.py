@@ -1,0 +1,77 @@
+"""The weight-sync time model (predict.py) against numbers worked out by hand, and
+`megarl bench weight-sync --plan-only --config` (no processes started)."""
+
+import json
+
+import pytest
+
+from megarl.models.spec import LlamaSpec
+from megarl.weight_sync.planner import GeneratorTopology, TrainerTopology, build_plan
+from megarl.weight_sync.predict import Links, predict
+from tests.conftest import TINY_CONFIG
+
+
+def tiny():
+    return LlamaSpec.from_hf_config({**TINY_CONFIG, "model_type": "llama"})
+
+
+def one_to_one(spec):
+    return build_plan(spec, TrainerTopology(1, 1, 1), GeneratorTopology(1, 1, first_rank=1))
+
+
+# The tiny Llama (vocab 300, hidden 64, ffn 96, 4 layers, 4 heads of 16, 2 KV heads, untied):
+# embed + lm_head 2 x 300 x 64 = 38400; per layer q 4096 + k 2048 + v 2048 + o 4096 + gate, up,
+# down 3 x 6144 + two norms 128 = 30848, x 4 = 123392; final norm 64: 161856 elements, bf16 on
+# the wire: 323712 bytes. At 1 GB/s: 323.712 us.
+TINY_BYTES_US = 323.712
+
+
+def test_per_message_latency_by_hand():
+    plan = one_to_one(tiny())
+    links = Links(gpus_per_node=1, network_gb_s=1.0, message_latency_us=10.0)  # every pair across nodes
+    # Every tensor of this model is far below 1 MiB and the whole model fits one 64 MiB round:
+    # one header + one pack = 2 messages each way, 20 us.
+    packed = predict(plan, fp8=False, links=links)
+    assert packed.busiest.messages == 2
+    assert packed.seconds == pytest.approx((TINY_BYTES_US + 20.0) * 1e-6, rel=1e-9)
+    # Nothing packed: one message per rectangle. TP1 -> TP1: embed_tokens, lm_head, the final norm,
+    # and per layer two norms, o, gate, up, down, and q, k, v as two rectangles each (Megatron's
+    # fused QKV is grouped per KV group, 2 groups; SGLang's stacks all q, then k, then v) = 12;
+    # 3 + 48 = 51 messages + the header = 52, 520 us.
+    direct = predict(plan, fp8=False, links=links, pack_below_bytes=0)
+    assert direct.busiest.messages == 52
+    assert direct.seconds == pytest.approx((TINY_BYTES_US + 520.0) * 1e-6, rel=1e-9)
+    assert direct.busiest.bandwidth_s == pytest.approx(TINY_BYTES_US * 1e-6, rel=1e-9)
+
+
+def test_sender_fp8_quantisation_by_hand():
+    # One layer, head_dim 128, every linear one 128 x 128 block: q, k, v, o, gate, up, down = 7
+    # blocks the sender quantises (7 x 16384 elements = 229376 bf16 bytes: 229.376 us at 1 GB/s).
+    spec = LlamaSpec.from_hf_config({**TINY_CONFIG, "model_type": "llama", "hidden_size": 128,
+                                     "num_attention_heads": 1, "num_key_value_heads": 1,
+                                     "intermediate_size": 128, "num_hidden_layers": 1, "vocab_size": 256})
+    plan = one_to_one(spec)
+    links = Links(gpus_per_node=1, network_gb_s=1.0, message_latency_us=0.0, fp8_quant_gb_s=1.0)
+    p = predict(plan, fp8=True, links=links)
+    # On the wire: 7 x (16384 e4m3 + one 4-byte scale) = 114716 bytes; bf16 embed_tokens and
+    # lm_head 2 x 256 x 128 x 2 = 131072 and three norms of 128 x 2 = 768: 246556 bytes, 246.556 us
+    # each way; the sender adds its quantisation.
+    assert p.busiest.rank == 0 and p.busiest.direction == "send"
+    assert p.busiest.quantised_bytes == 229376
+    assert p.busiest.bandwidth_s == pytest.approx(246.556e-6, rel=1e-9)
+    assert p.seconds == pytest.approx((246.556 + 229.376) * 1e-6, rel=1e-9)
+
+
+def test_plan_only_reads_a_run_config(capsys):
+    from megarl.bench.weight_sync import WeightSyncBench, run
+
+    # configs/tiny_cpu.yaml: model random:tiny, trainer TP2, one generator replica at TP1
+    result = run(WeightSyncBench(plan_only=True, config="configs/tiny_cpu.yaml", dst_replicas=2,
+                                 message_latency_us=7.0))
+    assert result["model"] == "tiny" and result["trainer"].startswith("TP2 x PP1")
+    assert result["generator"] == "2 x TP1 = 2 GPUs"  # the flag overrides the config
+    assert result["assumptions"]["message_latency_us"] == 7.0 and result["assumptions"]["network_GB_s"] == 50.0
+    assert result["kind"].startswith("prediction")
+    out = capsys.readouterr().out.strip().splitlines()
+    assert "not a measurement" in out[1] and "assumptions" in out[2]
+    assert json.loads(out[-1])["predicted_seconds"] == result["predicted_seconds"]
