@@ -37,6 +37,21 @@ def _env() -> dict:
     return env
 
 
+def server_port() -> int:
+    """A free port below the ephemeral range (32768+), where gloo's own connections never land."""
+    import random
+    import socket
+
+    for port in random.sample(range(20000, 32000), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError("no free port in 20000-32000")
+
+
 def run_command(args, expect_rc: int = 0, timeout: int = RANK_TIMEOUT_S) -> subprocess.CompletedProcess:
     proc = subprocess.run(
         [str(a) for a in args], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout

@@ -15,8 +15,7 @@ import pytest
 
 from megarl.models.presets import preset_spec
 from megarl.weight_sync.layouts import sglang_rank_layout
-from megarl.runtime.distributed import free_port
-from tests.conftest import ROOT, _env
+from tests.conftest import ROOT, _env, server_port
 
 BLOCKED = ("transformers", "tokenizers", "math_verify", "tensorboard", "yaml", "tqdm", "safetensors", "pyarrow",
            "gguf", "accelerate", "sglang", "latex2sympy2_extended")
@@ -40,7 +39,7 @@ def test_gpu_check_runs_megarl_train_with_only_torch_and_megatron(tmp_path, back
             "--workdir", str(tmp_path / "work"), "--backend", backend]
     if backend == "sglang":
         args += ["--sglang-launcher", f"{sys.executable} {ROOT / 'tests' / 'sglang_test_server.py'}",
-                 "--sglang-port", str(free_port())]
+                 "--sglang-port", str(server_port())]
     proc = subprocess.run([sys.executable, "-m", "megarl.bench.gpu_check", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -24,8 +24,7 @@ from pathlib import Path
 import pytest
 
 from megarl.rewards.synthetic import synthetic_parity
-from megarl.runtime.distributed import free_port
-from tests.conftest import ROOT, _env
+from tests.conftest import ROOT, _env, server_port
 
 TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
 SERVER = f"{sys.executable} {ROOT / 'tests' / 'sglang_test_server.py'}"
@@ -78,7 +77,7 @@ def test_train_launches_and_attaches_sglang_servers(tmp_path):
     launched = tmp_path / "launch"
     stats = tmp_path / "launch_stats.json"
     metrics, rollouts = _train(launched, _env_with(stats), f"generator.sglang_launcher={SERVER}",
-                               f"generator.sglang_port={free_port()}")
+                               f"generator.sglang_port={server_port()}")
     _check_run(metrics, rollouts, json.loads(stats.read_text()))
     log = (launched / "sglang" / "replica0.log").read_text()
     assert "--custom-weight-loader megarl.generator.sglang.worker_receiver.pull_shards" in log
@@ -87,7 +86,7 @@ def test_train_launches_and_attaches_sglang_servers(tmp_path):
     # attach: a server started by hand from the command `megarl sglang-command` prints
     attached = tmp_path / "attach"
     stats = tmp_path / "attach_stats.json"
-    url = f"http://127.0.0.1:{free_port()}"
+    url = f"http://127.0.0.1:{server_port()}"
     overrides = [*COMMON, f"run.output_dir={attached}", f"generator.sglang_urls={url}",
                  f"generator.sglang_launcher={SERVER}"]
     printed = subprocess.run([sys.executable, "-m", "megarl.cli", "sglang-command", "--config", TINY, "--model-path",
@@ -108,7 +107,7 @@ def test_train_launches_and_attaches_sglang_servers(tmp_path):
 @pytest.mark.slow
 def test_killed_server_ends_the_job_naming_it(tmp_path):
     out, stats = tmp_path / "killed", tmp_path / "stats.json"
-    port = free_port()
+    port = server_port()
     cmd = [sys.executable, "-m", "megarl.cli", "train", "--config", TINY, f"run.output_dir={out}", *COMMON,
            "run.steps=200", f"generator.sglang_launcher={SERVER}", f"generator.sglang_port={port}"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env_with(stats), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
