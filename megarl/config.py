@@ -142,6 +142,9 @@ class Config:
                 raise ConfigError(f"{name}: must be >= 0, got {self.get(name)}")
         if self.run.mode == "sync" and g.backend != "torch":
             raise ConfigError("run.mode: sync (colocated) runs the torch engine; set generator.backend=torch")
+        if self.run.mode == "sync" and g.verify_sync:
+            raise ConfigError("generator.verify_sync: sync mode copies the weights on each rank, nothing travels to "
+                              "verify (its copy is tested bitwise in tests/test_colocated.py)")
         self._validate_sglang()
         self._validate_tokenizer_free()
         if self.run.mode == "async" and r.prompts_per_step % g.replicas:

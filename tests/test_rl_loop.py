@@ -53,6 +53,8 @@ def test_config_errors_name_the_field(tmp_path):
         "generator.recompute_kv_on_update=true": "generator.recompute_kv_on_update: SGLang keeps the KV cache",
         "run.mode=sync": "run.mode: sync \\(colocated\\) runs the torch engine",
     }
+    with pytest.raises(ConfigError, match="generator.verify_sync: sync mode copies"):
+        load_config(TINY, ["run.mode=sync", "generator.verify_sync=true"])
     for override, message in sglang_cases.items():
         with pytest.raises(ConfigError, match=message):
             load_config(TINY, [*sglang, override])
@@ -85,8 +87,8 @@ def test_topology_assigns_every_rank_once():
 
 
 def _train(out: Path, *overrides, timeout=900):
-    cmd = [sys.executable, "-m", "megarl.cli", "train", "--config", TINY, f"run.output_dir={out}",
-           "generator.verify_sync=true", *overrides]
+    verify = [] if "run.mode=sync" in overrides else ["generator.verify_sync=true"]
+    cmd = [sys.executable, "-m", "megarl.cli", "train", "--config", TINY, f"run.output_dir={out}", *verify, *overrides]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])

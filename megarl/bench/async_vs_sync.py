@@ -33,8 +33,9 @@ def run(config: str, overrides: Sequence[str] = (), workdir: str = "runs/bench_a
     sync_dp = ranks // model_parallel
     results = {}
     for mode, extra in (("async", ["run.mode=async"]),
-                        # every sync rank does both jobs: the launcher's even split of the cores
-                        ("sync", ["run.mode=sync", f"trainer.dp={sync_dp}", "trainer.pp=1",
+                        # every sync rank does both jobs at the async trainer's TP x PP (the colocated
+                        # copy handles PP), DP over all the ranks; the launcher splits the cores evenly
+                        ("sync", ["run.mode=sync", f"trainer.dp={sync_dp}", "generator.verify_sync=false",
                                   "trainer.cpu_threads=0", "generator.cpu_threads=0"])):
         out = str(Path(workdir) / mode)
         results[mode] = train(config, list(overrides) + extra + [f"run.output_dir={out}", "run.progress=false",
