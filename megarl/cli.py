@@ -21,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="asynchronous (or sync) RL: megarl train --config FILE [key=value ...]")
     train.add_argument("--config", required=True)
-    train.add_argument("overrides", nargs="*", help="config overrides, e.g. trainer.lr=1e-6 run.steps=20")
+    train.add_argument("overrides", nargs="*", help="config overrides, e.g. optimizer.lr=1e-6 run.steps=20")
     train.add_argument("--prepare-only", action="store_true",
                        help="convert the model (first use) and print the world size; start no ranks")
 

@@ -1,6 +1,6 @@
 """The run configuration: typed sections, loaded from YAML, overridden by ``key=value``.
 
-    megarl train --config configs/demo_cpu.yaml trainer.lr=2e-6 run.steps=20
+    megarl train --config configs/demo_cpu.yaml optimizer.lr=2e-6 run.steps=20
 
 Every value is checked against its field's type and range when loaded, and an
 error names the field (``trainer.tp: expected int, got 'two'``); unknown
@@ -32,19 +32,50 @@ class ModelConfig:
 
 @dataclass
 class TrainerConfig:
+    # Parallelism, as Megatron-LM names it (tensor/pipeline/context model parallel sizes).
     tp: int = 1
     pp: int = 1
     dp: int = 1
-    lr: float = 1e-6
-    weight_decay: float = 0.0
-    clip_grad: float = 1.0
+    cp: int = 1  # context parallelism: splits each sequence over cp ranks (needs Transformer Engine)
+    vpp: int = 1  # virtual pipeline stages per PP rank (interleaved 1F1B); 1 = not interleaved
+    sequence_parallel: bool = False  # shard norms/dropout activations over TP (needs Transformer Engine)
+    # Activation recomputation (Megatron-LM's --recompute-*): None | selective | full
+    recompute_granularity: Optional[str] = None
+    recompute_method: Optional[str] = None  # full: uniform | block
+    recompute_num_layers: Optional[int] = None  # full: layers per group (uniform) or per stage (block)
+    recompute_modules: Optional[List[str]] = None  # selective: Megatron's default ["core_attn"]
     max_tokens_per_microbatch: int = 1024
     loss: str = "aipo"  # built-in name or package.module:function
-    rho: float = 4.0  # AIPO's one-sided clip of pi/mu
+    # the loss's keyword parameters, checked against its declared ones (aipo: rho; ppo_clip: eps, eps_high)
+    loss_params: Dict[str, Any] = field(default_factory=dict)
     kl_coef: float = 0.0
+    kl_estimator: str = "k3"  # KL(pi || ref) per token: k1 | k3
     advantage_estimator: str = "group_mean"
     normalize_advantage_std: bool = False
     cpu_threads: int = 0  # CPU runs: intra-op threads per trainer rank (0: the launcher's OMP_NUM_THREADS)
+
+
+@dataclass
+class OptimizerConfig:
+    """Megatron-Core's OptimizerConfig and OptimizerParamScheduler settings, by Megatron-LM's names."""
+
+    optimizer: str = "adam"  # adam | sgd
+    lr: float = 1e-6
+    min_lr: float = 0.0  # the floor of linear / cosine decay
+    lr_decay_style: str = "constant"  # constant | linear | cosine
+    lr_warmup_iters: int = 0  # optimizer steps of linear warmup from lr_warmup_init
+    lr_warmup_init: float = 0.0
+    lr_decay_iters: Optional[int] = None  # steps from 0 to min_lr (warmup included); default run.steps
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    sgd_momentum: float = 0.9
+    clip_grad: float = 1.0  # global gradient-norm clip; 0 = none
+    use_distributed_optimizer: bool = True  # shard the optimizer state over DP (ZeRO-1)
+    # GPUs: overlap the DP gradient reduce-scatter with backward / the parameter all-gather with forward
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
 
 
 @dataclass
@@ -115,6 +146,7 @@ class RunConfig:
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -145,6 +177,8 @@ class Config:
         if self.run.mode == "sync" and g.verify_sync:
             raise ConfigError("generator.verify_sync: sync mode copies the weights on each rank, nothing travels to "
                               "verify (its copy is tested bitwise in tests/test_colocated.py)")
+        self._validate_trainer()
+        self._validate_optimizer()
         self._validate_sglang()
         self._validate_tokenizer_free()
         if self.run.mode == "async" and r.prompts_per_step % g.replicas:
@@ -165,6 +199,72 @@ class Config:
             raise ConfigError(f"trainer.max_tokens_per_microbatch={t.max_tokens_per_microbatch} cannot hold the "
                               f"longest sample (data.max_prompt_tokens + rollout.max_new_tokens - 1 = {longest})")
         return self
+
+    def _validate_trainer(self) -> None:
+        t = self.trainer
+        for name in ("trainer.cp", "trainer.vpp"):
+            _positive(name, self.get(name))
+        if t.vpp > 1 and t.pp == 1:
+            raise ConfigError(f"trainer.vpp={t.vpp}: virtual pipeline stages interleave a pipeline; needs trainer.pp > 1")
+        _choice("trainer.recompute_granularity", t.recompute_granularity, (None, "selective", "full"))
+        _choice("trainer.recompute_method", t.recompute_method, (None, "uniform", "block"))
+        _choice("trainer.kl_estimator", t.kl_estimator, ("k1", "k2", "k3"))
+        if t.recompute_granularity == "full":
+            if t.recompute_method is None or t.recompute_num_layers is None:
+                raise ConfigError("trainer.recompute_granularity: full needs trainer.recompute_method (uniform | block) "
+                                  "and trainer.recompute_num_layers, as in Megatron-LM")
+            if t.recompute_num_layers < (1 if t.recompute_method == "uniform" else 0):
+                raise ConfigError(f"trainer.recompute_num_layers: must be >= 1 with recompute_method=uniform, "
+                                  f"got {t.recompute_num_layers}")
+        else:
+            for name in ("recompute_method", "recompute_num_layers"):
+                if getattr(t, name) is not None:
+                    raise ConfigError(f"trainer.{name}: used only with trainer.recompute_granularity=full "
+                                      f"(it is {t.recompute_granularity!r})")
+        if t.recompute_modules is not None and t.recompute_granularity != "selective":
+            raise ConfigError("trainer.recompute_modules: used only with trainer.recompute_granularity=selective")
+        if self.run.mode == "sync" and (t.cp > 1 or t.vpp > 1):
+            name = "trainer.cp" if t.cp > 1 else "trainer.vpp"
+            raise ConfigError(f"{name}: sync (colocated) mode copies the trainer's shards into each rank's engine "
+                              f"by TP x PP only; run it with run.mode=async")
+        from megarl.trainer.losses import bind_loss_params  # imports torch: only when a config is checked
+
+        bind_loss_params(t.loss, t.loss_params)
+
+    def _validate_optimizer(self) -> None:
+        o, defaults = self.optimizer, OptimizerConfig()
+        _choice("optimizer.optimizer", o.optimizer, ("adam", "sgd"))
+        _choice("optimizer.lr_decay_style", o.lr_decay_style, ("constant", "linear", "cosine"))
+        for name in ("lr", "min_lr", "lr_warmup_init", "weight_decay", "clip_grad", "lr_warmup_iters"):
+            if getattr(o, name) < 0:
+                raise ConfigError(f"optimizer.{name}: must be >= 0, got {getattr(o, name)}")
+        if o.lr_decay_style == "constant":
+            for name in ("min_lr", "lr_decay_iters"):
+                if getattr(o, name) != getattr(defaults, name):
+                    raise ConfigError(f"optimizer.{name}: used only with lr_decay_style linear | cosine "
+                                      f"(it is constant)")
+        elif o.min_lr > o.lr:
+            raise ConfigError(f"optimizer.min_lr={o.min_lr} is above optimizer.lr={o.lr}")
+        decay_iters = o.lr_decay_iters if o.lr_decay_iters is not None else self.run.steps
+        if o.lr_decay_iters is not None and o.lr_decay_iters < 1:
+            raise ConfigError(f"optimizer.lr_decay_iters: must be >= 1, got {o.lr_decay_iters}")
+        if o.lr_decay_style != "constant" and o.lr_warmup_iters >= decay_iters:
+            raise ConfigError(f"optimizer.lr_warmup_iters={o.lr_warmup_iters} must be below the decay's "
+                              f"{decay_iters} steps (optimizer.lr_decay_iters, default run.steps)")
+        if o.lr_warmup_iters == 0 and o.lr_warmup_init != defaults.lr_warmup_init:
+            raise ConfigError("optimizer.lr_warmup_init: used only with optimizer.lr_warmup_iters > 0")
+        unused = ("sgd_momentum",) if o.optimizer == "adam" else ("adam_beta1", "adam_beta2", "adam_eps")
+        for name in unused:
+            if getattr(o, name) != getattr(defaults, name):
+                raise ConfigError(f"optimizer.{name}: not used by optimizer.optimizer={o.optimizer}")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(o, name) < 1:
+                raise ConfigError(f"optimizer.{name}: must be in [0, 1), got {getattr(o, name)}")
+        if o.adam_eps <= 0:
+            raise ConfigError(f"optimizer.adam_eps: must be > 0, got {o.adam_eps}")
+        if o.overlap_param_gather and not (o.use_distributed_optimizer and o.overlap_grad_reduce):
+            raise ConfigError("optimizer.overlap_param_gather: needs use_distributed_optimizer and "
+                              "overlap_grad_reduce (Megatron-Core's rule)")
 
     def _validate_tokenizer_free(self) -> None:
         if self.model.tokenizer != "none":
@@ -210,7 +310,7 @@ class Config:
                 raise ConfigError(f"generator.{name}: must be > 0, got {getattr(g, name)}")
 
     def trainer_size(self) -> int:
-        return self.trainer.tp * self.trainer.pp * self.trainer.dp
+        return self.trainer.tp * self.trainer.pp * self.trainer.cp * self.trainer.dp
 
     def generator_size(self) -> int:
         return self.generator.tp * self.generator.replicas
@@ -227,7 +327,7 @@ class Config:
         return getattr(getattr(self, section), name)
 
 
-def _choice(name: str, value: str, options: Sequence[str]) -> None:
+def _choice(name: str, value: Optional[str], options: Sequence[Optional[str]]) -> None:
     if value not in options:
         raise ConfigError(f"{name}: {value!r} is not one of {list(options)}")
 
@@ -285,10 +385,20 @@ def _coerce(name: str, value: Any, kind: Any) -> Any:
     return value
 
 
+# Fields that moved: the old name is refused with the new one.
+MOVED_FIELDS = {
+    "trainer.lr": "optimizer.lr", "trainer.weight_decay": "optimizer.weight_decay",
+    "trainer.clip_grad": "optimizer.clip_grad", "trainer.rho": "trainer.loss_params.rho",
+}
+
+
 def _build(cls, data: Dict[str, Any], prefix: str):
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = set(data) - known
+    for name in sorted(unknown):
+        if prefix + name in MOVED_FIELDS:
+            raise ConfigError(f"{prefix}{name}: moved to {MOVED_FIELDS[prefix + name]}")
     if unknown:
         raise ConfigError(f"{prefix}{sorted(unknown)[0]}: unknown field (known: {', '.join(sorted(known))})")
     kwargs = {}
@@ -343,7 +453,7 @@ def _read_file(p: Path) -> Any:
 
 def _apply_override(data: Dict[str, Any], item: str) -> None:
     if "=" not in item:
-        raise ConfigError(f"override {item!r}: expected key=value, e.g. trainer.lr=1e-6")
+        raise ConfigError(f"override {item!r}: expected key=value, e.g. optimizer.lr=1e-6")
     key, _, raw = item.partition("=")
     parts = key.strip().split(".")
     node = data

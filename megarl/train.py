@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Sequence
 
 
-
 def train(config_path: str, overrides: Sequence[str] = (), prepare_only: bool = False) -> dict:
     from megarl.config import load_config
     from megarl.controller import run_rank
@@ -20,6 +19,9 @@ def train(config_path: str, overrides: Sequence[str] = (), prepare_only: bool = 
     from megarl.runtime.launch import run_world, running_under_torchrun
 
     cfg = load_config(config_path, overrides)
+    from megarl.trainer.features import check_trainer_runs_here
+
+    check_trainer_runs_here(cfg)
     if running_under_torchrun():
         # every rank resolves the model; converting is a job of its own, done before the launch
         # (scripts/launch.sh runs `megarl train --prepare-only` first)

@@ -11,7 +11,7 @@ from megarl.trainer.advantages import compute_advantages
 from megarl.trainer.losses import (
     LossInputs,
     aipo,
-    check_loss_params,
+    bind_loss_params,
     kl_penalty,
     ppo_clip,
     reinforce,
@@ -27,7 +27,7 @@ def inputs(logp, mu, adv):
 
 
 def grad_wrt_logp(loss_fn, x: LossInputs, params=None):
-    loss_fn(x, params or {"rho": RHO}).per_token_loss.sum().backward()
+    loss_fn(x, **(params if params is not None else {"rho": RHO})).per_token_loss.sum().backward()
     return x.logprobs.grad
 
 
@@ -39,7 +39,7 @@ def test_aipo_weights_are_the_clipped_ratio_without_gradient():
     # d loss / d log pi = -w * A exactly: the ratio itself carries no gradient.
     expected = torch.tensor([-RHO * 0.5, -math.exp(-1.0) * 2.0, -math.exp(1.2) * -1.5], dtype=torch.float64)
     assert torch.allclose(grad, expected, rtol=1e-12, atol=0)
-    out = aipo(inputs([-1.0, -2.0, -0.5], [-3.0, -1.0, -1.7], [0.5, 2.0, -1.5]), {"rho": RHO})
+    out = aipo(inputs([-1.0, -2.0, -0.5], [-3.0, -1.0, -1.7], [0.5, 2.0, -1.5]), rho=RHO)
     assert out.clipped.tolist() == [True, False, False]
 
 
@@ -47,7 +47,7 @@ def test_aipo_equals_reinforce_on_policy():
     logp = [-0.3, -2.5, -1.1, -4.0]
     adv = [1.0, -0.5, 0.25, 2.0]
     g_aipo = grad_wrt_logp(aipo, inputs(logp, logp, adv))
-    g_reinforce = grad_wrt_logp(reinforce, inputs(logp, logp, adv))
+    g_reinforce = grad_wrt_logp(reinforce, inputs(logp, logp, adv), {})
     assert torch.equal(g_aipo, g_reinforce)
 
 
@@ -56,6 +56,14 @@ def test_ppo_clip_stops_gradient_outside_the_trust_region():
     x = inputs([-0.5, -1.0], [-1.0, -1.0], [1.0, -2.0])
     grad = grad_wrt_logp(ppo_clip, x, {"eps": 0.2})
     assert grad[0].item() == 0.0 and grad[1].item() == pytest.approx(2.0)
+    # eps_high reaches the clip: with 0.7 the ratio 1.65 is inside [0.8, 1.7], so token 0 has gradient -A * r
+    grad = grad_wrt_logp(ppo_clip, inputs([-0.5, -1.0], [-1.0, -1.0], [1.0, -2.0]), {"eps": 0.2, "eps_high": 0.7})
+    assert grad[0].item() == pytest.approx(-math.exp(0.5), rel=1e-12)
+    # eps reaches the lower clip: ratio e^-0.5 = 0.61 with A < 0 is clipped at 1 - eps = 0.5 only if eps > 0.39
+    low = inputs([-1.5], [-1.0], [-1.0])
+    assert grad_wrt_logp(ppo_clip, low, {"eps": 0.2}).item() == 0.0
+    assert grad_wrt_logp(ppo_clip, inputs([-1.5], [-1.0], [-1.0]), {"eps": 0.5}).item() == pytest.approx(
+        math.exp(-0.5), rel=1e-12)
 
 
 def test_kl_estimators():
@@ -63,8 +71,9 @@ def test_kl_estimators():
     assert torch.allclose(kl_penalty(logp, ref, "k1"), torch.tensor([0.5, 0.0]))
     k3 = kl_penalty(logp, ref, "k3")
     assert k3[1] == 0 and k3[0] == pytest.approx(math.exp(-0.5) + 0.5 - 1)
-    with pytest.raises(ConfigError, match="kl_estimator 'k2'"):
-        kl_penalty(logp, ref, "k2")
+    assert torch.allclose(kl_penalty(logp, ref, "k2"), torch.tensor([0.125, 0.0]))
+    with pytest.raises(ConfigError, match="kl_estimator: 'k4'"):
+        kl_penalty(logp, ref, "k4")
 
 
 def test_registry_and_dotted_paths():
@@ -72,15 +81,31 @@ def test_registry_and_dotted_paths():
     custom = resolve_loss("examples.losses.entropy_bonus:aipo_with_entropy_bonus")
     x = inputs([-1.0], [-1.0], [1.0])
     x.entropy = torch.tensor([2.0], dtype=torch.float64)
-    assert custom(x, {"entropy_coef": 0.5}).per_token_loss.item() == pytest.approx(1.0 * -1.0 * -1.0 - 1.0)
+    assert custom(x, entropy_coef=0.5).per_token_loss.item() == pytest.approx(1.0 * -1.0 * -1.0 - 1.0)
     with pytest.raises(ConfigError, match="choose one of"):
         resolve_loss("grpo")
     with pytest.raises(ConfigError, match="cannot import module 'no_such_pkg.losses'"):
         resolve_loss("no_such_pkg.losses:f")
     with pytest.raises(ConfigError, match="has no function 'nope'"):
         resolve_loss("examples.losses.entropy_bonus:nope")
-    with pytest.raises(ConfigError, match="loss.rho must be a number > 1"):
-        check_loss_params("aipo", {"rho": 0.5})
+
+
+def test_loss_params_are_checked_against_the_loss_signature():
+    assert bind_loss_params("aipo", {}) == {"rho": 4.0}
+    assert bind_loss_params("aipo", {"rho": 2}) == {"rho": 2.0}
+    assert bind_loss_params("ppo_clip", {"eps_high": 0.28}) == {"eps": 0.2, "eps_high": 0.28}
+    assert bind_loss_params("examples.losses.entropy_bonus:aipo_with_entropy_bonus", {"entropy_coef": 0.1}) == {
+        "rho": 4.0, "entropy_coef": 0.1}
+    with pytest.raises(ConfigError, match=r"loss_params.rho: must be > 1"):
+        bind_loss_params("aipo", {"rho": 0.5})
+    with pytest.raises(ConfigError, match=r"loss_params.eps: .*has no such parameter \(its parameters: rho\)"):
+        bind_loss_params("aipo", {"eps": 0.2})
+    with pytest.raises(ConfigError, match=r"loss_params.rho: .*has no such parameter \(its parameters: none\)"):
+        bind_loss_params("reinforce", {"rho": 2.0})
+    with pytest.raises(ConfigError, match=r"loss_params.eps_high: must be in \(0, 1\)"):
+        bind_loss_params("ppo_clip", {"eps_high": 1.5})
+    with pytest.raises(ConfigError, match=r"loss_params.rho: aipo expects float, got 'big'"):
+        bind_loss_params("aipo", {"rho": "big"})
 
 
 def sample(reward, group):

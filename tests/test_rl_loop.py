@@ -30,9 +30,9 @@ TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
 
 
 def test_config_errors_name_the_field(tmp_path):
-    cfg = load_config(TINY, ["trainer.lr=3e-4", "generator.backend=sglang", "generator.replicas=2",
+    cfg = load_config(TINY, ["optimizer.lr=3e-4", "generator.backend=sglang", "generator.replicas=2",
                              "generator.sglang_urls=http://a:1,http://b:2"])
-    assert cfg.trainer.lr == 3e-4 and cfg.generator.sglang_urls == ["http://a:1", "http://b:2"]
+    assert cfg.optimizer.lr == 3e-4 and cfg.generator.sglang_urls == ["http://a:1", "http://b:2"]
     cases = {
         "trainer.tp=two": "trainer.tp: expected an integer",
         "trainer.tpp=2": "trainer.tpp: unknown field",

@@ -3,9 +3,12 @@
 Select it in a run config with its dotted path (the module must be importable,
 e.g. run from the repository root or put its package on PYTHONPATH):
 
-    loss:
-      name: examples.losses.entropy_bonus:aipo_with_entropy_bonus
-      params: {rho: 4.0, entropy_coef: 0.01}
+    trainer:
+      loss: examples.losses.entropy_bonus:aipo_with_entropy_bonus
+      loss_params: {rho: 4.0, entropy_coef: 0.01}
+
+Its keyword-only parameters (after ``*``) are the ones ``trainer.loss_params``
+may set; a name it does not declare is refused when the config is loaded.
 
 A loss receives the response tokens of one micro-batch (megarl.trainer.losses.LossInputs:
 log pi with gradient, log mu, advantages, entropy of pi with gradient, and the
@@ -17,9 +20,9 @@ response tokens in the whole optimizer step, so write it per token, unreduced.
 from megarl.trainer.losses import LossInputs, LossOutput, aipo
 
 
-def aipo_with_entropy_bonus(inputs: LossInputs, params: dict) -> LossOutput:
-    base = aipo(inputs, params)
-    coef = float(params.get("entropy_coef", 0.01))
+def aipo_with_entropy_bonus(inputs: LossInputs, *, rho: float = 4.0, entropy_coef: float = 0.01) -> LossOutput:
+    base = aipo(inputs, rho=rho)
+    coef = entropy_coef
     # Subtracting the entropy rewards keeping the policy spread out; its gradient
     # flows through the fused vocab-parallel entropy.
     return LossOutput(base.per_token_loss - coef * inputs.entropy, clipped=base.clipped)

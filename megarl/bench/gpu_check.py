@@ -42,10 +42,17 @@ def check_config(a, out_dir: str) -> dict:
                          sglang_startup_timeout_s=600)
         if a.sglang_launcher:
             generator["sglang_launcher"] = a.sglang_launcher
+    trainer = {"tp": 1, "max_tokens_per_microbatch": max(a.microbatch_tokens, a.prompt_len + a.max_new_tokens)}
+    if a.sequence_parallel:
+        trainer["sequence_parallel"] = True
+    if a.recompute == "selective":
+        trainer["recompute_granularity"] = "selective"
+    elif a.recompute == "full":
+        trainer.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     return {
         "model": {"source": f"random:{a.preset}", "tokenizer": "none", "dtype": dtype},
-        "trainer": {"tp": 1, "lr": 1e-5, "max_tokens_per_microbatch": max(a.microbatch_tokens,
-                                                                          a.prompt_len + a.max_new_tokens)},
+        "trainer": trainer,
+        "optimizer": {"lr": 1e-5},
         "generator": generator,
         "rollout": {"prompts_per_step": a.prompts_per_step, "samples_per_prompt": a.samples, "temperature": 1.0,
                     "max_new_tokens": a.max_new_tokens, "max_lag": 2},
@@ -82,6 +89,8 @@ def summarize(run_dir: Path, device_name: str, parameters: int) -> dict:
         "kl_step1": metrics[0]["kl_mu_pi"], "ess_step1": metrics[0]["ess"],
         "sequences_with_two_versions": sum(len(set(r["versions"])) > 1 for r in rollouts),
         "samples_per_s": summary["samples_per_s"],
+        # the trainer rank's peak allocated memory over a step (weights, grads, optimizer, activations)
+        "trainer_peak_memory_GB": max((m.get("peak_memory_gb") or 0.0) for m in metrics) or None,
     }
 
 
@@ -102,6 +111,9 @@ def main(argv=None, backend: str = "torch") -> dict:
     p.add_argument("--sglang-port", type=int, default=30000)
     p.add_argument("--sglang-mem-fraction", type=float, default=0.35, help="SGLang's share: the trainer shares the GPU")
     p.add_argument("--sglang-launcher", default="", help="the server command (default: python -m sglang.launch_server)")
+    p.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
+                   help="trainer activation recomputation (full: uniform, 1 layer per group)")
+    p.add_argument("--sequence-parallel", action="store_true", help="trainer.sequence_parallel (needs TE)")
     p.add_argument("--workdir", help="keep the run here (default: a temporary directory)")
     a = p.parse_args(argv)
     from megarl.models.presets import preset_spec

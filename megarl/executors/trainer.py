@@ -36,6 +36,16 @@ def check_lag(samples: Sequence[Sample], version: int, max_lag: int) -> List[int
     return lags
 
 
+def megatron_model_settings(t) -> dict:
+    """The trainer section's TransformerConfig settings, by Megatron-Core's own names."""
+    settings = dict(sequence_parallel=t.sequence_parallel, context_parallel_size=t.cp,
+                    recompute_granularity=t.recompute_granularity, recompute_method=t.recompute_method,
+                    recompute_num_layers=t.recompute_num_layers)
+    if t.recompute_modules is not None:
+        settings["recompute_modules"] = list(t.recompute_modules)
+    return settings
+
+
 class TrainerExecutor:
     def __init__(self, cfg, job, prepared, resume_dir: Optional[Path]):
         from megarl.models.megatron_llama import build_model_chunks, transformer_config
@@ -44,7 +54,7 @@ class TrainerExecutor:
         from megarl.runtime.distributed import ParallelLayout, init_megatron
         from megarl.trainer.hooks import LossConfig
         from megarl.trainer.policy_trainer import PolicyTrainer
-        from megarl.trainer.setup import OptimizerSettings, build_optimizer, wrap_ddp
+        from megarl.trainer.setup import OptimizerSettings, build_lr_scheduler, build_optimizer, wrap_ddp
 
         t = cfg.trainer
         self.cfg, self.job = cfg, job
@@ -53,18 +63,21 @@ class TrainerExecutor:
 
         self.tokenizer_files = [] if prepared.tokenizer == NO_TOKENIZER else sorted(
             p for p in Path(prepared.tokenizer).iterdir() if p.is_file())
-        layout = ParallelLayout(t.tp, t.pp)
+        layout = ParallelLayout(t.tp, t.pp, t.vpp if t.vpp > 1 else None)
         init_megatron(layout, seed=cfg.run.seed)
         dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
+        model_settings = megatron_model_settings(t)
         if prepared.checkpoint:
-            self.spec, chunks = load_llama(prepared.checkpoint, layout, params_dtype=dtype)
+            self.spec, chunks = load_llama(prepared.checkpoint, layout, params_dtype=dtype, **model_settings)
         else:  # random:<preset>: Megatron's own initialisation, seeded
             self.spec = LlamaSpec.from_dict(prepared.spec)
-            config = transformer_config(self.spec, t.tp, t.pp, params_dtype=dtype, perform_initialization=True)
+            config = transformer_config(self.spec, t.tp, t.pp, layout.vp, params_dtype=dtype,
+                                        perform_initialization=True, **model_settings)
             chunks = build_model_chunks(self.spec, config)
-        self.ddp = wrap_ddp(chunks)
-        self.optimizer = build_optimizer(self.ddp, OptimizerSettings(lr=t.lr, weight_decay=t.weight_decay,
-                                                                     clip_grad=t.clip_grad))
+        settings = OptimizerSettings.from_config(cfg.optimizer)
+        self.ddp = wrap_ddp(chunks, settings)
+        self.optimizer = build_optimizer(self.ddp, settings)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, settings, cfg.run.steps)
         self.version = 0
         self.loop_state: dict = {}
         if resume_dir is not None:
@@ -73,12 +86,14 @@ class TrainerExecutor:
 
             self.loop_state = load_training_state(unwrap(self.ddp), self.optimizer, resume_dir)
             self.version = int(self.loop_state.get("version", self.loop_state["iteration"]))
-        loss = LossConfig(name=t.loss, params={"rho": t.rho} if t.loss == "aipo" else {},
-                          temperature=cfg.rollout.temperature, kl_coef=t.kl_coef,
-                          advantage_estimator=t.advantage_estimator, normalize_advantage_std=t.normalize_advantage_std)
-        ref = load_llama(prepared.checkpoint, layout, params_dtype=dtype)[1] if t.kl_coef else None
+            if "opt_param_scheduler" in self.loop_state:  # Megatron-LM's key
+                self.lr_scheduler.load_state_dict(self.loop_state["opt_param_scheduler"])
+        loss = LossConfig(name=t.loss, params=t.loss_params, temperature=cfg.rollout.temperature, kl_coef=t.kl_coef,
+                          kl_estimator=t.kl_estimator, advantage_estimator=t.advantage_estimator,
+                          normalize_advantage_std=t.normalize_advantage_std)
+        ref = load_llama(prepared.checkpoint, layout, params_dtype=dtype, **model_settings)[1] if t.kl_coef else None
         self.trainer = PolicyTrainer(self.ddp, self.optimizer, self.spec.vocab_size, loss,
-                                     t.max_tokens_per_microbatch, ref_chunks=ref)
+                                     t.max_tokens_per_microbatch, ref_chunks=ref, lr_scheduler=self.lr_scheduler)
         from megarl.models.megatron_llama import transformer_engine_usable
 
         # Transformer Engine's layer spec fuses the norms into the linears: other parameter names
@@ -104,5 +119,6 @@ class TrainerExecutor:
         from megarl.checkpointing.training_checkpoint import save_training_state
 
         return save_training_state(self.chunks, self.optimizer, root, self.spec, step,
-                                   loop_state=dict(loop_state, version=self.version),
+                                   loop_state=dict(loop_state, version=self.version,
+                                                   opt_param_scheduler=self.lr_scheduler.state_dict()),
                                    tokenizer_files=self.tokenizer_files)

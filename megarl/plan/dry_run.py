@@ -157,7 +157,7 @@ def check_weight_sync(cfg, spec, topo: Topology, gpus_per_node: int, nvlink_gb_s
 
     t, g = cfg.trainer, cfg.generator
     start = time.perf_counter()
-    plan = build_plan(spec, TrainerTopology(t.tp, t.pp, t.dp),
+    plan = build_plan(spec, TrainerTopology(t.tp, t.pp, t.dp, vp=t.vpp if t.vpp > 1 else None),
                       GeneratorTopology(g.tp, g.replicas, first_rank=topo.executors["generator"][0]))
     built = time.perf_counter() - start
     senders, receivers = set(topo.executors["trainer"]), set(topo.executors["generator"])

@@ -37,7 +37,7 @@ STAT_FIELDS = (
 @dataclass(frozen=True)
 class LossConfig:
     name: str = "aipo"  # built-in name or 'package.module:function'
-    params: dict = field(default_factory=lambda: {"rho": 4.0})
+    params: dict = field(default_factory=dict)  # the loss's keyword parameters (bind_loss_params)
     temperature: float = 1.0  # the sampler's: pi must be the distribution sampled from
     kl_coef: float = 0.0  # > 0 needs a reference model
     kl_estimator: str = "k3"
@@ -67,7 +67,7 @@ def _loss_func(loss_fn: LossFn, cfg: LossConfig, vocab_size: int, mb, logits: to
         ref_logprobs=mb.ref_logprobs[0][on] if mb.ref_logprobs is not None else None,
         policy_versions=mb.policy_versions[0][on],
     )
-    out = loss_fn(inputs, cfg.params)
+    out = loss_fn(inputs, **cfg.params)
     per_token = out.per_token_loss
     kl_ref = torch.zeros_like(per_token)
     if cfg.kl_coef:

@@ -150,8 +150,10 @@ def plan_micro_batches(
     fixed_row_length: bool,
     thd: bool,
     count_multiple: int = 1,
+    row_multiple: int = 1,
 ) -> PackingPlan:
-    """This DP rank's micro-batches. ``fixed_row_length``: pad every row to max_tokens (PP > 1)."""
+    """This DP rank's micro-batches. ``fixed_row_length``: pad every row to max_tokens (PP > 1).
+    ``row_multiple``: pad every row to a multiple of it (sequence parallelism splits rows over TP)."""
     lengths = [len(s) for s in samples]
     for i, n in enumerate(lengths):
         if n > max_tokens:
@@ -163,9 +165,10 @@ def plan_micro_batches(
     count = max(len(bins) for bins in bins_per_rank)
     count = -(-max(count, 1) // count_multiple) * count_multiple
     row_lengths = [
-        [max_tokens if fixed_row_length else sum(lengths[i] for i in b) for b in bins] for bins in bins_per_rank
+        [max_tokens if fixed_row_length else -(-sum(lengths[i] for i in b) // row_multiple) * row_multiple
+         for b in bins] for bins in bins_per_rank
     ]
-    empty_row = max_tokens if fixed_row_length else 1
+    empty_row = max_tokens if fixed_row_length else row_multiple
     processed = sum(sum(r) + (count - len(r)) * empty_row for r in row_lengths)
     mine = bins_per_rank[dp_rank]
     micro_batches = [build_micro_batch(samples, advantages, b, n, thd) for b, n in zip(mine, row_lengths[dp_rank])]

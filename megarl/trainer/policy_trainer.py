@@ -11,6 +11,7 @@ rank picks its own DP shard. The returned metrics are identical on every rank.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -22,7 +23,7 @@ import torch.distributed as dist
 from megarl.rollout import Sample, validate_samples
 from megarl.trainer.advantages import compute_advantages
 from megarl.trainer.hooks import STAT_FIELDS, LossConfig, make_forward_step, make_logprob_collector
-from megarl.trainer.losses import check_loss_params, resolve_loss
+from megarl.trainer.losses import bind_loss_params, resolve_loss
 from megarl.trainer.packing import PackingPlan, plan_micro_batches
 from megarl.trainer.setup import run_schedule, zero_grads
 
@@ -40,10 +41,12 @@ class PolicyTrainer:
         max_tokens_per_microbatch: int,
         ref_chunks: Optional[list] = None,
         thd: Optional[bool] = None,
+        lr_scheduler=None,
     ):
         from megarl.models.megatron_llama import transformer_engine_usable
 
-        check_loss_params(loss.name, loss.params)
+        # defaults filled in, every value checked against the loss's declared parameters
+        loss = dataclasses.replace(loss, params=bind_loss_params(loss.name, loss.params))
         if loss.kl_coef and ref_chunks is None:
             raise ValueError("loss.kl_coef > 0 needs a reference model (ref_chunks)")
         self.ddp_chunks = ddp_chunks
@@ -53,6 +56,7 @@ class PolicyTrainer:
         self.loss_fn = resolve_loss(loss.name)
         self.max_tokens = max_tokens_per_microbatch
         self.ref_chunks = ref_chunks
+        self.lr_scheduler = lr_scheduler  # Megatron's OptimizerParamScheduler, stepped after each update
         self.thd = transformer_engine_usable() if thd is None else thd
 
     # -- data ------------------------------------------------------------------------------
@@ -63,10 +67,12 @@ class PolicyTrainer:
         validate_samples(samples)
         advantages = compute_advantages(samples, self.loss.advantage_estimator, self.loss.normalize_advantage_std)
         pp = mpu.get_pipeline_model_parallel_world_size()
-        vp = self.ddp_chunks[0].config.virtual_pipeline_model_parallel_size
+        config = self.ddp_chunks[0].config
+        vp = config.virtual_pipeline_model_parallel_size
         return plan_micro_batches(
             samples, advantages, mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size(),
             self.max_tokens, fixed_row_length=pp > 1, thd=self.thd, count_multiple=pp if vp else 1,
+            row_multiple=mpu.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1,
         )
 
     # -- the step ----------------------------------------------------------------------------
@@ -86,6 +92,9 @@ class PolicyTrainer:
 
     def step(self, samples: Sequence[Sample]) -> dict:
         start = time.perf_counter()
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        self.lr_used = self.optimizer.param_groups[0]["lr"]
         plan, stats = self.forward_backward(samples)
         totals = self._reduce_stats(stats)
         reason = self._nonfinite_reason(totals)
@@ -93,6 +102,13 @@ class PolicyTrainer:
             success, grad_norm, _ = self.optimizer.step()
             if not success:
                 reason = "optimizer reported a non-finite gradient"
+            elif self.ddp_chunks[0].ddp_config.overlap_param_gather:
+                # The distributed optimizer would leave the updated shards to be all-gathered by the
+                # next forward; the weight sync reads the parameters now, so gather them now.
+                for chunk in self.ddp_chunks:
+                    chunk.start_param_sync(force_sync=True)
+            if reason is None and self.lr_scheduler is not None:
+                self.lr_scheduler.step(1)  # as Megatron-LM: only after an update
         if reason is not None:
             grad_norm = float("nan")
             zero_grads(self.ddp_chunks, self.optimizer)
@@ -157,10 +173,13 @@ class PolicyTrainer:
             "kl_ref": t["kl_ref_sum"] / n,
             "entropy": t["entropy_sum"] / n,
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            # the learning rate this step's update used (the scheduler moves it after the update)
+            "lr": self.lr_used,
             "skipped": reason is not None,
             "skip_reason": reason or "",
             "packing_efficiency": plan.efficiency,
             "micro_batches": len(plan.micro_batches),
             "time_train": elapsed,
+            "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None,
             "tokens_per_s": real_tokens / elapsed,
         }

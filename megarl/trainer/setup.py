@@ -9,26 +9,40 @@ Megatron-LM's training loop does.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional
 
 import torch
 
 
 @dataclass(frozen=True)
 class OptimizerSettings:
-    name: str = "adam"  # adam | sgd
+    """What megarl.config.OptimizerConfig holds (Megatron-LM's names); tests build it directly."""
+
+    optimizer: str = "adam"  # adam | sgd
     lr: float = 1e-6
+    min_lr: float = 0.0
+    lr_decay_style: str = "constant"  # constant | linear | cosine
+    lr_warmup_iters: int = 0
+    lr_warmup_init: float = 0.0
+    lr_decay_iters: Optional[int] = None  # None: constant style, or the caller's step count
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
-    sgd_momentum: float = 0.0
+    sgd_momentum: float = 0.9
     clip_grad: float = 1.0
     use_distributed_optimizer: bool = True
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+
+    @classmethod
+    def from_config(cls, section) -> "OptimizerSettings":
+        return cls(**{f.name: getattr(section, f.name) for f in dataclasses.fields(cls)})
 
 
-def wrap_ddp(chunks: List[torch.nn.Module], use_distributed_optimizer: bool = True) -> list:
+def wrap_ddp(chunks: List[torch.nn.Module], settings: OptimizerSettings = OptimizerSettings()) -> list:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     for chunk in chunks:
@@ -40,8 +54,9 @@ def wrap_ddp(chunks: List[torch.nn.Module], use_distributed_optimizer: bool = Tr
 
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        use_distributed_optimizer=use_distributed_optimizer,
-        overlap_grad_reduce=False,
+        use_distributed_optimizer=settings.use_distributed_optimizer,
+        overlap_grad_reduce=settings.overlap_grad_reduce,
+        overlap_param_gather=settings.overlap_param_gather,
     )
     # Megatron-LM disables bucketing for all but the first virtual chunk.
     return [
@@ -54,10 +69,11 @@ def build_optimizer(ddp_chunks: list, settings: OptimizerSettings):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     model_config = ddp_chunks[0].config
+    constant = settings.lr_decay_style == "constant"
     config = OptimizerConfig(
-        optimizer=settings.name,
+        optimizer=settings.optimizer,
         lr=settings.lr,
-        min_lr=settings.lr,
+        min_lr=settings.lr if constant else settings.min_lr,
         weight_decay=settings.weight_decay,
         adam_beta1=settings.adam_beta1,
         adam_beta2=settings.adam_beta2,
@@ -65,23 +81,60 @@ def build_optimizer(ddp_chunks: list, settings: OptimizerSettings):
         sgd_momentum=settings.sgd_momentum,
         clip_grad=settings.clip_grad,
         use_distributed_optimizer=settings.use_distributed_optimizer,
+        overlap_param_gather=settings.overlap_param_gather,
         bf16=model_config.bf16,
         fp16=model_config.fp16,
         params_dtype=model_config.params_dtype,
     )
     optimizer = get_megatron_optimizer(config, ddp_chunks)
-    configure_schedule(ddp_chunks, optimizer)
+    configure_schedule(ddp_chunks, optimizer, settings)
     return optimizer
 
 
-def configure_schedule(ddp_chunks: list, optimizer) -> None:
-    """Set the TransformerConfig hooks Megatron's schedules call (as Megatron-LM does)."""
+def build_lr_scheduler(optimizer, settings: OptimizerSettings, steps: int):
+    """Megatron's OptimizerParamScheduler, in optimizer steps (Megatron-LM's --lr-*-iters).
+
+    It sets every parameter group's lr when built (step 0) and at each ``step(1)``.
+    On resume the config's schedule wins and the checkpoint supplies the step
+    count (Megatron-LM's --override-opt_param-scheduler), so a run whose schedule
+    was edited continues under the new one from where it stopped.
+    """
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    decay_iters = settings.lr_decay_iters if settings.lr_decay_iters is not None else steps
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=settings.lr_warmup_init,
+        max_lr=settings.lr,
+        min_lr=settings.lr if settings.lr_decay_style == "constant" else settings.min_lr,
+        lr_warmup_steps=settings.lr_warmup_iters,
+        lr_decay_steps=max(decay_iters, settings.lr_warmup_iters + 1),
+        lr_decay_style=settings.lr_decay_style,
+        start_wd=settings.weight_decay,
+        end_wd=settings.weight_decay,
+        wd_incr_steps=max(decay_iters, 1),
+        wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=True,
+    )
+
+
+def configure_schedule(ddp_chunks: list, optimizer, settings: OptimizerSettings = OptimizerSettings()) -> None:
+    """Set the TransformerConfig hooks Megatron's schedules call (as Megatron-LM's training.py does)."""
     from megatron.core.distributed import finalize_model_grads
 
     for chunk in ddp_chunks:
         config = chunk.config
         config.grad_scale_func = optimizer.scale_loss
         config.finalize_model_grads_func = finalize_model_grads
+        if settings.overlap_grad_reduce:
+            # the DP reduce-scatter of each bucket starts while backward goes on
+            config.no_sync_func = [c.no_sync for c in ddp_chunks] if len(ddp_chunks) > 1 else ddp_chunks[0].no_sync
+            config.grad_sync_func = ([c.start_grad_sync for c in ddp_chunks] if len(ddp_chunks) > 1
+                                     else ddp_chunks[0].start_grad_sync)
+        if settings.overlap_param_gather:
+            config.param_sync_func = ([c.start_param_sync for c in ddp_chunks] if len(ddp_chunks) > 1
+                                      else ddp_chunks[0].start_param_sync)
 
 
 def run_schedule(chunks: list, forward_step_func, micro_batches: list, seq_length: int, micro_batch_size: int,

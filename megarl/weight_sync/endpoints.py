@@ -27,11 +27,14 @@ from megarl.weight_sync.transport import DEFAULT_BUCKET_BYTES, SyncStats, Weight
 
 
 def megatron_params(chunks: List[torch.nn.Module]) -> Dict[str, torch.Tensor]:
-    """This rank's Megatron parameters by their GPTModel names (DDP wrappers removed)."""
-    if len(chunks) != 1:
-        raise NotImplementedError("weight sync from virtual-pipeline (interleaved) models is not supported yet")
-    model = getattr(chunks[0], "module", chunks[0])
-    return {name: p.data for name, p in model.named_parameters()}
+    """This rank's Megatron parameters by their GPTModel names (DDP wrappers removed); with
+    several virtual-pipeline chunks, chunk v's names carry the prefix "{v}/" (layouts.megatron_rank_layout)."""
+    params = {}
+    for v, chunk in enumerate(chunks):
+        model = getattr(chunk, "module", chunk)
+        prefix = f"{v}/" if len(chunks) > 1 else ""
+        params.update({prefix + name: p.data for name, p in model.named_parameters()})
+    return params
 
 
 def allocate_generator_params(

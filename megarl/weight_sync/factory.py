@@ -45,7 +45,7 @@ def topologies(cfg, norm_names: str = "local"):
     from megarl.weight_sync.planner import GeneratorTopology, TrainerTopology
 
     t, g = cfg.trainer, cfg.generator
-    trainer = TrainerTopology(t.tp, t.pp, t.dp, norm_names=norm_names)
+    trainer = TrainerTopology(t.tp, t.pp, t.dp, norm_names=norm_names, vp=t.vpp if t.vpp > 1 else None)
     return trainer, GeneratorTopology(g.tp, g.replicas, first_rank=trainer.size)
 
 

@@ -26,8 +26,9 @@ Shapes only: a layout for Llama 3.1 405B is built on a laptop in milliseconds.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from megarl.models.megatron_llama import DEFAULT_VOCAB_DIVISIBLE_BY, padded_vocab_size
 from megarl.models.spec import LlamaSpec
@@ -141,21 +142,51 @@ MEGATRON_NORM_NAMES = {
 
 def megatron_rank_layout(
     spec: LlamaSpec, tp: int, pp: int, tp_rank: int, pp_rank: int,
-    vocab_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY, norm_names: str = "local",
+    vocab_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY, norm_names: str = "local", vp: Optional[int] = None,
 ) -> List[LocalTensor]:
-    """The parameters of Megatron rank (tp_rank, pp_rank), by their names in GPTModel."""
+    """The parameters of Megatron rank (tp_rank, pp_rank), by their names in GPTModel.
+
+    With ``vp`` virtual stages (interleaved pipeline) the rank holds ``vp`` model
+    chunks; chunk v's names carry the prefix ``"{v}/"`` (as ``endpoints.megatron_params``
+    names them) and its layers start at Megatron's offset
+    v x layers/vp + pp_rank x layers/(pp x vp).
+    """
+    if vp is None:
+        return _stage_layout(spec, tp, pp, tp_rank, pp_rank, vocab_divisible_by, norm_names)
+    per_chunk = spec.num_layers // (pp * vp)
+    out: List[LocalTensor] = []
+    for v in range(vp):
+        chunk = _stage_layout(spec, tp, pp, tp_rank, pp_rank, vocab_divisible_by, norm_names,
+                              first_layer=v * (spec.num_layers // vp) + pp_rank * per_chunk, layers=per_chunk,
+                              first=v == 0 and pp_rank == 0, last=v == vp - 1 and pp_rank == pp - 1,
+                              split=True)
+        out += [dataclasses.replace(t, name=f"{v}/{t.name}") for t in chunk]
+    return out
+
+
+def _stage_layout(
+    spec: LlamaSpec, tp: int, pp: int, tp_rank: int, pp_rank: int, vocab_divisible_by: int, norm_names: str,
+    first_layer: Optional[int] = None, layers: Optional[int] = None, first: Optional[bool] = None,
+    last: Optional[bool] = None, split: Optional[bool] = None,
+) -> List[LocalTensor]:
+    """One model chunk: ``layers`` layers from global ``first_layer``; ``first`` / ``last``: it holds
+    the embedding / the final norm and output layer; ``split``: the model spans several chunks."""
     h, f, d = spec.hidden_size, spec.ffn_hidden_size, spec.head_dim
     shapes = logical_shapes(spec)
     qpg = spec.q_per_kv
     qkv_rows = spec.qkv_rows // tp  # TP splits the grouped rows evenly, even mid-group (tp > n_kv)
-    per_stage = spec.num_layers // pp
+    per_stage = spec.num_layers // pp if layers is None else layers
+    first_layer = pp_rank * per_stage if first_layer is None else first_layer
+    first = pp_rank == 0 if first is None else first
+    last = pp_rank == pp - 1 if last is None else last
+    split = pp > 1 if split is None else split
     attn_norm, mlp_norm = MEGATRON_NORM_NAMES[norm_names]
     out: List[LocalTensor] = []
     padded = padded_vocab_size(spec.vocab_size, tp, vocab_divisible_by)
-    if pp_rank == 0:
+    if first:
         out.append(_vocab_shard("embedding.word_embeddings.weight", "model.embed_tokens.weight", spec, padded, tp, tp_rank))
     for local in range(per_stage):
-        i = pp_rank * per_stage + local
+        i = first_layer + local
         hf, mg = f"model.layers.{i}.", f"decoder.layers.{local}."
         grouped = []  # the global fused QKV: [q heads of g; k_g; v_g] for every KV group g
         for g in range(spec.num_kv_heads):
@@ -174,12 +205,12 @@ def megatron_rank_layout(
                                                    (hf + "mlp.up_proj.weight", ff, (0, h))], h),
             _col_split(mg + "mlp.linear_fc2.weight", hf + "mlp.down_proj.weight", (h, f), tp, tp_rank),
         ]
-    if pp_rank == pp - 1:
+    if last:
         out.append(_replicated("decoder.final_layernorm.weight", "model.norm.weight", h))
         # Tied embeddings: the last stage's output_layer is a synchronised copy of the
         # embedding (Megatron keeps the two equal), so it can serve embed_tokens too.
         logical = "model.embed_tokens.weight" if spec.tie_embeddings else "lm_head.weight"
-        if not spec.tie_embeddings or pp > 1:
+        if not spec.tie_embeddings or split:
             out.append(_vocab_shard("output_layer.weight", logical, spec, padded, tp, tp_rank))
     return out
 

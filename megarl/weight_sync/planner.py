@@ -34,6 +34,7 @@ class TrainerTopology:
     dp: int = 1
     vocab_divisible_by: int = 128
     norm_names: str = "local"  # "te" for Transformer Engine layer specs
+    vp: Optional[int] = None  # virtual pipeline stages per PP rank (interleaved); None: one chunk
 
     @property
     def size(self) -> int:
@@ -105,14 +106,15 @@ def _overlap(a: Range, b: Range) -> Optional[Range]:
 
 def build_plan(spec: LlamaSpec, trainer: TrainerTopology, generator: GeneratorTopology) -> SyncPlan:
     """Plan one weight sync from the trainer's shards to every generator replica."""
-    spec.check_parallelism(trainer.tp, trainer.pp)
+    spec.check_parallelism(trainer.tp, trainer.pp, trainer.vp)
     # Source copies by logical tensor and region: every (rank, local tensor, block) holding
     # those same elements -- DP replicas, TP-replicated norms, a tied last-stage output layer.
     sources: Dict[str, Dict[Tuple[Range, Range], List[Tuple[int, LocalTensor, Block]]]] = defaultdict(dict)
     for pp_rank in range(trainer.pp):
         for tp_rank in range(trainer.tp):
             layout = megatron_rank_layout(
-                spec, trainer.tp, trainer.pp, tp_rank, pp_rank, trainer.vocab_divisible_by, trainer.norm_names
+                spec, trainer.tp, trainer.pp, tp_rank, pp_rank, trainer.vocab_divisible_by, trainer.norm_names,
+                trainer.vp,
             )
             for dp_rank in range(trainer.dp):
                 rank = trainer.rank(tp_rank, dp_rank, pp_rank)

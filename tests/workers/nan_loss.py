@@ -3,8 +3,8 @@
 from megarl.trainer.losses import LossInputs, LossOutput, aipo
 
 
-def aipo_with_nan(inputs: LossInputs, params: dict) -> LossOutput:
-    out = aipo(inputs, params)
+def aipo_with_nan(inputs: LossInputs, *, rho: float = 4.0) -> LossOutput:
+    out = aipo(inputs, rho=rho)
     poisoned = out.per_token_loss.clone()
     poisoned[0] = poisoned[0] * float("nan")
     return LossOutput(poisoned, clipped=out.clipped)

@@ -28,7 +28,7 @@ from megarl.runtime.distributed import init_distributed, init_megatron, shutdown
 from megarl.trainer.setup import OptimizerSettings, build_optimizer, unwrap, wrap_ddp  # noqa: E402
 
 # Plain Adam: the bias correction depends on each parameter's step count.
-SETTINGS = OptimizerSettings(name="adam", lr=1e-2, clip_grad=1.0)
+SETTINGS = OptimizerSettings(optimizer="adam", lr=1e-2, clip_grad=1.0)
 
 
 def fresh(checkpoint, layout):

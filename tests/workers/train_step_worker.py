@@ -28,7 +28,7 @@ from megarl.trainer.setup import OptimizerSettings, build_optimizer, train_step,
 # Adam (the distributed optimizer supports only Adam) with eps far above the
 # gradient scale: update ~ lr * g, so a wrongly scaled gradient shows in the
 # weights instead of vanishing in Adam's g / sqrt(g^2) normalisation.
-SETTINGS = OptimizerSettings(name="adam", lr=0.5, adam_eps=1.0, clip_grad=1.0)
+SETTINGS = OptimizerSettings(optimizer="adam", lr=0.5, adam_eps=1.0, clip_grad=1.0)
 
 
 def run_steps(ddp, optimizer, spec, steps: int) -> list:

@@ -1,0 +1,45 @@
+"""Trainer settings that depend on the machine: refused before any rank starts where they cannot run.
+
+A config is checked for consistency wherever it is loaded (megarl/config.py),
+including by `megarl plan` on a laptop planning a 405B job. Whether *this*
+machine can run it is a separate question, asked by `megarl train` (every
+launcher, before it starts or joins ranks): sequence and context parallelism
+run through Transformer Engine's layers on GPUs, so without TE and CUDA they
+are refused here with the reason, never silently dropped.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from megarl.errors import ConfigError
+
+
+def transformer_engine_available() -> bool:
+    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+def check_trainer_runs_here(cfg) -> None:
+    t = cfg.trainer
+    te = transformer_engine_available()
+    if t.sequence_parallel and not te:
+        raise ConfigError("trainer.sequence_parallel: needs Transformer Engine on GPUs (its layer spec carries the "
+                          "sequence-parallel norms and the reduce-scatters); this machine has "
+                          + ("no CUDA device" if not torch.cuda.is_available() else "no transformer_engine package")
+                          + ": set trainer.sequence_parallel=false here")
+    if t.cp > 1:
+        if not te:
+            raise ConfigError(f"trainer.cp={t.cp}: context parallelism runs in Transformer Engine's attention on GPUs; "
+                              "this machine has none: set trainer.cp=1 here")
+        # Megatron splits each sequence into 2 x cp load-balanced chunks in the data loader, and
+        # the loss must gather its per-token terms over the CP group; megarl's packing and loss
+        # hook do neither yet, so a run would be wrong, not slow.
+        raise ConfigError(f"trainer.cp={t.cp}: megarl's packed micro-batches are not yet split over context-parallel "
+                          "ranks; `megarl plan` models cp, `megarl train` needs trainer.cp=1")
+    o = cfg.optimizer
+    if (o.overlap_grad_reduce or o.overlap_param_gather) and not torch.cuda.is_available():
+        name = "overlap_grad_reduce" if o.overlap_grad_reduce else "overlap_param_gather"
+        raise ConfigError(f"optimizer.{name}: overlaps NCCL collectives with compute on GPUs; on CPU (gloo) "
+                          f"there is nothing to overlap with: set it false here")
