@@ -45,7 +45,7 @@ def main():
         init_megatron(layout)
         spec, chunks = load_llama(args.checkpoint, layout)
         # Plain DDP (all-reduce), so every rank holds the whole gradient afterwards.
-        ddp = wrap_ddp(chunks, use_distributed_optimizer=False)
+        ddp = wrap_ddp(chunks, OptimizerSettings(use_distributed_optimizer=False))
         optimizer = build_optimizer(ddp, OptimizerSettings(use_distributed_optimizer=False))
         loss = LossConfig(name="aipo", params={"rho": RHO}, temperature=TEMPERATURE)
         trainer = PolicyTrainer(ddp, optimizer, spec.vocab_size, loss, int(budget))
