@@ -46,13 +46,23 @@ def megatron_model_settings(t) -> dict:
     return settings
 
 
+def loss_config(cfg):
+    """The loss hook's settings from the config: the loss, its parameters (checked, defaults filled)."""
+    from megarl.trainer.hooks import LossConfig
+    from megarl.trainer.losses import bind_loss_params
+
+    t = cfg.trainer
+    return LossConfig(name=t.loss, params=bind_loss_params(t.loss, t.loss_params), temperature=cfg.rollout.temperature,
+                      kl_coef=t.kl_coef, kl_estimator=t.kl_estimator, advantage_estimator=t.advantage_estimator,
+                      normalize_advantage_std=t.normalize_advantage_std)
+
+
 class TrainerExecutor:
     def __init__(self, cfg, job, prepared, resume_dir: Optional[Path]):
         from megarl.models.megatron_llama import build_model_chunks, transformer_config
         from megarl.models.loading import load_llama
         from megarl.models.spec import LlamaSpec
         from megarl.runtime.distributed import ParallelLayout, init_megatron
-        from megarl.trainer.hooks import LossConfig
         from megarl.trainer.policy_trainer import PolicyTrainer
         from megarl.trainer.setup import OptimizerSettings, build_lr_scheduler, build_optimizer, wrap_ddp
 
@@ -88,9 +98,7 @@ class TrainerExecutor:
             self.version = int(self.loop_state.get("version", self.loop_state["iteration"]))
             if "opt_param_scheduler" in self.loop_state:  # Megatron-LM's key
                 self.lr_scheduler.load_state_dict(self.loop_state["opt_param_scheduler"])
-        loss = LossConfig(name=t.loss, params=t.loss_params, temperature=cfg.rollout.temperature, kl_coef=t.kl_coef,
-                          kl_estimator=t.kl_estimator, advantage_estimator=t.advantage_estimator,
-                          normalize_advantage_std=t.normalize_advantage_std)
+        loss = loss_config(cfg)
         ref = load_llama(prepared.checkpoint, layout, params_dtype=dtype, **model_settings)[1] if t.kl_coef else None
         self.trainer = PolicyTrainer(self.ddp, self.optimizer, self.spec.vocab_size, loss,
                                      t.max_tokens_per_microbatch, ref_chunks=ref, lr_scheduler=self.lr_scheduler)

@@ -54,6 +54,17 @@ def make_forward_step(loss_fn: LossFn, cfg: LossConfig, vocab_size: int):
     return forward_step
 
 
+def per_token_loss(loss_fn: LossFn, cfg: LossConfig, inputs: LossInputs):
+    """(the loss's output, its per-token loss with the KL penalty added, the KL term per token)."""
+    out = loss_fn(inputs, **cfg.params)
+    per_token = out.per_token_loss
+    kl_ref = torch.zeros_like(per_token)
+    if cfg.kl_coef:
+        kl_ref = kl_penalty(inputs.logprobs, inputs.ref_logprobs, cfg.kl_estimator)
+        per_token = per_token + cfg.kl_coef * kl_ref
+    return out, per_token, kl_ref
+
+
 def _loss_func(loss_fn: LossFn, cfg: LossConfig, vocab_size: int, mb, logits: torch.Tensor):
     # Only response positions matter: select their logits rows before the
     # vocabulary-sized work (prompt positions are often half of a row).
@@ -67,12 +78,7 @@ def _loss_func(loss_fn: LossFn, cfg: LossConfig, vocab_size: int, mb, logits: to
         ref_logprobs=mb.ref_logprobs[0][on] if mb.ref_logprobs is not None else None,
         policy_versions=mb.policy_versions[0][on],
     )
-    out = loss_fn(inputs, **cfg.params)
-    per_token = out.per_token_loss
-    kl_ref = torch.zeros_like(per_token)
-    if cfg.kl_coef:
-        kl_ref = kl_penalty(inputs.logprobs, inputs.ref_logprobs, cfg.kl_estimator)
-        per_token = per_token + cfg.kl_coef * kl_ref
+    out, per_token, kl_ref = per_token_loss(loss_fn, cfg, inputs)
     loss_sum = per_token.sum()
     count = on.sum()
     with torch.no_grad():
