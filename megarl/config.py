@@ -52,6 +52,14 @@ class TrainerConfig:
     kl_estimator: str = "k3"  # KL(pi || ref) per token: k1 | k3
     advantage_estimator: str = "group_mean"
     normalize_advantage_std: bool = False
+    # how per-token losses become the step's loss: token_mean | seq_mean_token_mean | seq_mean_token_sum |
+    # seq_mean_token_sum_norm (Dr.GRPO's constant rollout.max_new_tokens); None: the loss's own default
+    loss_agg: Optional[str] = None
+    entropy_coef: float = 0.0  # entropy bonus: - entropy_coef * H(pi) per response token, any loss
+    # samples cut by rollout.max_new_tokens: none | mask (left out of the loss) | penalty (DAPO's soft
+    # overlong penalty on the reward over the last overlong_buffer tokens)
+    overlong: str = "none"
+    overlong_buffer: int = 0
     cpu_threads: int = 0  # CPU runs: intra-op threads per trainer rank (0: the launcher's OMP_NUM_THREADS)
 
 
@@ -140,6 +148,10 @@ class RunConfig:
     seed: int = 1234
     progress: bool = True
     log_rollouts: bool = True  # rollouts.jsonl: every trained sample's text, reward, versions, lags
+    keep_checkpoints: int = 0  # keep the newest N complete checkpoints (older ones deleted after a save); 0 = all
+    # Weights & Biases next to TensorBoard: {project, name, entity, mode: online | offline | disabled}
+    # (megarl.metrics.check_wandb_config); needs `pip install wandb` unless mode is disabled
+    wandb: Optional[Dict[str, Any]] = None
 
 
 @dataclass
@@ -169,7 +181,7 @@ class Config:
                      "rollout.max_new_tokens", "run.steps", "trainer.max_tokens_per_microbatch"):
             _positive(name, self.get(name))
         for name in ("rollout.max_lag", "run.save_every", "data.eval_every", "trainer.cpu_threads",
-                     "generator.cpu_threads"):
+                     "generator.cpu_threads", "run.keep_checkpoints"):
             if self.get(name) < 0:
                 raise ConfigError(f"{name}: must be >= 0, got {self.get(name)}")
         if self.run.mode == "sync" and g.backend != "torch":
@@ -177,6 +189,10 @@ class Config:
         if self.run.mode == "sync" and g.verify_sync:
             raise ConfigError("generator.verify_sync: sync mode copies the weights on each rank, nothing travels to "
                               "verify (its copy is tested bitwise in tests/test_colocated.py)")
+        if self.run.wandb is not None:
+            from megarl.metrics import check_wandb_config  # names the field; refuses a missing wandb package
+
+            self.run.wandb = check_wandb_config(self.run.wandb)
         self._validate_trainer()
         self._validate_optimizer()
         self._validate_sglang()
@@ -230,6 +246,9 @@ class Config:
         from megarl.trainer.losses import bind_loss_params  # imports torch: only when a config is checked
 
         bind_loss_params(t.loss, t.loss_params)
+        from megarl.trainer.aggregation import check_loss_settings
+
+        check_loss_settings(self)
 
     def _validate_optimizer(self) -> None:
         o, defaults = self.optimizer, OptimizerConfig()

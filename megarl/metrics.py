@@ -1,25 +1,96 @@
-"""Per-step metrics: metrics.jsonl (one JSON object per step), TensorBoard events, a progress bar.
+"""Per-step metrics: metrics.jsonl (one JSON object per step), TensorBoard events, optionally
+Weights & Biases, a progress bar.
 
 Written by one rank (the trainer's first). Numbers only in the TensorBoard
-scalars; the jsonl keeps everything. Where the ``tensorboard`` package is
-missing (a GPU check on a machine with only PyTorch) the events are skipped
-with a notice; metrics.jsonl is always written.
+scalars and W&B; the jsonl keeps everything. TensorBoard and W&B get the same
+metric names (the record's keys) against the same x-axis ``step``. Where the
+``tensorboard`` package is missing (a GPU check on a machine with only
+PyTorch) the events are skipped with a notice; metrics.jsonl is always written.
+
+W&B (``run.wandb``) is optional: ``wandb`` is imported only when configured,
+and a config that asks for it without the package is refused when loaded.
+W&B's own step counter is not used: a relaunch that fell back to an older
+checkpoint logs steps it has logged before, which ``wandb.log(step=...)``
+would drop; every metric is plotted against the logged ``step`` instead.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Dict, Optional
+
+from megarl.errors import ConfigError
 
 PROGRESS_KEYS = ("reward_mean", "accuracy", "lag_mean", "samples_per_s")
+WANDB_MODES = ("online", "offline", "disabled")
+WANDB_FIELDS = ("project", "name", "entity", "mode")
+WANDB_RUN_FILE = "wandb_run_id.txt"  # a relaunch continues the same W&B run
+
+
+def check_wandb_config(section: Dict[str, Any]) -> Dict[str, Any]:
+    """``run.wandb`` with defaults filled in; a ConfigError names the field at fault."""
+    unknown = sorted(set(section) - set(WANDB_FIELDS))
+    if unknown:
+        raise ConfigError(f"run.wandb.{unknown[0]}: unknown field (known: {', '.join(WANDB_FIELDS)})")
+    out = {"project": None, "name": None, "entity": None, "mode": "online", **section}
+    for name in WANDB_FIELDS:
+        value = out[name]
+        if value is not None and (not isinstance(value, str) or not value.strip()):
+            raise ConfigError(f"run.wandb.{name}: expected a non-empty string, got {value!r}")
+    if out["mode"] not in WANDB_MODES:
+        raise ConfigError(f"run.wandb.mode: {out['mode']!r} is not one of {list(WANDB_MODES)} "
+                          f"(offline: logged locally, `wandb sync` uploads it later)")
+    if out["project"] is None and out["mode"] != "disabled":
+        raise ConfigError("run.wandb.project: required (the W&B project the run is logged to)")
+    if out["mode"] != "disabled" and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("run.wandb: the wandb package is not installed; `pip install wandb` "
+                          "(or `pip install -e '.[wandb]'`), or set run.wandb.mode=disabled")
+    return out
+
+
+def _numbers(record: dict) -> Dict[str, float]:
+    """The scalars TensorBoard and W&B get: finite numbers, under the record's own keys."""
+    return {k: v for k, v in record.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+
+
+class WandbLogger:
+    """One W&B run per output directory; its id is kept there so a relaunch continues it."""
+
+    def __init__(self, section: Dict[str, Any], out_dir: Path, run_config: Optional[dict] = None):
+        section = check_wandb_config(section)
+        import wandb  # lazily: an optional dependency
+
+        id_file = out_dir / WANDB_RUN_FILE
+        run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+        try:
+            self.run = wandb.init(project=section["project"], entity=section["entity"],
+                                  name=section["name"] or out_dir.resolve().name, mode=section["mode"],
+                                  dir=str(out_dir), id=run_id, resume="allow", config=run_config)
+        except Exception as e:  # wandb's own errors (no API key, no network) name no megarl field
+            raise ConfigError(f"run.wandb: wandb.init failed in mode {section['mode']!r}: {e} "
+                              f"(mode: offline logs without a network)") from e
+        id_file.write_text(run_id + "\n")
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
+
+    def log(self, record: dict) -> None:
+        self.run.log(_numbers(record))
+
+    def close(self) -> None:
+        self.run.finish()
 
 
 class MetricsWriter:
-    def __init__(self, out_dir: Path, total_steps: int, start_step: int = 0, progress: bool = True):
+    def __init__(self, out_dir: Path, total_steps: int, start_step: int = 0, progress: bool = True,
+                 wandb: Optional[Dict[str, Any]] = None, run_config: Optional[dict] = None):
         out_dir.mkdir(parents=True, exist_ok=True)
+        # first: a W&B run that cannot start stops the job before anything is written
+        self.wandb = WandbLogger(wandb, out_dir, run_config) if wandb and wandb.get("mode") != "disabled" else None
         self.jsonl = open(out_dir / "metrics.jsonl", "a")
         try:
             from torch.utils.tensorboard import SummaryWriter
@@ -40,10 +111,11 @@ class MetricsWriter:
         self.jsonl.flush()
         step = record["step"]
         if self.tb is not None:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-                    self.tb.add_scalar(key, value, step)
+            for key, value in _numbers(record).items():
+                self.tb.add_scalar(key, value, step)
             self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(record)
         if self.bar is not None:
             self.bar.set_postfix({k: f"{record[k]:.3g}" for k in PROGRESS_KEYS if k in record}, refresh=False)
             self.bar.update(1)
@@ -54,6 +126,8 @@ class MetricsWriter:
         self.jsonl.close()
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.close()
 
 
 def read_metrics(path: Path) -> list:
