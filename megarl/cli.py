@@ -24,6 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", help="config overrides, e.g. optimizer.lr=1e-6 run.steps=20")
     train.add_argument("--prepare-only", action="store_true",
                        help="convert the model (first use) and print the world size; start no ranks")
+    train.add_argument("--replay", metavar="RUN_DIR/rollouts.jsonl",
+                       help="train on a run's recorded rollouts, no generator (debug a loss); compares the losses")
 
     sgc = sub.add_parser("sglang-command", help="the launch command of each replica's SGLang server (attach mode)")
     sgc.add_argument("--config", required=True)
@@ -110,7 +112,7 @@ def dispatch(args: argparse.Namespace) -> None:
     if args.command == "train":
         from megarl.train import train
 
-        train(args.config, args.overrides, args.prepare_only)
+        train(args.config, args.overrides, args.prepare_only, args.replay)
     elif args.command == "sglang-command":
         from megarl.generator.sglang.command import run
 

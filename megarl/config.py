@@ -148,6 +148,8 @@ class RunConfig:
     seed: int = 1234
     progress: bool = True
     log_rollouts: bool = True  # rollouts.jsonl: every trained sample's text, reward, versions, lags
+    # a rank whose progress stops this long ends the job naming it; above the slowest step
+    hang_timeout_s: float = 600.0
     keep_checkpoints: int = 0  # keep the newest N complete checkpoints (older ones deleted after a save); 0 = all
     # Weights & Biases next to TensorBoard: {project, name, entity, mode: online | offline | disabled}
     # (megarl.metrics.check_wandb_config); needs `pip install wandb` unless mode is disabled
@@ -203,6 +205,8 @@ class Config:
         if self.run.mode == "sync" and r.prompts_per_step % self.world_size():
             raise ConfigError(f"rollout.prompts_per_step={r.prompts_per_step} must be a multiple of the "
                               f"{self.world_size()} ranks in sync mode (each generates an equal share)")
+        if self.run.hang_timeout_s <= 0:
+            raise ConfigError(f"run.hang_timeout_s: must be > 0, got {self.run.hang_timeout_s}")
         if not 0 < r.top_p <= 1:
             raise ConfigError(f"rollout.top_p: must be in (0, 1], got {r.top_p}")
         if r.temperature <= 0:

@@ -19,6 +19,7 @@ Metrics of training step k (metrics.jsonl) are written by the trainer's first ra
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import List, Optional
@@ -26,6 +27,8 @@ from typing import List, Optional
 import torch.distributed as dist
 
 from megarl.channels import Channel
+from megarl.loop_state import checkpoint_loop_state, generator_states, resume_point
+from megarl.runtime import preemption
 from megarl.config import Config, config_from_dict
 from megarl.topology import Topology
 
@@ -60,8 +63,9 @@ def _collective_timeout_s(cfg: Config) -> float:
     servers to start (launched: the checkpoint's conversion and the load included)."""
     g = cfg.generator
     if g.backend == "sglang":
-        return 600.0 + 2 * g.sglang_startup_timeout_s
-    return 600.0
+        return max(600.0 + 2 * g.sglang_startup_timeout_s, cfg.run.hang_timeout_s + 120)
+    # the hang watchers (runtime/heartbeat.py) speak first, with a better message than a timeout
+    return max(600.0, cfg.run.hang_timeout_s + 120)
 
 
 class Controller:
@@ -72,6 +76,13 @@ class Controller:
         self.cfg = cfg
         self.topo = Topology.from_config(cfg)
         self.job = job = init_job(self.topo, timeout_s=_collective_timeout_s(cfg))
+        from megarl.runtime.heartbeat import Heartbeat
+
+        role = "trainer" if job.has("trainer") else "generator"
+        if job.has("generator") and self.topo.mode == "async":
+            replica, tp_rank = self.topo.replica_of(job.rank)
+            role = f"generator replica {replica}, TP rank {tp_rank}"
+        self.heartbeat = Heartbeat(job.store, job.rank, job.world_size, role, cfg.run.hang_timeout_s)
         self._set_cpu_threads()
         self.spec = LlamaSpec.from_dict(prepared.spec)
         self.out = Path(cfg.run.output_dir)
@@ -84,9 +95,14 @@ class Controller:
             from megarl.executors.trainer import TrainerExecutor
 
             self.trainer = TrainerExecutor(cfg, job, prepared, resume)
-        self.start = _broadcast_from_rank0(job, self.trainer.loop_state.get("step", 0) if job.rank == 0 else None)
+        # where a resumed run continues (runtime state of the checkpoint, loop_state.py)
+        self.resume = _broadcast_from_rank0(job, resume_point(self.trainer.loop_state) if job.rank == 0 else None)
+        self.start = self.resume.next_iteration
         if job.has("generator"):
             self._init_generator(prepared)
+            if self.generator is not None and self.resume.generators:
+                replica, _ = self.topo.replica_of(job.rank)
+                self.generator.load_state_dict(self.resume.generators[replica])
         self.channels = {c.name: Channel(c, job.rank, job.control) for c in self.topo.channels if c.kind != "WEIGHTS"}
         from megarl.weight_sync.factory import make_weight_synchronizer
 
@@ -134,6 +150,7 @@ class Controller:
                                            _load_prompts(cfg, tokenizer, self.spec.vocab_size), stop_ids(tokenizer), replica,
                                            cfg.rollout.prompts_per_step // self.topo.generator_replicas, tp_rank,
                                            self.tp_group)
+        self.generator.on_step = lambda: self.heartbeat.beat("decoding")
         if job.has("reward"):
             self.reward = RewardExecutor(cfg, tokenizer)
 
@@ -158,18 +175,26 @@ class Controller:
             (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
             writer = MetricsWriter(self.out, cfg.run.steps, self.start, progress=cfg.run.progress)
         self.sync_weights()  # the generators start from the trainer's policy
+        if job.rank in (0, job.world_size - 1):  # two watchers: one stuck watcher hides no hang
+            self.heartbeat.watch()
         asynchronous = cfg.run.mode == "async"
         per_replica = cfg.rollout.prompts_per_step // self.topo.generator_replicas
         iterations = range(self.start, cfg.run.steps + (1 if asynchronous else 0))
-        pending: Optional[dict] = None  # async: the batch the trainer trains next
-        wall_start, trained = time.perf_counter(), 0
+        # async: the batch the trainer trains next (trainer ranks); has_pending: whether there is
+        # one, known on every rank (a resumed run may start with the checkpoint's)
+        pending: Optional[dict] = self.trainer.restored_pending() if self.trainer is not None else None
+        has_pending = self.resume.has_pending
+        wall_start, trained, written = time.perf_counter(), 0, 0
+        preempted, saved = False, None
         for it in iterations:
             t0 = time.perf_counter()
             gen_out, train_metrics = None, None
             make_batch = it < cfg.run.steps
+            trains_now = has_pending or not asynchronous
             if asynchronous:
                 trained_key = f"megarl/trained/{it}"
                 if self.generator is not None and make_batch:
+                    self.heartbeat.beat(f"iteration {it}: generating batch {it}", force=True)
                     gen_out = self._generate(train_version=it, n_groups=per_replica, drain=False)
                     if cfg.generator.generate_while_waiting:
                         ahead = time.perf_counter()
@@ -177,21 +202,26 @@ class Controller:
                         if gen_out is not None:
                             gen_out["time_generate"] += time.perf_counter() - ahead
                 if self.trainer is not None and pending is not None:
+                    self.heartbeat.beat(f"iteration {it}: training step {it}", force=True)
                     train_metrics = self.trainer.step(pending["samples"])
                 if job.rank == self.topo.executors["trainer"][0]:
                     job.store.set(trained_key, "1")  # the generators may stop generating ahead
             else:
+                self.heartbeat.beat(f"iteration {it}: generating batch {it}", force=True)
                 gen_out = self._generate(train_version=it, n_groups=per_replica, drain=True)
             batch = None
             if make_batch:
+                self.heartbeat.beat(f"iteration {it}: gathering and broadcasting batch {it}", force=True)
                 gathered = self.channels["rollouts"].transfer(gen_out if self.reward is not None else None)
                 batch = self.channels["batch"].transfer(self._merge(gathered) if gathered is not None else None)
             if not asynchronous and self.trainer is not None:
+                self.heartbeat.beat(f"iteration {it}: training step {it + 1}", force=True)
                 train_metrics = self.trainer.step(batch["samples"])
             sync_s = 0.0
             # async: after the trainer's step of iteration i (on batch i-1) the generators take
             # policy i, unless no batch follows; sync: after every step
-            if not asynchronous or self.start < it < cfg.run.steps:
+            if trains_now and (not asynchronous or it < cfg.run.steps):
+                self.heartbeat.beat(f"iteration {it}: weight sync", force=True)
                 sync_s = self.sync_weights()
             wall = time.perf_counter() - t0
             trained_batch = batch if not asynchronous else pending
@@ -199,24 +229,50 @@ class Controller:
                 trained += len(trained_batch["samples"])
                 record = self._record(it, train_metrics, trained_batch, batch, wall, sync_s)
                 writer.write(record)
+                written += 1
                 if cfg.run.log_rollouts:
                     self._log_rollouts(record["step"], train_metrics["trained_version"], trained_batch["samples"])
             if asynchronous:
                 pending = batch if self.trainer is not None else None
+                has_pending = make_batch
             step_done = it + (0 if asynchronous else 1)
-            if self.trainer is not None and train_metrics is not None and self._should_save(step_done):
-                self.trainer.save_checkpoint(self.out / CHECKPOINTS, step_done, {"step": step_done})
+            preempted = preemption.any_rank_requested(self.job.control)
+            if preempted or (trains_now and self._should_save(step_done)):
+                self.heartbeat.beat(f"iteration {it}: saving the checkpoint of step {step_done}", force=True)
+                saved = self._save(step_done, it + 1, pending if asynchronous else None)
+                if preempted:
+                    if job.rank == 0:
+                        print(f"megarl: preempted ({preemption.requested() or 'signal on another rank'}): "
+                              f"checkpoint of step {step_done} saved in {saved}; run the same command again "
+                              f"to resume", file=sys.stderr, flush=True)
+                    break
         summary = None
         if writer is not None:
             writer.close()
             from megarl.metrics import read_metrics, summarize
 
-            summary = summarize(read_metrics(self.out / "metrics.jsonl")[-(cfg.run.steps - self.start):],
-                                time.perf_counter() - wall_start, trained)
+            records = read_metrics(self.out / "metrics.jsonl")
+            summary = summarize(records[len(records) - written:], time.perf_counter() - wall_start, trained)
+            if preempted:
+                summary.update(preempted=True, checkpoint=str(saved))
             (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary
 
+    def _save(self, step: int, next_iteration: int, pending: Optional[dict]) -> Optional[Path]:
+        """Checkpoint at a step boundary (a collective over every rank): the trainer's state, every
+        generator replica's prompt stream and, async, the batch not yet trained."""
+        state = self.generator.state_dict() if self.generator is not None and self.topo.runs_generator(
+            self.job.rank) and self.topo.replica_of(self.job.rank)[1] == 0 else None
+        states = [None] * self.job.world_size
+        dist.all_gather_object(states, state, group=self.job.control)  # every trainer rank saves the same
+        if self.trainer is None:
+            return None
+        generators = generator_states(states, self.topo)
+        loop_state = checkpoint_loop_state(step, next_iteration, generators, pending)
+        return self.trainer.save_checkpoint(self.out / CHECKPOINTS, step, loop_state)
+
     def close(self) -> None:
+        self.heartbeat.close()
         """Stop what the generators hold (threads, launched servers)."""
         self.weights.close()
         if self.generator is not None:
@@ -230,6 +286,8 @@ class Controller:
                     "answer": s.meta.get("answer"), "response": s.meta.get("response_text"),
                     "finish_reason": s.meta.get("finish_reason"), "trained_version": version,
                     "versions": s.policy_versions, "behaviour_logprobs": s.behaviour_logprobs,
+                    # the token ids: `megarl train --replay` trains on them again (replay.py)
+                    "prompt_tokens": s.prompt_tokens, "response_tokens": s.response_tokens,
                 }) + "\n")
 
     def _should_save(self, step: int) -> bool:
@@ -293,6 +351,12 @@ class Controller:
 def run_rank(cfg_dict: dict, prepared) -> None:
     from megarl.runtime.distributed import shutdown
 
+    # SIGUSR1 (and SIGTERM when this process is its own launcher): checkpoint at the next step
+    # boundary and exit 0
+    import os
+    import signal
+
+    preemption.install(signals=(signal.SIGUSR1,) if "RANK" in os.environ else preemption.SIGNALS)
     controller = Controller(config_from_dict(cfg_dict), prepared)
     try:
         controller.run()

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 
-def train(config_path: str, overrides: Sequence[str] = (), prepare_only: bool = False) -> dict:
+def train(config_path: str, overrides: Sequence[str] = (), prepare_only: bool = False,
+          replay: Optional[str] = None) -> dict:
     from megarl.config import load_config
     from megarl.controller import run_rank
     from megarl.model_source import prepare_model
@@ -22,18 +23,33 @@ def train(config_path: str, overrides: Sequence[str] = (), prepare_only: bool = 
     from megarl.trainer.features import check_trainer_runs_here
 
     check_trainer_runs_here(cfg)
+    if replay and Path(cfg.run.output_dir).resolve() == Path(replay).resolve().parent:
+        from megarl.errors import ConfigError
+
+        raise ConfigError(f"run.output_dir: {cfg.run.output_dir} is the run being replayed; give the replay its own "
+                          f"(e.g. run.output_dir={cfg.run.output_dir.rstrip('/')}_replay)")
     if running_under_torchrun():
         # every rank resolves the model; converting is a job of its own, done before the launch
         # (scripts/launch.sh runs `megarl train --prepare-only` first)
         prepared = prepare_model(cfg.model, convert=False)
-        run_rank(cfg.to_dict(), prepared)
+        if replay:
+            from megarl.replay import replay_rank
+
+            replay_rank(cfg.to_dict(), prepared, replay)
+        else:
+            run_rank(cfg.to_dict(), prepared)
         return {}
     prepared = prepare_model(cfg.model)
     if prepare_only:
         print(json.dumps({"prepared": prepared.checkpoint or cfg.model.source,
                           "tokenizer": prepared.tokenizer, "world_size": cfg.world_size()}), flush=True)
         return {}
-    run_world(run_rank, cfg.world_size(), cfg.to_dict(), prepared)
+    if replay:  # the trainer's ranks alone, on recorded batches (replay.py)
+        from megarl.replay import replay_rank
+
+        run_world(replay_rank, cfg.trainer_size(), cfg.to_dict(), prepared, replay)
+    else:
+        run_world(run_rank, cfg.world_size(), cfg.to_dict(), prepared)
     summary = json.loads((Path(cfg.run.output_dir) / "summary.json").read_text())
     print(json.dumps(summary), flush=True)
     return summary

@@ -192,9 +192,9 @@ class PromptStream:
             self.epoch += 1
             self.position = 0
             self._order = self._epoch_order(self.epoch)
-        item = self.items[self._order[self.position]]
+        self.last_index = self._order[self.position]  # which item: a checkpoint can requeue it
         self.position += 1
-        return item
+        return self.items[self.last_index]
 
     def take(self, n: int) -> list:
         return [next(self) for _ in range(n)]

@@ -76,16 +76,28 @@ class GeneratorExecutor:
         self.stale_dropped = 0
         self.stale_aborted = 0
         self.aborted_samples = 0
+        # group id -> prompt index of every group not yet handed over (or dropped): a checkpoint
+        # lists them so that a resumed run generates them again
+        self.prompt_of: Dict[int, int] = {}
+        self.requeued: List[tuple] = []  # (group id, prompt index) to redo first, from a checkpoint
+        self.on_step = lambda: None  # called before every backend step (the controller's heartbeat)
 
     @property
     def version(self) -> int:
         return int(self.backend.stats()["version"] or 0)
 
     def _request(self) -> GenerationRequest:
-        r = self.rollout
+        if self.requeued:  # a resumed run first redoes what was in flight at the checkpoint
+            gid, index = self.requeued.pop(0)
+            return self._make_request(gid, index, self.stream.items[index])
         prompt = next(self.stream)
         gid = self.next_group * 1_000 + self.replica  # unique over replicas
         self.next_group += 1
+        return self._make_request(gid, self.stream.last_index, prompt)
+
+    def _make_request(self, gid: int, index: int, prompt) -> GenerationRequest:
+        r = self.rollout
+        self.prompt_of[gid] = index
         params = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
                                 stop_token_ids=self.stop_ids, seed=(self.seed * 7919 + gid) % (2 ** 31))
         return GenerationRequest(f"g{gid}", list(prompt.ids), params, n=r.samples_per_prompt, group_id=gid,
@@ -107,6 +119,7 @@ class GeneratorExecutor:
     def _step_backend(self) -> None:
         """One backend step; finished samples join their group, complete groups wait in ``ready``."""
         n = self.rollout.samples_per_prompt
+        self.on_step()
         for c in self.backend.step():
             self.in_flight -= 1
             entry = self.pending[c.group_id]
@@ -136,6 +149,7 @@ class GeneratorExecutor:
         self.backend.abort([self.pending[gid].request_id for gid in doomed])
         for gid in doomed:
             self.doomed.add(gid)
+            self.prompt_of.pop(gid, None)
             self.groups.pop(gid, None)  # its finished samples are useless without the rest
         self.stale_aborted += len(doomed)
 
@@ -156,10 +170,14 @@ class GeneratorExecutor:
             if not drain:
                 self._keep_full()
             self._step_backend()
+        if drain:  # the batch in group order, not in the engine's slot order (which a restart changes)
+            self.ready.sort(key=lambda g: g[0].group_id)
         return self._hand_over(n_groups, start)
 
     def _hand_over(self, n_groups: int, start: float) -> dict:
         ready, self.ready = self.ready[:n_groups], self.ready[n_groups:]
+        for group in ready:
+            self.prompt_of.pop(group[0].group_id, None)
         return {"groups": ready, "time_generate": time.perf_counter() - start,
                 "engine_version": self.version, "stale_dropped": self.stale_dropped,
                 "stale_aborted": self.stale_aborted, "in_flight": self.in_flight}
@@ -192,7 +210,30 @@ class GeneratorExecutor:
         if drain or train_version - oldest <= self.rollout.max_lag:
             return True
         self.stale_dropped += 1  # too old to train on: dropped, a fresh prompt takes its slot
+        self.prompt_of.pop(group[0].group_id, None)
         return False
+
+    # -- checkpointing -------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """What a checkpoint needs to continue this replica's prompt stream exactly.
+
+        Groups generated but not handed to the trainer -- in flight, partly finished, or
+        ready -- cannot be saved (their KV caches live in the engine); they are listed by
+        group id and prompt, and a resumed run generates them again from the start, under
+        the checkpoint's policy, with the same group ids and sampling seeds, before any new
+        prompt. In sync mode nothing is ever in flight at a step boundary.
+        """
+        redo = sorted((gid, i) for gid, i in self.prompt_of.items() if gid not in self.doomed)
+        return {"stream": self.stream.state_dict(), "next_group": self.next_group,
+                "requeue": [list(x) for x in redo + self.requeued],
+                "stale_dropped": self.stale_dropped, "stale_aborted": self.stale_aborted}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stream.load_state_dict(state["stream"])
+        self.next_group = state["next_group"]
+        self.requeued = [tuple(x) for x in state["requeue"]]
+        self.stale_dropped, self.stale_aborted = state["stale_dropped"], state["stale_aborted"]
 
     def close(self) -> None:
         self.backend.close()

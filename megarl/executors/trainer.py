@@ -123,6 +123,12 @@ class TrainerExecutor:
             self.version += 1
         return metrics
 
+    def restored_pending(self) -> Optional[dict]:
+        """Async: the batch the checkpoint had generated but not trained on (loop_state.py)."""
+        from megarl.loop_state import pending_from_state
+
+        return pending_from_state(self.loop_state.get("pending"))
+
     def save_checkpoint(self, root: Path, step: int, loop_state: dict) -> Path:
         from megarl.checkpointing.training_checkpoint import save_training_state
 

@@ -14,6 +14,7 @@ them: guard its entry point with ``if __name__ == "__main__":``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
@@ -91,6 +92,33 @@ def _failure_message(error_dir: Path, fallback: str) -> str:
     return fallback
 
 
+@contextlib.contextmanager
+def _forwarding_preemption(pids: List[int]):
+    """SIGTERM / SIGUSR1 to this launcher reach its ranks as SIGUSR1 (runtime/preemption.py)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    from megarl.runtime import preemption
+
+    def forward(signum):
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+
+    saved = {sig: signal.getsignal(sig) for sig in preemption.SIGNALS}
+    preemption.install(forward)
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
 def run_world(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
     """Run ``fn(*args)`` on ``world_size`` local ranks; raise if any rank fails."""
     if world_size == 1 and not running_under_torchrun():
@@ -110,7 +138,11 @@ def run_worlds(worlds: List[Tuple[Callable[..., Any], int, tuple]]) -> None:
     spec = [(fn, size, free_port(), args) for fn, size, args in worlds]
     with tempfile.TemporaryDirectory(prefix="megarl_ranks_") as error_dir:
         try:
-            mp.start_processes(_child, args=(spec, error_dir), nprocs=total, join=True, start_method="spawn")
+            context = mp.start_processes(_child, args=(spec, error_dir), nprocs=total, join=False,
+                                         start_method="spawn")
+            with _forwarding_preemption([p.pid for p in context.processes]):
+                while not context.join():
+                    pass
         except mp.ProcessRaisedException as err:
             raise MegarlError(_failure_message(Path(error_dir), f"rank {err.error_index} failed:\n{err}")) from None
         except mp.ProcessExitedException as err:

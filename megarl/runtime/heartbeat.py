@@ -1,0 +1,93 @@
+"""Hang detection: every rank heartbeats through the job's store; watchers end a job that stopped moving.
+
+A rank that dies ends the job at once (runtime/launch.py, torchrun). A rank that
+stops *making progress* -- a stuck kernel, a deadlocked collective, a process
+stopped by a debugger or the OOM killer's SIGSTOP cousins -- leaves its peers
+waiting in a collective until the collective's timeout, hours later with NCCL's
+defaults. So every rank records what it is doing in the store
+(``megarl/heartbeat/<rank>``: a counter, its executor and the activity) as it goes
+(``beat``, at most once a second), and two watcher threads -- on the first and the
+last rank, so that one stuck watcher does not hide a hang -- read every rank's
+entry every few seconds. A rank whose entry has not changed for
+``run.hang_timeout_s`` by the watcher's own clock (no cross-node clock skew) ends
+the job, with a message naming the rank, its executor and what it was last doing.
+When several ranks went quiet (the ones waiting for the stuck one), the one quiet
+longest is named.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+from typing import Dict, Optional, Tuple
+
+KEY = "megarl/heartbeat/{}"
+
+
+class Heartbeat:
+    def __init__(self, store, rank: int, world_size: int, role: str, timeout_s: float, min_interval_s: float = 1.0):
+        self.store, self.rank, self.world_size, self.role = store, rank, world_size, role
+        self.timeout_s, self.min_interval_s = timeout_s, min_interval_s
+        self.count, self.last = 0, 0.0
+        self.host = socket.gethostname()
+        self.beat("starting", force=True)
+        self._stop = threading.Event()
+
+    def watch(self) -> None:
+        """Start this rank's watcher thread. Called once the job's start-up is over: loading a
+        405B checkpoint or starting SGLang servers has its own timeouts and may take longer."""
+        threading.Thread(target=self._watch, name="megarl-hang-watch", daemon=True).start()
+
+    def beat(self, what: str, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self.last < self.min_interval_s:
+            return
+        self.last, self.count = now, self.count + 1
+        self.store.set(KEY.format(self.rank), f"{self.count}|{self.role}|{self.host}|{os.getpid()}|{what}")
+
+    def close(self) -> None:
+        self._stop.set()
+
+    # -- the watcher ----------------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        from megarl.runtime.failure import fail_rank
+
+        keys = [KEY.format(r) for r in range(self.world_size)]
+        seen: Dict[int, Tuple[str, float]] = {}  # rank -> (its entry, when it last changed, our clock)
+        interval = max(0.5, min(10.0, self.timeout_s / 4))
+        while not self._stop.wait(interval):
+            try:
+                values = self.store.multi_get(keys)
+            except Exception:  # the store's host went away: the launcher reports that failure
+                return
+            now = time.monotonic()
+            for rank, raw in enumerate(values):
+                value = raw.decode() if isinstance(raw, bytes) else str(raw)
+                if rank not in seen or seen[rank][0] != value:
+                    seen[rank] = (value, now)
+            stuck = self._stuck(seen, now)
+            if stuck is not None and not self._stop.is_set():
+                message, host, pid = stuck
+                if host == self.host and pid != os.getpid():
+                    # a stopped process ignores the launcher's SIGTERM: end it so the job ends now
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except OSError:
+                        pass
+                fail_rank(message)
+
+    def _stuck(self, seen: Dict[int, Tuple[str, float]], now: float) -> Optional[Tuple[str, str, int]]:
+        quiet = [(changed, rank, value) for rank, (value, changed) in seen.items() if now - changed > self.timeout_s]
+        if not quiet:
+            return None
+        changed, rank, value = min(quiet)
+        _, role, host, pid, what = value.split("|", 4)
+        others = len(quiet) - 1
+        message = (f"rank {rank} ({role}, pid {pid} on {host}) made no progress for {now - changed:.0f} s "
+                   f"(run.hang_timeout_s={self.timeout_s:g}); its last activity: {what}"
+                   + (f"; {others} other rank(s) went quiet after it, waiting for it" if others else ""))
+        return message, host, int(pid)

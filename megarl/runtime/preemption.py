@@ -1,0 +1,64 @@
+"""Preemption: SIGTERM or SIGUSR1 asks the job to checkpoint at the next step boundary and exit 0.
+
+SLURM sends a signal some minutes before it kills a job (``--signal``, see
+scripts/slurm.sbatch); an operator may send one by hand. Whichever process gets
+it -- the local launcher (``megarl train`` spawning its ranks), scripts/launch.sh,
+or a rank -- the ranks end up with a flag set:
+
+- a rank's handler only sets the flag (a signal handler must not touch sockets
+  or collectives); the controller agrees on it over all ranks at each step
+  boundary (``any_rank_requested``), so every rank saves the same step and stops;
+- a launcher forwards the signal to its ranks as SIGUSR1. A rank started by a
+  launcher handles SIGUSR1 only: SIGTERM stays the launchers' way to end a rank
+  at once (the local launcher and torchrun send it to the survivors when a rank fails);
+- a second signal to the same process ends it at once (exit 128 + signal number).
+
+Under torchrun, signal the ranks (or scripts/launch.sh, which forwards): torchrun
+answers SIGTERM itself by killing its workers after 30 s, before a long step ends.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from typing import Callable, Optional
+
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+_requested: Optional[str] = None  # the name of the first signal received
+
+
+def requested() -> Optional[str]:
+    return _requested
+
+
+def install(forward: Optional[Callable[[int], None]] = None, signals=SIGNALS) -> None:
+    """Handle ``signals`` in this process (main thread only). ``forward(signum)``: a launcher's
+    way to pass the request to its ranks."""
+
+    def handler(signum, frame):
+        global _requested
+        name = signal.Signals(signum).name
+        who = f"megarl: rank {os.environ['RANK']}" if "RANK" in os.environ else "megarl"
+        if _requested is not None:
+            print(f"{who}: second signal ({name}) after {_requested}: exiting now", file=sys.stderr, flush=True)
+            os._exit(128 + signum)
+        _requested = name
+        print(f"{who}: {name} received: the job saves a checkpoint at the next step boundary and exits "
+              f"(a second signal exits at once)", file=sys.stderr, flush=True)
+        if forward is not None:
+            forward(signum)
+
+    for sig in signals:
+        signal.signal(sig, handler)
+
+
+def any_rank_requested(group) -> bool:
+    """True on every rank if any rank of ``group`` got a signal (a collective: all ranks call it)."""
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([1 if _requested is not None else 0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())
