@@ -158,3 +158,35 @@ def test_bench_prints_both_ratios_and_the_prediction(tmp_path, monkeypatch, caps
     assert pred["devices"] == 2 and pred["threads"]["sync_rank"] >= 1
     assert pred["tables"]["sync_generator"][0]["b"] == 4
     assert json.loads((tmp_path / "prediction.json").read_text())["predicted_ratio"] == printed["predicted_ratio"]
+
+
+@pytest.mark.slow
+def test_bench_end_to_end_tiny(tmp_path):
+    """The real bench on tiny_cpu (two ~40 s runs): the planner's step times, from the per-sample times
+    the runs measured, match the steps the runs timed. Each mode's step is one composition of its
+    phases (async: max(train, generate) + sync; sync: generate + train), and the responses all run
+    to max_new_tokens, so steps do not vary enough to separate the mean of maxima from the maximum
+    of means; what the model leaves out (channels, controller work) stays well under 15%."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, "-m", "megarl.cli", "bench", "async-vs-sync", "--config", "configs/tiny_cpu.yaml",
+           "--workdir", str(tmp_path), "trainer.tp=1", "run.steps=4"]
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "RANK", "WORLD_SIZE")}
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    pred = out["prediction"]
+    assert pred["async"]["steady_steps"] == [2, 3] and pred["sync"]["steady_steps"] == [2, 3, 4]
+    for mode in ("async", "sync"):
+        assert pred[mode]["predicted_step_s"] == pytest.approx(pred[mode]["measured_step_s"], rel=0.15)
+    assert out["predicted_ratio"] == pytest.approx(out["measured_ratio"], rel=0.15)
+    # the measured ratio is the steady steps' samples/s, recomputed here from metrics.jsonl
+    steps = {m: [json.loads(x) for x in (tmp_path / m / "metrics.jsonl").read_text().splitlines()] for m in
+             ("async", "sync")}
+    rate = {m: sum(r["samples"] for r in rs) / sum(r["time_step"] for r in rs)
+            for m, rs in (("async", steps["async"][1:3]), ("sync", steps["sync"][1:]))}
+    assert out["measured_ratio"] == pytest.approx(rate["async"] / rate["sync"], abs=1e-4)
+    even = max(1, (os.cpu_count() or 1) // 2)  # 2 ranks in each mode, the launcher's split
+    assert pred["threads"] == {"async_trainer": even, "async_generator": even, "sync_rank": even}
