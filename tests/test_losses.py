@@ -84,6 +84,7 @@ def test_registry_and_dotted_paths():
     assert custom(x, entropy_coef=0.5).per_token_loss.item() == pytest.approx(1.0 * -1.0 * -1.0 - 1.0)
     with pytest.raises(ConfigError, match="choose one of"):
         resolve_loss("grpo")
+    assert resolve_loss("gspo").loss_agg == "seq_mean_token_mean"
     with pytest.raises(ConfigError, match="cannot import module 'no_such_pkg.losses'"):
         resolve_loss("no_such_pkg.losses:f")
     with pytest.raises(ConfigError, match="has no function 'nope'"):
@@ -91,14 +92,18 @@ def test_registry_and_dotted_paths():
 
 
 def test_loss_params_are_checked_against_the_loss_signature():
-    assert bind_loss_params("aipo", {}) == {"rho": 4.0}
-    assert bind_loss_params("aipo", {"rho": 2}) == {"rho": 2.0}
-    assert bind_loss_params("ppo_clip", {"eps_high": 0.28}) == {"eps": 0.2, "eps_high": 0.28}
+    no_mask = {"mask_c": None, "mask_level": "token"}
+    assert bind_loss_params("aipo", {}) == {"rho": 4.0, "is_level": "token", **no_mask}
+    assert bind_loss_params("aipo", {"rho": 2, "mask_c": 2}) == {"rho": 2.0, "is_level": "token", "mask_c": 2.0,
+                                                                 "mask_level": "token"}
+    assert bind_loss_params("ppo_clip", {"eps_high": 0.28}) == {"eps": 0.2, "eps_high": 0.28, **no_mask}
+    assert bind_loss_params("gspo", {}) == {"eps": 3e-4, "eps_high": 4e-4}
     assert bind_loss_params("examples.losses.entropy_bonus:aipo_with_entropy_bonus", {"entropy_coef": 0.1}) == {
         "rho": 4.0, "entropy_coef": 0.1}
     with pytest.raises(ConfigError, match=r"loss_params.rho: must be > 1"):
         bind_loss_params("aipo", {"rho": 0.5})
-    with pytest.raises(ConfigError, match=r"loss_params.eps: .*has no such parameter \(its parameters: rho\)"):
+    with pytest.raises(ConfigError, match=r"loss_params.eps: .*has no such parameter \(its parameters: rho, is_level, "
+                                          r"mask_c, mask_level\)"):
         bind_loss_params("aipo", {"eps": 0.2})
     with pytest.raises(ConfigError, match=r"loss_params.rho: .*has no such parameter \(its parameters: none\)"):
         bind_loss_params("reinforce", {"rho": 2.0})

@@ -83,7 +83,7 @@ def test_kl_coef_and_estimator_reach_the_hook(estimator, kl):
 @pytest.mark.parametrize("overrides, message", [
     (["trainer.rho=2.0"], "trainer.rho: moved to trainer.loss_params.rho"),
     (["trainer.lr=1e-5"], "trainer.lr: moved to optimizer.lr"),
-    (["trainer.loss=gspo"], "loss 'gspo' is unknown"),
+    (["trainer.loss=grpo_v9"], "loss 'grpo_v9' is unknown"),
     (["trainer.loss_params={eps: 0.2}"], r"trainer.loss_params.eps: loss 'aipo' has no such parameter"),
     (["trainer.loss=ppo_clip", "trainer.loss_params={eps: 2}"], r"trainer.loss_params.eps: must be in \(0, 1\)"),
     (["trainer.recompute_granularity=full"], "full needs trainer.recompute_method"),

@@ -54,7 +54,11 @@ def loss_config(cfg):
     t = cfg.trainer
     return LossConfig(name=t.loss, params=bind_loss_params(t.loss, t.loss_params), temperature=cfg.rollout.temperature,
                       kl_coef=t.kl_coef, kl_estimator=t.kl_estimator, advantage_estimator=t.advantage_estimator,
-                      normalize_advantage_std=t.normalize_advantage_std)
+                      normalize_advantage_std=t.normalize_advantage_std, agg=t.loss_agg, entropy_coef=t.entropy_coef,
+                      max_new_tokens=cfg.rollout.max_new_tokens, overlong=t.overlong,
+                      overlong_buffer=t.overlong_buffer,
+                      # the lag buckets of the mismatch metrics: sync mode trains on lag 0 only
+                      max_lag=cfg.rollout.max_lag if cfg.run.mode == "async" else 0)
 
 
 class TrainerExecutor:
@@ -117,7 +121,7 @@ class TrainerExecutor:
 
     def step(self, samples: Sequence[Sample]) -> dict:
         lags = check_lag(samples, self.version, self.cfg.rollout.max_lag if self.cfg.run.mode == "async" else 0)
-        metrics = self.trainer.step(samples)
+        metrics = self.trainer.step(samples, version=self.version)
         metrics.update(lag_mean=sum(lags) / len(lags), lag_max=max(lags), trained_version=self.version)
         if not metrics.get("skipped"):
             self.version += 1

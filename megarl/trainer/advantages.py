@@ -11,7 +11,7 @@ nothing to compare it with.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -34,9 +34,12 @@ ESTIMATORS: Dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"group_mean": _
 
 
 def compute_advantages(
-    samples: Sequence[Sample], estimator: str = "group_mean", normalize_std: bool = False, eps: float = 1e-6
+    samples: Sequence[Sample], estimator: str = "group_mean", normalize_std: bool = False, eps: float = 1e-6,
+    rewards: Optional[Sequence[float]] = None,
 ) -> List[float]:
-    """One advantage per sample, in the order given."""
+    """One advantage per sample, in the order given. ``rewards``: instead of each sample's own
+    (the trainer's shaped rewards, e.g. with the overlong penalty)."""
+    rewards_of = [float(s.reward) for s in samples] if rewards is None else [float(r) for r in rewards]
     if estimator not in ESTIMATORS:
         raise ConfigError(f"advantage estimator {estimator!r} is unknown; choose one of {sorted(ESTIMATORS)}")
     groups: Dict[int, List[int]] = defaultdict(list)
@@ -44,10 +47,10 @@ def compute_advantages(
         groups[sample.group_id].append(i)
     advantages = [0.0] * len(samples)
     for members in groups.values():
-        rewards = torch.tensor([float(samples[i].reward) for i in members], dtype=torch.float64)
-        adv = ESTIMATORS[estimator](rewards)
-        if normalize_std and rewards.numel() > 1:
-            adv = adv / (rewards.std(unbiased=False) + eps)
+        group = torch.tensor([rewards_of[i] for i in members], dtype=torch.float64)
+        adv = ESTIMATORS[estimator](group)
+        if normalize_std and group.numel() > 1:
+            adv = adv / (group.std(unbiased=False) + eps)
         for i, a in zip(members, adv.tolist()):
             advantages[i] = a
     return advantages

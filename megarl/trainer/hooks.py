@@ -6,32 +6,35 @@ stage with the TP-sharded logits; it computes log pi of every target with the
 fused vocab-parallel function, applies the configured loss to the response
 tokens only (prompt and padding positions never contribute), and returns
 
-    (loss summed over this micro-batch's response tokens, their count, stats)
+    (sum_t w_t l_t over this micro-batch's response tokens, their count, stats)
 
 With ``calculate_per_token_loss`` (set by trainer.setup.wrap_ddp) Megatron
 then divides the gradient by the sum of the counts over all micro-batches and
-data-parallel ranks of the step instead of averaging per micro-batch, so the
-gradient is the per-token mean over the whole global batch however it was split.
+data-parallel ranks of the step instead of averaging per micro-batch. The
+weights w_t (megarl.trainer.aggregation) fold a sequence-level normaliser into
+the sum using the step's totals each micro-batch carries, so every aggregation
+mode is the exact value over the whole global batch however it was split.
 
-``stats`` is one fixed-layout vector per micro-batch (STAT_FIELDS), summed by
-the trainer over micro-batches and DP ranks into the step's metrics.
+``stats`` is one fixed-layout vector per micro-batch (megarl.trainer.stats), summed by
+the trainer over micro-batches and DP ranks into the step's metrics. The
+micro-batch keeps its detached log pi (``mb.trainer_logprobs``) for the trainer
+to hand back per sample.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
+from typing import Optional
 
 import torch
 
+from megarl.trainer.aggregation import aggregation_weights, resolve_agg
 from megarl.trainer.logprobs import vocab_parallel_logprobs
 from megarl.trainer.losses import LossFn, LossInputs, kl_penalty
+from megarl.trainer.stats import BASE_FIELDS, micro_batch_stats
 
-# Summed over micro-batches and DP ranks, except ratio_max (max).
-STAT_FIELDS = (
-    "loss_sum", "tokens", "ratio_sum", "ratio_sq_sum", "ratio_max", "clipped",
-    "kl_mu_pi_sum", "entropy_sum", "kl_ref_sum",
-)
+STAT_FIELDS = BASE_FIELDS  # without the lag buckets; stats.stat_fields(max_lag) is the whole layout
 
 
 @dataclass(frozen=True)
@@ -43,9 +46,17 @@ class LossConfig:
     kl_estimator: str = "k3"
     advantage_estimator: str = "group_mean"
     normalize_advantage_std: bool = False
+    agg: Optional[str] = None  # megarl.trainer.aggregation.AGG_MODES; None: the loss's own (resolve_agg)
+    entropy_coef: float = 0.0  # entropy bonus, added to any loss
+    max_new_tokens: int = 0  # rollout.max_new_tokens: Dr.GRPO's constant, the overlong penalty's end
+    overlong: str = "none"  # none | mask | penalty
+    overlong_buffer: int = 0
+    max_lag: int = 0  # lag buckets of the mismatch metrics: 0..max_lag
 
 
 def make_forward_step(loss_fn: LossFn, cfg: LossConfig, vocab_size: int):
+    cfg = replace(cfg, agg=resolve_agg(loss_fn, cfg.agg))
+
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
         output = model(mb.input_ids, mb.position_ids, mb.attention_mask, packed_seq_params=mb.packed_seq_params)
@@ -55,48 +66,64 @@ def make_forward_step(loss_fn: LossFn, cfg: LossConfig, vocab_size: int):
 
 
 def per_token_loss(loss_fn: LossFn, cfg: LossConfig, inputs: LossInputs):
-    """(the loss's output, its per-token loss with the KL penalty added, the KL term per token)."""
+    """(the loss's output, its per-token loss with the KL penalty and entropy bonus added, the KL term per token)."""
     out = loss_fn(inputs, **cfg.params)
     per_token = out.per_token_loss
     kl_ref = torch.zeros_like(per_token)
     if cfg.kl_coef:
         kl_ref = kl_penalty(inputs.logprobs, inputs.ref_logprobs, cfg.kl_estimator)
         per_token = per_token + cfg.kl_coef * kl_ref
+    if cfg.entropy_coef:
+        # the bonus rewards keeping pi spread out; its gradient flows through the fused entropy
+        per_token = per_token - cfg.entropy_coef * inputs.entropy
     return out, per_token, kl_ref
+
+
+def aggregate(agg: str, inputs: LossInputs, per_token: torch.Tensor, max_new_tokens: int = 0) -> torch.Tensor:
+    """sum_t w_t l_t: divided by the step's response tokens (Megatron) it is the ``agg`` loss."""
+    index, n = inputs.segments()
+    lengths = inputs.response_lengths if inputs.response_lengths is not None else torch.bincount(index, minlength=n)
+    # inputs without the step's totals (hand-built) are a whole step by themselves
+    weights = aggregation_weights(agg, index, lengths, inputs.step_sequences or n,
+                                  inputs.step_tokens or index.numel(), max_new_tokens)
+    return per_token.sum() if weights is None else (per_token * weights.to(per_token.dtype)).sum()
+
+
+def loss_inputs(mb, on: torch.Tensor, logp: torch.Tensor, entropy: Optional[torch.Tensor]) -> LossInputs:
+    """The response tokens of a micro-batch (``on``: its loss mask) as the loss sees them."""
+    device = logp.device
+
+    def tokens(row):
+        return row[0][on].to(device)
+
+    return LossInputs(
+        logprobs=logp,
+        behaviour_logprobs=tokens(mb.behaviour_logprobs),
+        advantages=tokens(mb.advantages),
+        entropy=entropy,
+        ref_logprobs=tokens(mb.ref_logprobs) if mb.ref_logprobs is not None else None,
+        policy_versions=tokens(mb.policy_versions),
+        sample_index=tokens(mb.sample_ids),
+        response_lengths=mb.response_lengths.to(device),
+        group_ids=mb.group_ids.to(device),
+        lags=tokens(mb.lags),
+        step_sequences=mb.step_sequences,
+        step_tokens=mb.step_tokens,
+    )
 
 
 def _loss_func(loss_fn: LossFn, cfg: LossConfig, vocab_size: int, mb, logits: torch.Tensor):
     # Only response positions matter: select their logits rows before the
     # vocabulary-sized work (prompt positions are often half of a row).
-    on = mb.loss_mask[0] > 0
-    logp, entropy = vocab_parallel_logprobs(logits[0][on], mb.targets[0][on], vocab_size, cfg.temperature, True)
-    inputs = LossInputs(
-        logprobs=logp,
-        behaviour_logprobs=mb.behaviour_logprobs[0][on],
-        advantages=mb.advantages[0][on],
-        entropy=entropy,
-        ref_logprobs=mb.ref_logprobs[0][on] if mb.ref_logprobs is not None else None,
-        policy_versions=mb.policy_versions[0][on],
-    )
+    on = (mb.loss_mask[0] > 0).to(logits.device)
+    logp, entropy = vocab_parallel_logprobs(logits[0][on], mb.targets[0].to(logits.device)[on], vocab_size,
+                                            cfg.temperature, True)
+    inputs = loss_inputs(mb, on, logp, entropy)
     out, per_token, kl_ref = per_token_loss(loss_fn, cfg, inputs)
-    loss_sum = per_token.sum()
+    loss_sum = aggregate(cfg.agg, inputs, per_token, cfg.max_new_tokens)
     count = on.sum()
-    with torch.no_grad():
-        log_ratio = inputs.logprobs.detach() - inputs.behaviour_logprobs
-        ratio = log_ratio.exp()
-        clipped = out.clipped if out.clipped is not None else torch.zeros_like(ratio, dtype=torch.bool)
-        stats = torch.stack([
-            loss_sum.detach().float(),
-            count.float(),
-            ratio.sum(),
-            (ratio * ratio).sum(),
-            ratio.max() if ratio.numel() else torch.tensor(0.0),
-            clipped.float().sum(),
-            # KL(mu || pi) from tokens sampled from mu: E_mu[r - 1 - log r], r = pi / mu (k3)
-            (ratio - 1.0 - log_ratio).sum(),
-            inputs.entropy.detach().sum(),
-            kl_ref.detach().sum(),
-        ])
+    mb.trainer_logprobs = logp.detach()
+    stats = micro_batch_stats(inputs, out, loss_sum, kl_ref, cfg.max_lag)
     return loss_sum, count.to(torch.int), {"stats": stats}
 
 

@@ -18,6 +18,11 @@ micro-batches; DP ranks with fewer bins get empty rows (loss mask 0). With
 pipeline parallelism rows are padded to ``max_tokens`` (the schedule sends
 fixed-shape activations); without it they are exactly as long as their samples.
 Packing efficiency = real tokens / row positions processed.
+
+A sample never straddles micro-batches (bins hold whole samples), so a loss can
+reduce over a sample's tokens within one micro-batch; each micro-batch also
+carries the step's totals of samples and response tokens (over every DP rank),
+which sequence-level aggregations need for an exact global normaliser.
 """
 
 from __future__ import annotations
@@ -40,11 +45,18 @@ class MicroBatch:
     behaviour_logprobs: torch.Tensor  # [1, L] log mu of the target (0 off the mask)
     advantages: torch.Tensor  # [1, L]
     policy_versions: torch.Tensor  # [1, L] (-1 off the mask)
+    sample_ids: torch.Tensor  # [1, L] the target's sample, 0..n-1 in this micro-batch (-1 off the mask)
+    lags: torch.Tensor  # [1, L] trainer version - token version (0 off the mask)
+    response_lengths: torch.Tensor  # [n] response tokens of each sample, in sample_indices order
+    group_ids: torch.Tensor  # [n]
     attention_mask: Optional[torch.Tensor]  # [1, 1, L, L] True = masked (local spec)
     packed_seq_params: Optional[object]  # megatron PackedSeqParams (TE spec)
     sample_indices: List[int]
     real_tokens: int
     ref_logprobs: Optional[torch.Tensor] = None  # [1, L], filled by a reference-model pass
+    step_sequences: int = 0  # samples in the whole step (all micro-batches, all DP ranks)
+    step_tokens: int = 0  # response tokens in the whole step
+    trainer_logprobs: Optional[torch.Tensor] = None  # log pi of the response tokens, left by the loss hook
 
     @property
     def length(self) -> int:
@@ -93,9 +105,13 @@ def _packed_seq_params(seq_lengths: List[int]):
 
 
 def build_micro_batch(
-    samples: Sequence[Sample], advantages: Sequence[float], indices: Sequence[int], row_length: int, thd: bool
+    samples: Sequence[Sample], advantages: Sequence[float], indices: Sequence[int], row_length: int, thd: bool,
+    version: Optional[int] = None,
 ) -> MicroBatch:
-    ids, pos, tgt, mask, mu, adv, ver, seg = ([] for _ in range(8))
+    """``version``: the trainer's, for each token's lag (default: the newest token version among ``indices``)."""
+    if version is None:
+        version = max((max(samples[i].policy_versions) for i in indices), default=0)
+    ids, pos, tgt, mask, mu, adv, ver, seg, sid, lag = ([] for _ in range(10))
     for segment, i in enumerate(indices):
         s = samples[i]
         tokens = list(s.prompt_tokens) + list(s.response_tokens)
@@ -109,12 +125,15 @@ def build_micro_batch(
         mu += [0.0] * (p - 1) + list(map(float, s.behaviour_logprobs))
         adv += [0.0] * (p - 1) + [float(advantages[i])] * len(s.response_tokens)
         ver += [-1] * (p - 1) + list(map(int, s.policy_versions))
+        sid += [-1] * (p - 1) + [segment] * len(s.response_tokens)
+        lag += [0] * (p - 1) + [version - int(v) for v in s.policy_versions]
     real = len(ids)
     pad = row_length - real
     seq_lengths = [len(samples[i]) for i in indices] + ([pad] if pad else [])
     seg += [len(indices)] * pad
     ids, tgt, pos = ids + [0] * pad, tgt + [0] * pad, pos + list(range(pad))
     mask, mu, adv, ver = mask + [0.0] * pad, mu + [0.0] * pad, adv + [0.0] * pad, ver + [-1] * pad
+    sid, lag = sid + [-1] * pad, lag + [0] * pad
 
     def row(values, dtype):
         return torch.tensor(values, dtype=dtype).unsqueeze(0)
@@ -127,6 +146,10 @@ def build_micro_batch(
         behaviour_logprobs=row(mu, torch.float32),
         advantages=row(adv, torch.float32),
         policy_versions=row(ver, torch.long),
+        sample_ids=row(sid, torch.long),
+        lags=row(lag, torch.long),
+        response_lengths=torch.tensor([len(samples[i].response_tokens) for i in indices], dtype=torch.long),
+        group_ids=torch.tensor([samples[i].group_id for i in indices], dtype=torch.long),
         attention_mask=None if thd else _segments_mask(torch.tensor(seg)),
         packed_seq_params=_packed_seq_params(seq_lengths) if thd and seq_lengths else None,
         sample_indices=list(indices),
@@ -151,9 +174,11 @@ def plan_micro_batches(
     thd: bool,
     count_multiple: int = 1,
     row_multiple: int = 1,
+    version: Optional[int] = None,
 ) -> PackingPlan:
     """This DP rank's micro-batches. ``fixed_row_length``: pad every row to max_tokens (PP > 1).
-    ``row_multiple``: pad every row to a multiple of it (sequence parallelism splits rows over TP)."""
+    ``row_multiple``: pad every row to a multiple of it (sequence parallelism splits rows over TP).
+    ``version``: the trainer's policy version, for the lags (default: the batch's newest token version)."""
     lengths = [len(s) for s in samples]
     for i, n in enumerate(lengths):
         if n > max_tokens:
@@ -170,12 +195,18 @@ def plan_micro_batches(
     ]
     empty_row = max_tokens if fixed_row_length else row_multiple
     processed = sum(sum(r) + (count - len(r)) * empty_row for r in row_lengths)
+    if version is None:
+        version = max((max(s.policy_versions) for s in samples), default=0)
     mine = bins_per_rank[dp_rank]
-    micro_batches = [build_micro_batch(samples, advantages, b, n, thd) for b, n in zip(mine, row_lengths[dp_rank])]
+    micro_batches = [build_micro_batch(samples, advantages, b, n, thd, version)
+                     for b, n in zip(mine, row_lengths[dp_rank])]
     while len(micro_batches) < count:
-        micro_batches.append(build_micro_batch(samples, advantages, [], empty_row, thd))
+        micro_batches.append(build_micro_batch(samples, advantages, [], empty_row, thd, version))
+    step_tokens = sum(len(s.response_tokens) for s in samples)
+    for mb in micro_batches:  # every DP rank plans every rank's bins: these are global totals
+        mb.step_sequences, mb.step_tokens = len(samples), step_tokens
     return PackingPlan(
         micro_batches=micro_batches,
         seq_length=max(mb.length for mb in micro_batches),
-        efficiency=sum(lengths) / processed,
+        efficiency=sum(lengths) / processed if processed else 0.0,
     )

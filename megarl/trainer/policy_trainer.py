@@ -1,12 +1,18 @@
 """One RL optimizer step on Megatron-Core: rollouts in, updated policy and metrics out.
 
-    advantages (group baseline / RLOO)  ->  pack into micro-batches per DP rank
+    [overlong: penalise or leave out samples cut by max_new_tokens]
+    -> advantages (group baseline / RLOO)  ->  pack into micro-batches per DP rank
     -> [reference model log-probs, if a KL penalty is configured]
     -> Megatron's forward_backward_func with the loss hook
     -> non-finite guard  ->  optimizer step (gradient clipping inside)
 
 Every rank of the trainer calls ``step`` with the same list of samples; each
 rank picks its own DP shard. The returned metrics are identical on every rank.
+``step(samples, version)``: the trainer's policy version gives each token's lag
+(trainer version - token version) for the loss and the per-lag mismatch metrics.
+Each trained sample gets ``meta["trainer_logprobs"]``: log pi of its response
+tokens as the loss saw them (gathered from the last pipeline stage of every DP
+rank), so a run's log holds both sides of every importance ratio.
 """
 
 from __future__ import annotations
@@ -15,20 +21,45 @@ import dataclasses
 import logging
 import math
 import time
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from megarl.rollout import Sample, validate_samples
 from megarl.trainer.advantages import compute_advantages
-from megarl.trainer.hooks import STAT_FIELDS, LossConfig, make_forward_step, make_logprob_collector
+from megarl.trainer.aggregation import overlong_penalty, resolve_agg
+from megarl.trainer.hooks import LossConfig, make_forward_step, make_logprob_collector
 from megarl.trainer.losses import bind_loss_params, resolve_loss
 from megarl.trainer.packing import PackingPlan, plan_micro_batches
 from megarl.trainer.setup import run_schedule, zero_grads
+from megarl.trainer.stats import BASE_FIELDS, metrics_from_totals, stat_fields
 
 logger = logging.getLogger(__name__)
-RATIO_MAX = STAT_FIELDS.index("ratio_max")
+RATIO_MAX = BASE_FIELDS.index("ratio_max")
+TRUNCATED = "length"  # Sample.meta["finish_reason"] of a sample cut by max_new_tokens
+
+
+def shape_batch(samples: Sequence[Sample], cfg: LossConfig) -> Tuple[List[Sample], List[float], dict]:
+    """(the samples the loss sees, their advantages, overlong metrics) under ``cfg.overlong``.
+
+    penalty: DAPO's soft overlong penalty added to each reward before the advantages;
+    mask: samples cut by max_new_tokens are left out of the loss (and of the step's totals,
+    so the normaliser counts only what is trained), but their rewards still count in their
+    group's baseline, as DAPO's overlong filtering does.
+    """
+    validate_samples(samples)
+    truncated = [s.meta.get("finish_reason") == TRUNCATED for s in samples]
+    penalties = [0.0] * len(samples)
+    if cfg.overlong == "penalty":
+        penalties = [overlong_penalty(len(s.response_tokens), cfg.max_new_tokens, cfg.overlong_buffer)
+                     for s in samples]
+    advantages = compute_advantages(samples, cfg.advantage_estimator, cfg.normalize_advantage_std,
+                                    rewards=[float(s.reward) + p for s, p in zip(samples, penalties)])
+    keep = [i for i, t in enumerate(truncated) if not (t and cfg.overlong == "mask")]
+    info = {"truncated_frac": sum(truncated) / len(samples), "overlong_masked": len(samples) - len(keep),
+            "overlong_penalty_mean": sum(penalties) / len(samples)}
+    return [samples[i] for i in keep], [advantages[i] for i in keep], info
 
 
 class PolicyTrainer:
@@ -46,14 +77,19 @@ class PolicyTrainer:
         from megarl.models.megatron_llama import transformer_engine_usable
 
         # defaults filled in, every value checked against the loss's declared parameters
-        loss = dataclasses.replace(loss, params=bind_loss_params(loss.name, loss.params))
+        loss_fn = resolve_loss(loss.name)
+        loss = dataclasses.replace(loss, params=bind_loss_params(loss.name, loss.params),
+                                   agg=resolve_agg(loss_fn, loss.agg))
         if loss.kl_coef and ref_chunks is None:
             raise ValueError("loss.kl_coef > 0 needs a reference model (ref_chunks)")
+        if (loss.agg == "seq_mean_token_sum_norm" or loss.overlong == "penalty") and loss.max_new_tokens < 1:
+            raise ValueError(f"loss {loss.name} ({loss.agg}, overlong={loss.overlong}) needs loss.max_new_tokens")
         self.ddp_chunks = ddp_chunks
         self.optimizer = optimizer
         self.vocab_size = vocab_size
         self.loss = loss
-        self.loss_fn = resolve_loss(loss.name)
+        self.loss_fn = loss_fn
+        self.stat_fields = stat_fields(loss.max_lag)
         self.max_tokens = max_tokens_per_microbatch
         self.ref_chunks = ref_chunks
         self.lr_scheduler = lr_scheduler  # Megatron's OptimizerParamScheduler, stepped after each update
@@ -61,11 +97,14 @@ class PolicyTrainer:
 
     # -- data ------------------------------------------------------------------------------
 
-    def plan(self, samples: Sequence[Sample]) -> PackingPlan:
+    def plan(self, samples: Sequence[Sample], version: Optional[int] = None) -> PackingPlan:
+        """``samples`` as the loss sees them (``shape_batch``), packed for this rank."""
+        kept, advantages, _ = shape_batch(samples, self.loss)
+        return self._pack(kept, advantages, version)
+
+    def _pack(self, samples: Sequence[Sample], advantages: Sequence[float], version: Optional[int]) -> PackingPlan:
         from megatron.core import parallel_state as mpu
 
-        validate_samples(samples)
-        advantages = compute_advantages(samples, self.loss.advantage_estimator, self.loss.normalize_advantage_std)
         pp = mpu.get_pipeline_model_parallel_world_size()
         config = self.ddp_chunks[0].config
         vp = config.virtual_pipeline_model_parallel_size
@@ -73,13 +112,16 @@ class PolicyTrainer:
             samples, advantages, mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size(),
             self.max_tokens, fixed_row_length=pp > 1, thd=self.thd, count_multiple=pp if vp else 1,
             row_multiple=mpu.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1,
+            version=version,
         )
 
     # -- the step ----------------------------------------------------------------------------
 
-    def forward_backward(self, samples: Sequence[Sample]):
-        """Gradients of the loss over ``samples`` in the DDP buffers; returns (plan, per-micro-batch stats)."""
-        plan = self.plan(samples)
+    def forward_backward(self, samples: Sequence[Sample], version: Optional[int] = None):
+        """Gradients of the loss over ``samples`` in the DDP buffers; returns (plan, per-micro-batch stats).
+        ``version``: the trainer's policy version (lags); default the batch's newest token version."""
+        kept, advantages, self.overlong_info = shape_batch(samples, self.loss)
+        plan = self._pack(kept, advantages, version)
         if self.ref_chunks is not None:
             collector = make_logprob_collector(self.vocab_size, self.loss.temperature)
             with torch.no_grad():
@@ -88,14 +130,15 @@ class PolicyTrainer:
         zero_grads(self.ddp_chunks, self.optimizer)
         outputs = run_schedule(self.ddp_chunks, make_forward_step(self.loss_fn, self.loss, self.vocab_size),
                                plan.micro_batches, plan.seq_length, 1, forward_only=False)
+        self._hand_back_logprobs(kept, plan)
         return plan, [o["stats"] for o in outputs]
 
-    def step(self, samples: Sequence[Sample]) -> dict:
+    def step(self, samples: Sequence[Sample], version: Optional[int] = None) -> dict:
         start = time.perf_counter()
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         self.lr_used = self.optimizer.param_groups[0]["lr"]
-        plan, stats = self.forward_backward(samples)
+        plan, stats = self.forward_backward(samples, version)
         totals = self._reduce_stats(stats)
         reason = self._nonfinite_reason(totals)
         if reason is None:
@@ -119,27 +162,58 @@ class PolicyTrainer:
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def _reduce_stats(self, stats: List[torch.Tensor]) -> torch.Tensor:
-        """Sum over micro-batches and DP ranks (max for ratio_max); the same on every rank."""
+    @staticmethod
+    def _owner() -> bool:
+        """Only TP rank 0 of the last stage of each DP replica owns the loss's numbers."""
         from megatron.core import parallel_state as mpu
 
-        total = torch.zeros(len(STAT_FIELDS), dtype=torch.float64)
-        ratio_max = torch.zeros(1, dtype=torch.float64)
-        for s in stats:
-            total += s.double()
-            ratio_max = torch.maximum(ratio_max, s[RATIO_MAX : RATIO_MAX + 1].double())
-        # Only TP rank 0 of the last stage of each DP replica owns the numbers.
-        owner = mpu.is_pipeline_last_stage(ignore_virtual=True) and mpu.get_tensor_model_parallel_rank() == 0
-        if not owner:
-            total.zero_()
-            ratio_max.zero_()
+        return mpu.is_pipeline_last_stage(ignore_virtual=True) and mpu.get_tensor_model_parallel_rank() == 0
+
+    @staticmethod
+    def _device() -> torch.device:
+        # the collectives' device: NCCL reduces CUDA tensors, gloo CPU ones
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+    def _reduce_stats(self, stats: List[torch.Tensor]) -> torch.Tensor:
+        """Sum over micro-batches and DP ranks (max for ratio_max); the same on every rank."""
+        device = self._device()
+        total = torch.zeros(len(self.stat_fields), dtype=torch.float64, device=device)
+        ratio_max = torch.zeros(1, dtype=torch.float64, device=device)
+        if self._owner():
+            for s in stats:
+                s = s.to(device, torch.float64)
+                total += s
+                ratio_max = torch.maximum(ratio_max, s[RATIO_MAX : RATIO_MAX + 1])
         dist.all_reduce(total)
         dist.all_reduce(ratio_max, op=dist.ReduceOp.MAX)
         total[RATIO_MAX] = ratio_max[0]
-        return total
+        return total.cpu()
+
+    def _hand_back_logprobs(self, samples: Sequence[Sample], plan: PackingPlan) -> None:
+        """Each sample's log pi (as the loss saw it) into its meta["trainer_logprobs"], on every rank.
+
+        The owner of each micro-batch writes its samples' slots of one flat vector of the
+        step's response tokens; one SUM all-reduce gives every rank all of them."""
+        offsets = [0]
+        for s in samples:
+            offsets.append(offsets[-1] + len(s.response_tokens))
+        flat = torch.zeros(offsets[-1], dtype=torch.float32, device=self._device())
+        if self._owner():
+            for mb in plan.micro_batches:
+                if mb.trainer_logprobs is None:
+                    continue
+                start = 0
+                for i in mb.sample_indices:
+                    n = offsets[i + 1] - offsets[i]
+                    flat[offsets[i] : offsets[i + 1]] = mb.trainer_logprobs[start : start + n].float()
+                    start += n
+        dist.all_reduce(flat)
+        values = flat.tolist()
+        for i, s in enumerate(samples):
+            s.meta["trainer_logprobs"] = values[offsets[i] : offsets[i + 1]]
 
     def _nonfinite_reason(self, totals: torch.Tensor) -> Optional[str]:
-        loss_sum = totals[STAT_FIELDS.index("loss_sum")].item()
+        loss_sum = totals[BASE_FIELDS.index("loss_sum")].item()
         # One NaN or inf anywhere makes the sum non-finite: a single cheap pass
         # (isfinite().all() over the whole buffer costs several passes).
         local_ok = all(
@@ -147,31 +221,21 @@ class PolicyTrainer:
             for chunk in self.ddp_chunks
             for buffer in chunk.buffers + chunk.expert_parallel_buffers
         )
-        flag = torch.tensor([1.0 if local_ok else 0.0])
+        flag = torch.tensor([1.0 if local_ok else 0.0], device=self._device())
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         if not math.isfinite(loss_sum):
             return f"non-finite loss ({loss_sum})"
         if flag.item() < 1.0:
             return "non-finite gradient"
-        if totals[STAT_FIELDS.index("tokens")].item() == 0:
+        if totals[BASE_FIELDS.index("tokens")].item() == 0:
             return "no response tokens in the batch"
         return None
 
     def _metrics(self, totals, grad_norm, reason, plan, elapsed, real_tokens, n_samples) -> dict:
-        t = dict(zip(STAT_FIELDS, totals.tolist()))
-        n = max(t["tokens"], 1.0)
         return {
-            "loss": t["loss_sum"] / n,
-            "response_tokens": int(t["tokens"]),
+            **metrics_from_totals(totals, self.loss.max_lag),
+            **self.overlong_info,
             "samples": n_samples,
-            "clip_frac": t["clipped"] / n,
-            "ratio_mean": t["ratio_sum"] / n,
-            "ratio_max": t["ratio_max"],
-            # ESS = (sum w)^2 / (N sum w^2) over response tokens, w = pi / mu
-            "ess": (t["ratio_sum"] ** 2) / (n * t["ratio_sq_sum"]) if t["ratio_sq_sum"] > 0 else float("nan"),
-            "kl_mu_pi": t["kl_mu_pi_sum"] / n,
-            "kl_ref": t["kl_ref_sum"] / n,
-            "entropy": t["entropy_sum"] / n,
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             # the learning rate this step's update used (the scheduler moves it after the update)
             "lr": self.lr_used,
