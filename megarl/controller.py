@@ -90,7 +90,11 @@ class Controller:
         self.tp_group = None
         self.last_sync = None  # this rank's SyncStats of the last weight sync
         root = self.out / CHECKPOINTS
-        resume = root if (root / "latest_checkpointed_iteration.txt").exists() else None
+        from megarl.checkpointing.resume import resumable_checkpoint_dir
+
+        # the newest checkpoint whose files match its manifest (all ranks share the checksums);
+        # each newer, damaged one is named in a warning
+        resume = resumable_checkpoint_dir(root, group=job.control)
         if job.has("trainer"):
             from megarl.executors.trainer import TrainerExecutor
 

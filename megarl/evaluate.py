@@ -31,13 +31,18 @@ def _checkpoint_dir(checkpoint: str, cache_dir: str) -> Path:
     from megarl.config import ModelConfig
     from megarl.model_source import prepare_model
 
+    from megarl.checkpointing.manifest import MANIFEST_FILE
+
     path = Path(checkpoint)
     if (path / "checkpoints" / "latest_checkpointed_iteration.txt").exists():  # a training run's directory
         path = path / "checkpoints"
-    if (path / "latest_checkpointed_iteration.txt").exists():
-        return resolve_checkpoint_dir(path, what="--checkpoint")
+    # a root, or one iteration dir (iter_XXXXXXX/); every file is checked against the
+    # manifest first, so a damaged checkpoint is named here and not deep inside torch
+    if (path / "latest_checkpointed_iteration.txt").exists() or (path / MANIFEST_FILE).exists() or (
+            path / "metadata.json").exists():
+        return resolve_checkpoint_dir(path, what="--checkpoint", verify="checksums")
     prepared = prepare_model(ModelConfig(source=checkpoint, cache_dir=cache_dir))
-    return resolve_checkpoint_dir(prepared.checkpoint, what="--checkpoint")
+    return resolve_checkpoint_dir(prepared.checkpoint, what="--checkpoint", verify="checksums")
 
 
 def _eval_rank(ckpt_dir: str, tokenizer_dir: str, data: str, max_new_tokens: int, reward: str, batch: int,

@@ -5,25 +5,31 @@
         metadata.json, .metadata, *.distcp, common.pt   (Megatron-Core)
         megarl_model.json                                (the LlamaSpec)
         tokenizer/                                       (HF tokenizer files)
+        megarl_manifest.json                             (every file's size and CRC-32)
 
 Tensors are stored by Megatron's canonical keys as global tensors, so a
 checkpoint saved at one TP/PP loads at any other (Megatron reshards on load;
 vocabulary padding differences are absorbed by its allow_shape_mismatch on the
 embedding and output layer). A save goes to a temporary directory that is
-renamed into place only when complete, so an interrupted save never replaces
-a good checkpoint.
+renamed into place only when complete with its manifest, and the tracker is
+rewritten (temp file, rename) only after that, so an interrupted save never
+replaces a good checkpoint. Loading checks the files against the manifest
+(manifest.py): sizes always, CRC-32s where asked.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import sys
+import time
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from megarl.checkpointing import manifest
 from megarl.errors import CheckpointError
 from megarl.models.spec import LlamaSpec
 
@@ -37,8 +43,14 @@ def iteration_dir_name(iteration: Optional[int]) -> str:
     return "release" if iteration is None else f"iter_{iteration:07d}"
 
 
-def resolve_checkpoint_dir(path: os.PathLike, what: str = "--megatron") -> Path:
-    """The dist-checkpoint directory for a root (with a tracker file) or the directory itself."""
+def resolve_checkpoint_dir(path: os.PathLike, what: str = "--megatron", verify: str = "sizes", group=None) -> Path:
+    """The dist-checkpoint directory for a root (with a tracker file) or the directory itself.
+
+    ``verify``: ``sizes`` (every file the manifest lists is there at its size: cheap, on every
+    load), ``checksums`` (and its CRC-32 matches: reads the whole checkpoint, shared out over
+    ``group``'s ranks if given), ``checksums_once`` (the same unless this process already
+    verified these very files) or ``none``. A mismatch raises CheckpointError naming the file.
+    """
     from megatron.core import dist_checkpointing
 
     path = Path(path)
@@ -55,6 +67,11 @@ def resolve_checkpoint_dir(path: os.PathLike, what: str = "--megatron") -> Path:
             f"{what} {path}: not a Megatron dist checkpoint (no metadata.json); expected a directory "
             f"written by tools/convert_hf_to_megatron.py or by megarl training"
         )
+    if verify not in ("none", "sizes", "checksums", "checksums_once"):
+        raise ValueError(f"verify={verify!r}")
+    if verify != "none":
+        manifest.verify_checkpoint(path, checksums=verify != "sizes", group=group, what=what,
+                                   reuse=verify == "checksums_once")
     return path
 
 
@@ -115,20 +132,23 @@ def save_state(
     spec: LlamaSpec,
     iteration: Optional[int] = None,
     tokenizer_files: Sequence[Path] = (),
+    keep: int = 0,
 ) -> Path:
-    """Save a sharded state dict as ROOT/<iteration dir>, atomically; update the tracker.
+    """Save a sharded state dict as ROOT/<iteration dir>, atomically, with its manifest; update the tracker.
 
-    ``tokenizer_files`` (rank 0's list counts) are copied into ``tokenizer/``.
+    ``tokenizer_files`` (rank 0's list counts) are copied into ``tokenizer/``. ``keep`` > 0:
+    then delete all but the ``keep`` newest complete iteration checkpoints (resume.prune_checkpoints).
     """
     from megatron.core import dist_checkpointing
 
     from megatron_patches import checkpoint_writer
 
     checkpoint_writer.apply()  # its helper process must not outlive a killed rank
+    start = time.perf_counter()
     root = Path(root)
     final = root / iteration_dir_name(iteration)
     staging = root / f".incomplete_{final.name}"
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
     if rank == 0:
         if staging.exists():
             shutil.rmtree(staging)
@@ -143,14 +163,35 @@ def save_state(
             (staging / TOKENIZER_DIR).mkdir()
             for path in tokenizer_files:
                 shutil.copy2(path, staging / TOKENIZER_DIR / Path(path).name)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(staging, final)
-        tmp_tracker = root / (TRACKER_FILE + ".tmp")
-        tmp_tracker.write_text("release\n" if iteration is None else f"{iteration}\n")
-        os.replace(tmp_tracker, root / TRACKER_FILE)
+    manifest.write_part(staging, rank)  # each rank sums what it wrote, while it is in its page cache
+    dist.barrier()
+    if rank == 0:
+        summary = manifest.finish_manifest(staging, world, iteration)
+        _publish(staging, final, root, iteration)
+        if iteration is not None:
+            from megarl.checkpointing.resume import prune_checkpoints
+
+            for path in prune_checkpoints(root, keep, iteration):
+                print(f"megarl: deleted checkpoint {path} (run.keep_checkpoints={keep})", file=sys.stderr, flush=True)
+        print(f"megarl: checkpoint {final} complete: {summary['files']} files, {summary['bytes'] / 2**30:.3f} GiB "
+              f"in {time.perf_counter() - start:.2f} s, of which the manifest (CRC-32) {summary['seconds']:.2f} s",
+              file=sys.stderr, flush=True)
     dist.barrier()
     return final
+
+
+def _publish(staging: Path, final: Path, root: Path, iteration: Optional[int]) -> None:
+    """Rename the complete staging dir into place, then point the tracker at it."""
+    old = None
+    if final.exists():  # the same iteration saved again (a job that fell back from a damaged one)
+        old = root / f".deleting_{final.name}"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(staging, final)
+    manifest.fsync_dir(root)
+    manifest.write_atomic(root / TRACKER_FILE, "release\n" if iteration is None else f"{iteration}\n")
+    if old is not None:
+        shutil.rmtree(old)
 
 
 def load_model(chunks: List[torch.nn.Module], path: os.PathLike) -> Path:

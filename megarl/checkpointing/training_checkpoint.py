@@ -5,6 +5,10 @@ optimizer under 'optimizer' in Megatron's 'fully_reshardable' format, so a run
 can resume at a different TP/PP/DP. ('dp_reshardable', the 0.16.1 default
 alternative, pins the DP layout; the default 'fully_sharded_model_space'
 raises "flattened_range is not supported" with this version's torch_dist.)
+
+A resuming job picks its checkpoint with resume.find_resumable_checkpoint
+(the newest whose files match their manifest) and passes that iteration
+directory here; a root (with the tracker) loads the tracker's iteration.
 """
 
 from __future__ import annotations
@@ -41,19 +45,32 @@ def save_training_state(
     iteration: int,
     loop_state: Optional[Dict[str, Any]] = None,
     tokenizer_files: Sequence[Path] = (),
+    keep_checkpoints: int = 0,
 ) -> Path:
-    """Collective save. ``loop_state`` must be identical on every rank (rank 0 writes it)."""
+    """Collective save. ``loop_state`` must be identical on every rank (rank 0 writes it).
+
+    ``keep_checkpoints`` (run.keep_checkpoints) > 0: afterwards only that many newest remain.
+    """
     state = model_sharded_state_dict(chunks)
     state["optimizer"] = _optimizer_sharded_state_dict(optimizer, state, is_loading=False)
     state["loop_state"] = dict(loop_state or {})
-    return save_state(state, root, spec, iteration, tokenizer_files)
+    return save_state(state, root, spec, iteration, tokenizer_files, keep=keep_checkpoints)
 
 
-def load_training_state(chunks: List[torch.nn.Module], optimizer, path: os.PathLike) -> Dict[str, Any]:
-    """Load weights and optimizer state saved at any layout; return the loop state."""
+def load_training_state(chunks: List[torch.nn.Module], optimizer, path: os.PathLike,
+                        verify: str = "checksums_once") -> Dict[str, Any]:
+    """Load weights and optimizer state saved at any layout; return the loop state.
+
+    ``path``: a root (its tracker's iteration) or one iteration directory. Collective over the
+    default group, which shares out the checksums (none are read again for a directory this
+    process already verified, e.g. with find_resumable_checkpoint); a file that does not
+    match the manifest raises CheckpointError naming it.
+    """
+    import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    ckpt_dir = resolve_checkpoint_dir(path, what="checkpoint")
+    ckpt_dir = resolve_checkpoint_dir(path, what="checkpoint", verify=verify,
+                                      group=dist.group.WORLD if dist.is_initialized() else None)
     state = model_sharded_state_dict(chunks)
     optimizer_state.apply()
     optimizer_state.init_adam_state_for_loading(optimizer)

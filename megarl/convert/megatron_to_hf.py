@@ -110,7 +110,8 @@ class ShardedSafetensorsWriter:
 
 def convert(args: MegatronToHf) -> None:
     start = time.perf_counter()
-    ckpt_dir = resolve_checkpoint_dir(args.megatron)
+    # every file against the manifest first: a damaged checkpoint is named, not half-exported
+    ckpt_dir = resolve_checkpoint_dir(args.megatron, verify="checksums")
     spec = read_spec(ckpt_dir)
     dtype: Optional[torch.dtype] = parse_dtype(args.dtype) or (torch.bfloat16 if args.fp8 else None)
     out = Path(args.output)
