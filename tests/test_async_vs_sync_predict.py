@@ -22,8 +22,9 @@ APPROX = dict(rel=1e-9)
 
 
 def _rec(step, train, gen, reward=0.0, sync=0.0, wall=None, samples=8):
+    wall = wall if wall is not None else train + sync
     return {"step": step, "samples": samples, "time_train": train, "time_generate": gen, "time_reward": reward,
-            "time_weight_sync": sync, "time_step": wall if wall is not None else train + sync}
+            "time_weight_sync": sync, "time_step": wall, "idle_trainer": wall - train - sync}
 
 
 # tiny_cpu at trainer.tp=1: 1 trainer rank + 1 generator rank (async), 2 ranks of DP2 (sync), B = 4 x 2
@@ -70,6 +71,19 @@ def test_two_ranks_hand_computed():
     assert out["sync"]["unpriced_copy_s"] == pytest.approx(0.01)
 
 
+def test_generate_while_waiting_hides_the_generators_work_not_the_step():
+    """Decoding ahead, the generator's time per step grows to the trainer's: eta_g is then an upper
+    bound, the async step (max) is unchanged, and the trainer, never waiting, is the bottleneck."""
+    from dataclasses import replace
+
+    ahead = [dict(r, time_generate=r["time_train"] - r["time_reward"]) if r["time_generate"] else r for r in ASYNC_4]
+    p = predict(replace(TWO_RANKS, generate_while_waiting=True), ahead, SYNC_4, preset_spec("tiny"), 128, 16)
+    assert p.async_layout.generate_seconds == pytest.approx(1.04, **APPROX)  # = the trainer's step
+    assert p.async_layout.step_seconds == pytest.approx(1.06, **APPROX)  # as with the generator's own 0.58
+    out = p.to_dict()
+    assert out["async"]["bottleneck"] == "trainer" and out["async"]["eta_g_is"].startswith("at most")
+
+
 def test_generator_bound_with_tp_and_replicas_hand_computed():
     # async: trainer TP2 (2 ranks, DP1) + 2 generator replicas of TP1; sync: TP2 x DP2; B = 4 x 3 = 12
     layouts = BenchLayouts(ranks=4, prompts=4, samples_per_prompt=3, trainer_tp=2, trainer_pp=1, trainer_dp=1,
@@ -89,7 +103,7 @@ def test_generator_bound_with_tp_and_replicas_hand_computed():
     assert p.predicted_ratio == pytest.approx(1.23 / 1.25, **APPROX)
     assert p.measured_ratio == pytest.approx(1.27 / 1.3, **APPROX)
     out = p.to_dict()
-    assert out["async"]["bottleneck"].startswith("generator")
+    assert out["async"]["bottleneck"] == "generator"  # the trainer waited 0.65 s of each 1.3 s step
     assert out["async"]["eta_g_is"].startswith("at most")  # generate_while_waiting (the default) is on
 
 

@@ -97,6 +97,7 @@ class PhaseTimes:
     generate_s: float  # the slowest replica's (the step waits for it)
     reward_s: float
     weight_sync_s: float
+    idle_trainer_s: float = 0.0  # the trainer waiting for a batch (async: the generator is behind)
 
     @classmethod
     def from_records(cls, records: Sequence[dict]) -> "PhaseTimes":
@@ -107,7 +108,7 @@ class PhaseTimes:
             return sum(float(r.get(key, 0.0)) for r in records) / len(records)
 
         return cls([int(r["step"]) for r in records], mean("samples"), mean("time_step"), mean("time_train"),
-                   mean("time_generate"), mean("time_reward"), mean("time_weight_sync"))
+                   mean("time_generate"), mean("time_reward"), mean("time_weight_sync"), mean("idle_trainer"))
 
     @property
     def samples_per_s(self) -> float:
@@ -270,8 +271,8 @@ class Prediction:
         L, a, s = self.layouts, self.async_layout, self.sync_layout
         ma, ms = self.measured_async, self.measured_sync
         bottleneck = "trainer" if a.train_seconds >= a.generate_seconds else "generator"
-        if L.generate_while_waiting and bottleneck == "generator":
-            bottleneck = "generator, or a tie (generate_while_waiting fills the generator's wait)"
+        if L.generate_while_waiting:  # the generator's time fills the step: whether the trainer waited tells
+            bottleneck = "generator" if ma.idle_trainer_s > 0.05 * ma.step_s else "trainer"
         if L.generate_while_waiting:
             eta_g_is = ("at most this: with generate_while_waiting the generator decodes ahead until the trainer's "
                         "step ends, so its time per step is max(its own work, the trainer's step); T_async = "
