@@ -154,7 +154,8 @@ class Controller:
                                            _load_prompts(cfg, tokenizer, self.spec.vocab_size), stop_ids(tokenizer), replica,
                                            cfg.rollout.prompts_per_step // self.topo.generator_replicas, tp_rank,
                                            self.tp_group)
-        self.generator.on_step = lambda: self.heartbeat.beat("decoding")
+        self.generator.on_step = lambda waiting=False: self.heartbeat.beat(
+            "waiting for the trainer's step" if waiting else "decoding", waiting=waiting)
         if job.has("reward"):
             self.reward = RewardExecutor(cfg, tokenizer)
 
@@ -215,7 +216,7 @@ class Controller:
                 gen_out = self._generate(train_version=it, n_groups=per_replica, drain=True)
             batch = None
             if make_batch:
-                self.heartbeat.beat(f"iteration {it}: gathering and broadcasting batch {it}", force=True)
+                self.heartbeat.beat(f"iteration {it}: gathering and broadcasting batch {it}", force=True, waiting=True)
                 gathered = self.channels["rollouts"].transfer(gen_out if self.reward is not None else None)
                 batch = self.channels["batch"].transfer(self._merge(gathered) if gathered is not None else None)
             if not asynchronous and self.trainer is not None:
@@ -225,7 +226,7 @@ class Controller:
             # async: after the trainer's step of iteration i (on batch i-1) the generators take
             # policy i, unless no batch follows; sync: after every step
             if trains_now and (not asynchronous or it < cfg.run.steps):
-                self.heartbeat.beat(f"iteration {it}: weight sync", force=True)
+                self.heartbeat.beat(f"iteration {it}: weight sync", force=True, waiting=True)
                 sync_s = self.sync_weights()
             wall = time.perf_counter() - t0
             trained_batch = batch if not asynchronous else pending
@@ -242,7 +243,7 @@ class Controller:
             step_done = it + (0 if asynchronous else 1)
             preempted = preemption.any_rank_requested(self.job.control)
             if preempted or (trains_now and self._should_save(step_done)):
-                self.heartbeat.beat(f"iteration {it}: saving the checkpoint of step {step_done}", force=True)
+                self.heartbeat.beat(f"iteration {it}: saving the checkpoint of step {step_done}", force=True, waiting=True)
                 saved = self._save(step_done, it + 1, pending if asynchronous else None)
                 if preempted:
                     if job.rank == 0:

@@ -11,6 +11,7 @@ and the losses differ from step to step.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -104,3 +105,35 @@ def test_replay_reproduces_the_recorded_losses(straight, tmp_path):
     cmd[-1] = f"run.output_dir={straight}"
     refused = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert refused.returncode != 0 and "is the run being replayed" in refused.stderr
+
+
+def test_a_stopped_rank_ends_the_job_naming_it(tmp_path):
+    """SIGSTOP the generator rank (no crash, no exit: it just stops moving): the hang watchers end the
+    job within run.hang_timeout_s + 30 s with a message naming that rank."""
+    hang_timeout = 15
+    cmd = [sys.executable, "-m", "megarl.cli", "train", "--config", str(ROOT / "configs" / "tiny_cpu.yaml"),
+           "run.steps=200", f"run.hang_timeout_s={hang_timeout}", "model.tokenizer=none",
+           "data.train=random:64:1:12", "reward.function=synthetic_parity", f"run.output_dir={tmp_path}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):  # the loop is running
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.1)
+    # the launcher's rank processes, in rank order (spawned one after the other); trainer TP2 = ranks 0, 1
+    children = subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "multiprocessing.spawn"], capture_output=True,
+                              text=True).stdout.split()
+    ranks = sorted(int(pid) for pid in children)
+    assert len(ranks) == 3
+    stopped = ranks[2]
+    os.kill(stopped, signal.SIGSTOP)
+    start = time.monotonic()
+    try:
+        _, err = proc.communicate(timeout=hang_timeout + 30)
+    finally:
+        if proc.poll() is None:
+            os.kill(stopped, signal.SIGKILL)
+            proc.kill()
+    assert time.monotonic() - start <= hang_timeout + 30
+    assert proc.returncode != 0
+    assert f"rank 2 (generator replica 0, TP rank 0, pid {stopped}" in err and "made no progress for" in err, err[-3000:]

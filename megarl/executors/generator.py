@@ -80,7 +80,8 @@ class GeneratorExecutor:
         # lists them so that a resumed run generates them again
         self.prompt_of: Dict[int, int] = {}
         self.requeued: List[tuple] = []  # (group id, prompt index) to redo first, from a checkpoint
-        self.on_step = lambda: None  # called before every backend step (the controller's heartbeat)
+        # called before every backend step, with True while idle for the trainer (the heartbeat)
+        self.on_step = lambda waiting=False: None
 
     @property
     def version(self) -> int:
@@ -202,6 +203,7 @@ class GeneratorExecutor:
             if self.in_flight:
                 self._step_backend()
             else:
+                self.on_step(True)  # quiet by design: waiting for the trainer
                 time.sleep(0.01)  # ahead of the trainer: nothing useful to start
             steps += 1
 

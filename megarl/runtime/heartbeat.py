@@ -11,8 +11,10 @@ last rank, so that one stuck watcher does not hide a hang -- read every rank's
 entry every few seconds. A rank whose entry has not changed for
 ``run.hang_timeout_s`` by the watcher's own clock (no cross-node clock skew) ends
 the job, with a message naming the rank, its executor and what it was last doing.
-When several ranks went quiet (the ones waiting for the stuck one), the one quiet
-longest is named.
+Ranks about to wait for others in a collective say so (``beat(..., waiting=True)``):
+a waiting rank is quiet by design, so only a rank that is *not* waiting is judged
+stuck -- the one quiet longest if several -- unless every quiet rank is waiting
+(a deadlock), when the one waiting longest is named.
 """
 
 from __future__ import annotations
@@ -41,15 +43,22 @@ class Heartbeat:
         405B checkpoint or starting SGLang servers has its own timeouts and may take longer."""
         threading.Thread(target=self._watch, name="megarl-hang-watch", daemon=True).start()
 
-    def beat(self, what: str, force: bool = False) -> None:
+    def beat(self, what: str, force: bool = False, waiting: bool = False) -> None:
+        """Record progress; ``waiting``: about to wait for other ranks (quiet until they come)."""
         now = time.monotonic()
         if not force and now - self.last < self.min_interval_s:
             return
         self.last, self.count = now, self.count + 1
-        self.store.set(KEY.format(self.rank), f"{self.count}|{self.role}|{self.host}|{os.getpid()}|{what}")
+        self.store.set(KEY.format(self.rank),
+                       f"{self.count}|{self.role}|{self.host}|{os.getpid()}|{int(waiting)}|{what}")
 
     def close(self) -> None:
+        """This rank's loop is over: never judged again (peers may still be saving)."""
         self._stop.set()
+        try:
+            self.store.set(KEY.format(self.rank), f"{self.count + 1}|{self.role}|{self.host}|{os.getpid()}|2|done")
+        except Exception:  # the store's host may already be gone at the very end
+            pass
 
     # -- the watcher ----------------------------------------------------------------------------
 
@@ -81,13 +90,16 @@ class Heartbeat:
                 fail_rank(message)
 
     def _stuck(self, seen: Dict[int, Tuple[str, float]], now: float) -> Optional[Tuple[str, str, int]]:
-        quiet = [(changed, rank, value) for rank, (value, changed) in seen.items() if now - changed > self.timeout_s]
-        if not quiet:
-            return None
-        changed, rank, value = min(quiet)
-        _, role, host, pid, what = value.split("|", 4)
+        live = {rank: entry for rank, entry in seen.items() if entry[0].split("|", 5)[4] != "2"}  # 2: done
+        quiet = [(value.split("|", 5)[4] == "1", changed, rank, value)
+                 for rank, (value, changed) in live.items() if now - changed > self.timeout_s]
+        working = [q for q in quiet if not q[0]]
+        if not working and len(quiet) < len(live):
+            return None  # only waiting ranks are quiet: the ones they wait for are still moving
+        _, changed, rank, value = min(working or quiet)
+        _, role, host, pid, _, what = value.split("|", 5)
         others = len(quiet) - 1
         message = (f"rank {rank} ({role}, pid {pid} on {host}) made no progress for {now - changed:.0f} s "
                    f"(run.hang_timeout_s={self.timeout_s:g}); its last activity: {what}"
-                   + (f"; {others} other rank(s) went quiet after it, waiting for it" if others else ""))
+                   + (f"; {others} other rank(s) quiet too, waiting" if others else ""))
         return message, host, int(pid)
