@@ -165,4 +165,29 @@ if [[ "$DRY_RUN" == 1 ]]; then
     echo "+ ${CMD[*]}"
     exit 0
 fi
-exec "${CMD[@]}"
+# Preemption (megarl/runtime/preemption.py): SIGTERM or SIGUSR1 here reaches the ranks as SIGUSR1,
+# and the job checkpoints at the next step boundary and exits 0; a second signal ends it at once.
+# torchrun itself ignores SIGUSR1 (inherited) and is not told: on SIGTERM it would kill its workers
+# within 30 s, before a long step ends.
+trap '' USR1
+"${CMD[@]}" &
+TORCHRUN=$!
+SIGNALLED=0
+preempt() {
+    if [[ "$SIGNALLED" == 1 ]]; then
+        echo "scripts/launch.sh: second signal: ending the job now" >&2
+        kill -TERM "$TORCHRUN" 2>/dev/null
+        return
+    fi
+    SIGNALLED=1
+    echo "scripts/launch.sh: signal received: the ranks checkpoint at the next step boundary and exit" >&2
+    pkill -USR1 -P "$TORCHRUN"
+}
+trap preempt USR1 TERM
+set +e  # wait's status is the job's
+while true; do
+    wait "$TORCHRUN"
+    STATUS=$?
+    # wait returns > 128 when a trapped signal interrupts it: the job is still running
+    kill -0 "$TORCHRUN" 2>/dev/null || exit "$STATUS"
+done

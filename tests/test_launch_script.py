@@ -56,3 +56,29 @@ def test_cpu_demo_world_through_torchrun(tmp_path):
     assert "3 ranks here (cpu), world 3" in proc.stderr
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(steps) == 2
+
+
+def test_sigterm_to_launch_sh_checkpoints_and_exits_zero(tmp_path):
+    """Preemption under torchrun: launch.sh passes the signal to the ranks (not to torchrun, which
+    would kill them), they save at the next step boundary and the job exits 0."""
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT", "NODE_RANK", "NNODES")}
+    env.update(PYTHON=sys.executable, MEGARL_DEVICE="cpu")
+    proc = subprocess.Popen(["bash", str(LAUNCH), "configs/tiny_cpu.yaml", "run.steps=200", f"run.output_dir={out}",
+                             "model.tokenizer=none", "data.train=random:64:1:12", "reward.function=synthetic_parity"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-4000:]
+    steps = len(metrics.read_text().splitlines())
+    assert steps < 200 and f"checkpoint of step {steps} saved in {out / 'checkpoints'}" in err
+    assert (out / "checkpoints" / f"iter_{steps:07d}").is_dir()
