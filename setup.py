@@ -30,6 +30,8 @@ setup(
         # unrelated project. Megatron-Core falls back to torch without it.
         "gpu": ["transformer-engine[pytorch]", "sglang"],
         "dev": ["pytest>=8", "pytest-timeout"],
+        # run.wandb: Weights & Biases logging (offline mode needs no network); imported only when configured
+        "wandb": ["wandb>=0.19"],
     },
     entry_points={"console_scripts": ["megarl=megarl.cli:main"]},
 )

@@ -20,6 +20,7 @@ import importlib.util
 import json
 import math
 import sys
+import uuid
 from pathlib import Path
 from typing import Any, Dict, Optional
 
@@ -66,7 +67,7 @@ class WandbLogger:
         import wandb  # lazily: an optional dependency
 
         id_file = out_dir / WANDB_RUN_FILE
-        run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+        run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:8]
         try:
             self.run = wandb.init(project=section["project"], entity=section["entity"],
                                   name=section["name"] or out_dir.resolve().name, mode=section["mode"],
@@ -116,7 +117,7 @@ class MetricsWriter:
             self.tb.flush()
         if self.wandb is not None:
             self.wandb.log(record)
-        if self.bar is not None:
+        if self.bar is not None and not record.get("eval"):  # evaluation records are not steps
             self.bar.set_postfix({k: f"{record[k]:.3g}" for k in PROGRESS_KEYS if k in record}, refresh=False)
             self.bar.update(1)
 
