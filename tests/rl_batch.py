@@ -1,9 +1,13 @@
-"""A fixed RL batch for the tiny Llama, and an independent AIPO reference on transformers.
+"""A fixed RL batch for the tiny Llama, and an independent reference on transformers.
 
 The reference is plain PyTorch on transformers' LlamaForCausalLM: one sample at
-a time, log_softmax over the full (unpadded) vocabulary, the AIPO formula
-written out, normalised by the number of response tokens in the batch. It
-shares no code with megarl's trainer.
+a time, log_softmax over the full (unpadded) vocabulary, each loss written out
+from its definition (per token or per sequence), then aggregated as its mode
+defines (token mean over the batch, or a mean over sequences). It shares no code
+with megarl's trainer.
+
+CASES are the loss configurations the Megatron workers run (LossConfig fields);
+``reference_grads`` reads the same dictionaries but implements every loss itself.
 """
 
 from dataclasses import asdict
@@ -18,18 +22,36 @@ PROMPT_LENGTHS = [3, 5, 7, 9, 4, 6, 8, 10]
 POSITIONS = 16  # every sample spans 16 positions, so budgets 128/64/32 give 1/2/4 micro-batches
 REWARDS = [1.0, 0.0, 0.5, 0.0, 0.0, 0.0, 1.0, 1.0]
 GROUPS = [0, 0, 0, 0, 1, 1, 1, 1]
+VERSION = 3  # the trainer's version: tokens of versions 1, 2, 3 have lags 2, 1, 0
+MAX_NEW_TOKENS = 16  # Dr.GRPO's constant normaliser
+
+# name -> LossConfig fields (besides temperature and max_new_tokens)
+CASES = {
+    "aipo": dict(name="aipo", params={"rho": RHO}),
+    "gspo": dict(name="gspo", params={"eps": 0.1, "eps_high": 0.15}),  # its own seq_mean_token_mean
+    "aipo_seq": dict(name="aipo", params={"rho": 1.2, "is_level": "sequence", "mask_c": 3.0},
+                     agg="seq_mean_token_sum", entropy_coef=0.05),
+    "ppo_mis": dict(name="ppo_clip", params={"eps": 0.2, "eps_high": 0.28, "mask_c": 1.25, "mask_level": "sequence"},
+                    agg="seq_mean_token_mean"),
+    "dr_grpo": dict(name="dr_grpo", params={}),  # its own seq_mean_token_sum_norm
+    "gmpo": dict(name="examples.losses.gmpo:gmpo", params={"eps_low": 0.2}),  # a user loss, seq_mean_token_mean
+}
 
 
-def response_logprobs(model, prompt, response, temperature):
+def response_logprobs(model, prompt, response, temperature, entropy=False):
     tokens = torch.tensor([prompt + response])
     logits = model(tokens).logits[0, :-1].float() / temperature
     logp = torch.log_softmax(logits, dim=-1)
     positions = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(response))
-    return logp[positions, torch.tensor(response)]
+    picked = logp[positions, torch.tensor(response)]
+    if not entropy:
+        return picked
+    return picked, -(logp[positions].exp() * logp[positions]).sum(-1)
 
 
 def make_samples(hf_dir, vocab_size: int, seed: int = 11):
-    """Samples whose behaviour log-probs are the model's own, perturbed (some ratios exceed rho)."""
+    """Samples whose behaviour log-probs are the model's own, perturbed (some ratios exceed rho),
+    produced by policy versions 1..3 (lags 0..2 against VERSION)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
@@ -43,7 +65,10 @@ def make_samples(hf_dir, vocab_size: int, seed: int = 11):
         noise = torch.randn(len(response), generator=g)
         noise[0] = -5.0 if i == 0 else noise[0]  # one token far above rho
         mu = (logp + noise).tolist()
-        samples.append(Sample(prompt, response, mu, [3] * len(response), REWARDS[i], GROUPS[i]))
+        # an in-flight update mid-sequence: the first i % 3 tokens by version 1, the next two by 2
+        cut = i % 3
+        versions = [1] * cut + [2] * 2 + [3] * (len(response) - cut - 2)
+        samples.append(Sample(prompt, response, mu, versions, REWARDS[i], GROUPS[i]))
     return samples
 
 
@@ -63,15 +88,86 @@ def group_mean_advantages(samples):
     return out
 
 
-def reference_aipo_grads(hf_dir, samples):
+def _clip(x, low, high):
+    return torch.minimum(torch.maximum(x, torch.tensor(low)), torch.tensor(high))
+
+
+def _sequence_terms(case, logp, mu, adv, entropy):
+    """(per-token loss [T] or per-sequence loss (scalar), which) from the loss's definition."""
+    p = case["params"]
+    name = case["name"]
+    log_r = logp - mu
+    if name == "aipo":
+        lr = log_r.detach()
+        if p.get("is_level") == "sequence":
+            lr = lr.mean().expand_as(lr)
+        loss = -torch.exp(lr).clamp(max=p["rho"]) * adv * logp
+    elif name in ("ppo_clip", "dr_grpo"):
+        eps = p.get("eps", 0.2)
+        high = p.get("eps_high", eps)
+        r = log_r.exp()
+        loss = -torch.minimum(r * adv, _clip(r, 1 - eps, 1 + high) * adv)
+    elif name == "gspo":
+        s = log_r.mean().exp()
+        return -torch.minimum(s * adv, _clip(s, 1 - p["eps"], 1 + p["eps_high"]) * adv), "sequence"
+    elif name.endswith(":gmpo"):
+        low, high = p["eps_low"], p.get("eps_high", 0.4)
+        clipped = _clip(log_r, -low, high)
+        chosen = torch.minimum(log_r, clipped) if adv > 0 else torch.maximum(log_r, clipped)
+        return -adv * chosen.mean().exp(), "sequence"
+    else:
+        raise ValueError(name)
+    if p.get("mask_c"):
+        lr = log_r.detach()
+        if p.get("mask_level") == "sequence":
+            lr = lr.mean().expand_as(lr)
+        loss = loss * (lr.abs() <= torch.log(torch.tensor(p["mask_c"]))).float()
+    return loss - case.get("entropy_coef", 0.0) * entropy, "token"
+
+
+def _aggregation(case):
+    name = case["name"]
+    if case.get("agg"):
+        return case["agg"]
+    return {"gspo": "seq_mean_token_mean", "dr_grpo": "seq_mean_token_sum_norm"}.get(
+        name, "seq_mean_token_mean" if name.endswith(":gmpo") else "token_mean")
+
+
+def reference_grads(hf_dir, samples, case=CASES["aipo"]):
+    """(HF-named gradients, the loss's value) of ``case`` over ``samples``."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    agg = _aggregation(case)
     total_tokens = sum(len(s.response_tokens) for s in samples)
     loss = torch.zeros(())
     for s, adv in zip(samples, group_mean_advantages(samples)):
-        logp = response_logprobs(model, s.prompt_tokens, s.response_tokens, TEMPERATURE)
-        weight = torch.exp(logp.detach() - torch.tensor(s.behaviour_logprobs)).clamp(max=RHO)
-        loss = loss - (weight * adv * logp).sum()
-    (loss / total_tokens).backward()
-    return {name: p.grad.clone() for name, p in model.named_parameters()}, (loss / total_tokens).item()
+        logp, entropy = response_logprobs(model, s.prompt_tokens, s.response_tokens, TEMPERATURE, entropy=True)
+        terms, kind = _sequence_terms(case, logp, torch.tensor(s.behaviour_logprobs), adv, entropy)
+        if kind == "sequence":  # the sequence's loss, the same for each of its tokens
+            assert agg == "seq_mean_token_mean"
+            loss = loss + terms / len(samples)
+        elif agg == "token_mean":
+            loss = loss + terms.sum() / total_tokens
+        elif agg == "seq_mean_token_mean":
+            loss = loss + terms.mean() / len(samples)
+        elif agg == "seq_mean_token_sum":
+            loss = loss + terms.sum() / len(samples)
+        else:  # seq_mean_token_sum_norm
+            loss = loss + terms.sum() / MAX_NEW_TOKENS / len(samples)
+    loss.backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters()}, loss.item()
+
+
+def reference_aipo_grads(hf_dir, samples):
+    return reference_grads(hf_dir, samples, CASES["aipo"])
+
+
+def reference_entropy_mean(hf_dir, samples):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ent = [response_logprobs(model, s.prompt_tokens, s.response_tokens, TEMPERATURE, entropy=True)[1]
+               for s in samples]
+    return torch.cat(ent).mean().item()

@@ -1,8 +1,12 @@
-"""The AIPO gradient through Megatron (schedule, DDP, vocab-parallel log-probs, packing)
-equals a plain PyTorch reference on transformers' model, at every layout and
-however the batch is split into micro-batches."""
+"""RL gradients through Megatron (schedule, DDP, vocab-parallel log-probs, packing) equal a
+plain PyTorch reference on transformers' model, at every layout and however the batch
+is split into micro-batches: AIPO at every layout; GSPO, sequence-level truncated and
+masked importance sampling, Dr.GRPO, the aggregation modes, the entropy bonus and a
+user loss (GMPO) at TP2 x PP2 split into 1/2/4 micro-batches, at TP2 x DP2 and on one rank.
+Two launches in all (1 and 4 ranks); each loads the model once per layout."""
 
 import json
+import math
 
 import pytest
 
@@ -10,12 +14,14 @@ from megarl.checkpointing.dist_checkpoint_reader import DistCheckpointReader
 from megarl.checkpointing.megatron_checkpoint import read_spec
 from megarl.models.hf_mapping import tensor_mappings, to_hf
 from tests.conftest import run_ranks
-from tests.rl_batch import make_samples, reference_aipo_grads, save_samples
+from tests.rl_batch import CASES, VERSION, make_samples, reference_grads, response_logprobs, save_samples
 
 pytestmark = pytest.mark.slow
 
+SEQ_CASES = "gspo,aipo_seq,ppo_mis,dr_grpo,gmpo"
 SINGLE = ["1x1:128", "1x1:64", "1x1:32"]  # 1, 2 and 4 micro-batches
 WORLD4 = ["2x1:32", "1x2:32", "2x2:64", "1x2x2:32", "1x1:16"]  # TP2.DP2, PP2.DP2, TP2xPP2, VP, DP4
+SEQ_RUNS = ["1x1:32", "2x2:128", "2x2:64", "2x2:32", "2x1:32"]  # one rank; TP2xPP2 at 1/2/4 micro-batches; TP2.DP2
 
 
 def megatron_grads_as_hf(ckpt_dir):
@@ -37,27 +43,28 @@ def batch(tiny_hf, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_hf, batch):
-    return reference_aipo_grads(tiny_hf, batch[0])
+def references(tiny_hf, batch):
+    return {case: reference_grads(tiny_hf, batch[0], CASES[case]) for case in ["aipo"] + SEQ_CASES.split(",")}
 
 
 @pytest.fixture(scope="module")
 def megatron_runs(tiny_megatron, batch, tmp_path_factory):
     out = tmp_path_factory.mktemp("rl_grads")
     common = ["--checkpoint", tiny_megatron, "--samples", batch[1], "--out", out]
-    run_ranks(1, "rl_grad_worker.py", *common, "--runs", *SINGLE)
-    run_ranks(4, "rl_grad_worker.py", *common, "--runs", *WORLD4)
+    single = [r if r != "1x1:32" else f"{r}:aipo,{SEQ_CASES}" for r in SINGLE]
+    world4 = [r if r not in SEQ_RUNS else f"{r}:aipo,{SEQ_CASES}" for r in WORLD4]
+    world4 += [f"{r}:{SEQ_CASES}" for r in SEQ_RUNS if r not in WORLD4 and r not in SINGLE]
+    run_ranks(1, "rl_grad_worker.py", *common, "--runs", *single)
+    run_ranks(4, "rl_grad_worker.py", *common, "--runs", *world4)
     return out
 
 
-@pytest.mark.parametrize("run", SINGLE + WORLD4)
-def test_aipo_gradient_matches_transformers_reference(run, megatron_runs, reference):
+def check(out, run, case, reference):
     ref_grads, ref_loss = reference
-    name = run.replace(":", "_")
-    record = json.loads((megatron_runs / f"{name}.json").read_text())
-    ours = megatron_grads_as_hf(megatron_runs / name)
+    name = f"{run.replace(':', '_')}_{case}"
+    record = json.loads((out / f"{name}.json").read_text())
+    ours = megatron_grads_as_hf(out / name)
     assert sorted(ours) == sorted(ref_grads)
-    assert record["clipped"] > 0  # the batch exercises the clip
     assert abs(record["loss_sum"] / record["tokens"] - ref_loss) <= 1e-5 * max(1.0, abs(ref_loss))
     # Relative error of the whole gradient, and of the worst single tensor (small
     # tensors carry fp32 rounding of a few 1e-6 on both sides).
@@ -65,11 +72,64 @@ def test_aipo_gradient_matches_transformers_reference(run, megatron_runs, refere
     ref_sq = sum((ref**2).sum().item() for ref in ref_grads.values())
     overall = (diff_sq / ref_sq) ** 0.5
     worst = max(((ours[k] - ref).norm() / ref.norm()).item() for k, ref in ref_grads.items())
-    print(f"{run}: {record['micro_batches']} micro-batches, relative gradient error {overall:.2e} "
-          f"(worst tensor {worst:.2e})")
+    print(f"{run} {case}: {record['micro_batches']} micro-batches, relative gradient error {overall:.2e} "
+          f"(worst tensor {worst:.2e}), loss {record['loss_sum'] / record['tokens']:.6f} vs {ref_loss:.6f}")
     assert overall <= 1e-5 and worst <= 2e-5
+    return record
+
+
+@pytest.mark.parametrize("run", SINGLE + WORLD4)
+def test_aipo_gradient_matches_transformers_reference(run, megatron_runs, references):
+    record = check(megatron_runs, run, "aipo", references["aipo"])
+    assert record["clipped"] > 0  # the batch exercises the clip
+
+
+@pytest.mark.parametrize("case", SEQ_CASES.split(","))
+@pytest.mark.parametrize("run", SEQ_RUNS)
+def test_sequence_losses_match_transformers_reference(run, case, megatron_runs, references):
+    m = check(megatron_runs, run, case, references[case])["metrics"]
+    # the batch exercises what the case names: some but not all tokens clipped / masked, and
+    # where it acts on whole sequences (gspo's clip, aipo_seq's weight, ppo_mis's mask), some
+    # but not all sequences (token-level flags touch every sample of this noisy batch)
+    flags = {"gspo": ["clip_seq"], "aipo_seq": ["clip_seq", "mask"], "ppo_mis": ["clip", "mask_seq"],
+             "dr_grpo": ["clip"], "gmpo": ["clip"]}[case]
+    for flag in flags:
+        assert 0 < m[f"{flag}_frac"] < 1, (flag, m[f"{flag}_frac"])
 
 
 def test_micro_batch_counts(megatron_runs):
-    counts = [json.loads((megatron_runs / f"{r.replace(':', '_')}.json").read_text())["micro_batches"] for r in SINGLE]
+    counts = [json.loads((megatron_runs / f"{r.replace(':', '_')}_aipo.json").read_text())["micro_batches"]
+              for r in SINGLE]
     assert counts == [1, 2, 4]
+    counts = [json.loads((megatron_runs / f"{r.replace(':', '_')}_gspo.json").read_text())["micro_batches"]
+              for r in ("2x2:128", "2x2:64", "2x2:32")]
+    assert counts == [1, 2, 4]
+
+
+def test_mismatch_metrics_and_trainer_logprobs_match_the_reference(tiny_hf, batch, megatron_runs):
+    """The per-lag KL(mu || pi) and ratio spread, ESS, and the log pi handed back per sample
+    (gathered over TP2 x PP2 ranks) against transformers' log-probs of the same tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    samples = batch[0]
+    model = AutoModelForCausalLM.from_pretrained(tiny_hf, dtype=torch.float32).eval()
+    buckets = {0: [], 1: [], 2: []}
+    ratios, ours_logp = [], []
+    record = json.loads((megatron_runs / "2x2_32_gspo.json").read_text())
+    for s, handed_back in zip(samples, record["trainer_logprobs"]):
+        with torch.no_grad():
+            logp = response_logprobs(model, s.prompt_tokens, s.response_tokens, 0.8).tolist()
+        assert handed_back == pytest.approx(logp, abs=2e-5)
+        for lp, mu, v in zip(logp, s.behaviour_logprobs, s.policy_versions):
+            buckets[VERSION - v].append(math.exp(lp - mu))
+            ratios.append(math.exp(lp - mu))
+    m = record["metrics"]
+    assert all(len(b) > 0 for b in buckets.values())
+    for b, rs in buckets.items():
+        mean = sum(rs) / len(rs)
+        assert m[f"tokens_lag{b}"] == len(rs)
+        assert m[f"kl_mu_pi_lag{b}"] == pytest.approx(sum(r - 1 - math.log(r) for r in rs) / len(rs), rel=1e-4)
+        assert m[f"ratio_std_lag{b}"] == pytest.approx(math.sqrt(sum((r - mean) ** 2 for r in rs) / len(rs)),
+                                                       rel=1e-4)
+    assert m["ess"] == pytest.approx(sum(ratios) ** 2 / (len(ratios) * sum(r * r for r in ratios)), rel=1e-4)

@@ -1,12 +1,14 @@
-"""Rank body for the AIPO-gradient tests: gradients of one RL batch at several layouts.
+"""Rank body for the RL-gradient tests: gradients of one RL batch at several layouts and losses.
 
     torchrun --nproc-per-node N tests/workers/rl_grad_worker.py --checkpoint DIR --samples FILE \
-        --out DIR --runs 2x1:32 1x2:64 ...
+        --out DIR --runs 2x1:32 1x2:64:gspo,dr_grpo ...
 
-Each run is LAYOUT:MAX_TOKENS_PER_MICROBATCH. It runs PolicyTrainer.forward_backward
-(Megatron schedule + DDP, no optimizer step), writes the gradients as a model
-checkpoint OUT/<run> (gradient in place of each weight) and OUT/<run>.json
-with the micro-batch count and loss.
+Each run is LAYOUT:MAX_TOKENS_PER_MICROBATCH[:CASE,CASE...] (cases of tests/rl_batch.CASES,
+default aipo). The model is loaded once per layout; for each case it runs
+PolicyTrainer.forward_backward (Megatron schedule + DDP, no optimizer step) at the
+trainer version rl_batch.VERSION, writes the gradients as a model checkpoint
+OUT/<layout>_<budget>_<case> (gradient in place of each weight) and a .json beside it
+with the summed statistics, the step's metrics and the micro-batch count.
 """
 
 import argparse
@@ -24,10 +26,26 @@ from lm_batch import parse_layout  # noqa: E402
 from megarl.checkpointing.megatron_checkpoint import save_model  # noqa: E402
 from megarl.models.loading import load_llama  # noqa: E402
 from megarl.runtime.distributed import init_distributed, init_megatron, shutdown  # noqa: E402
-from megarl.trainer.hooks import STAT_FIELDS, LossConfig  # noqa: E402
+from megarl.trainer.hooks import LossConfig  # noqa: E402
 from megarl.trainer.policy_trainer import PolicyTrainer  # noqa: E402
 from megarl.trainer.setup import OptimizerSettings, build_optimizer, unwrap, wrap_ddp  # noqa: E402
-from tests.rl_batch import RHO, TEMPERATURE, load_samples  # noqa: E402
+from megarl.trainer.stats import metrics_from_totals  # noqa: E402
+from tests.rl_batch import CASES, MAX_NEW_TOKENS, TEMPERATURE, VERSION, load_samples  # noqa: E402
+
+MAX_LAG = 2
+
+
+def save_grads(ddp, spec, path):
+    """The gradients written where the weights go; the weights put back afterwards."""
+    params = [p for chunk in ddp for p in chunk.module.parameters()]
+    weights = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        for p in params:
+            p.copy_(p.main_grad)
+    save_model(unwrap(ddp), path, spec)
+    with torch.no_grad():
+        for p, w in zip(params, weights):
+            p.copy_(w)
 
 
 def main():
@@ -40,27 +58,27 @@ def main():
     init_distributed()
     samples = load_samples(args.samples)
     for run in args.runs:
-        layout_name, budget = run.split(":")
+        layout_name, budget, *cases = run.split(":")
         layout = parse_layout(layout_name)
         init_megatron(layout)
         spec, chunks = load_llama(args.checkpoint, layout)
         # Plain DDP (all-reduce), so every rank holds the whole gradient afterwards.
         ddp = wrap_ddp(chunks, OptimizerSettings(use_distributed_optimizer=False))
         optimizer = build_optimizer(ddp, OptimizerSettings(use_distributed_optimizer=False))
-        loss = LossConfig(name="aipo", params={"rho": RHO}, temperature=TEMPERATURE)
-        trainer = PolicyTrainer(ddp, optimizer, spec.vocab_size, loss, int(budget))
-        plan, stats = trainer.forward_backward(samples)
-        totals = trainer._reduce_stats(stats)
-        with torch.no_grad():
-            for chunk in ddp:
-                for param in chunk.module.parameters():
-                    param.copy_(param.main_grad)
-        save_model(unwrap(ddp), os.path.join(args.out, run.replace(":", "_")), spec)
-        if dist.get_rank() == 0:
-            record = dict(zip(STAT_FIELDS, totals.tolist()))
-            record.update(micro_batches=len(plan.micro_batches), efficiency=plan.efficiency)
-            with open(os.path.join(args.out, run.replace(":", "_") + ".json"), "w") as f:
-                json.dump(record, f)
+        for case in (cases[0].split(",") if cases else ["aipo"]):
+            loss = LossConfig(**CASES[case], temperature=TEMPERATURE, max_new_tokens=MAX_NEW_TOKENS, max_lag=MAX_LAG)
+            trainer = PolicyTrainer(ddp, optimizer, spec.vocab_size, loss, int(budget))
+            plan, stats = trainer.forward_backward(samples, version=VERSION)
+            totals = trainer._reduce_stats(stats)
+            name = f"{layout_name}_{budget}_{case}"
+            save_grads(ddp, spec, os.path.join(args.out, name))
+            if dist.get_rank() == 0:
+                record = dict(zip(trainer.stat_fields, totals.tolist()))
+                record.update(metrics=metrics_from_totals(totals, MAX_LAG), micro_batches=len(plan.micro_batches),
+                              efficiency=plan.efficiency,
+                              trainer_logprobs=[s.meta["trainer_logprobs"] for s in samples])
+                with open(os.path.join(args.out, name + ".json"), "w") as f:
+                    json.dump(record, f)
     shutdown()
 
 

@@ -4,10 +4,19 @@ and a KL penalty against a frozen reference model.
     torchrun --nproc-per-node N tests/workers/rl_step_worker.py --checkpoint DIR --samples FILE \
         --out DIR --layout 1x2
 
+Cases:
+  custom  the entropy-bonus example loss, one Adam step
+  nan     a loss that goes non-finite: the step is skipped
+  kl      plain SGD (no momentum, no clipping: a step is -lr * this step's gradient): step 1
+          on the batch's rewards moves pi away from the reference; steps 2 and 3 on the same
+          tokens with every reward equal (zero advantage), so only the KL term has a gradient,
+          at a learning rate small enough for a first-order prediction of the KL's drop
+
 Writes OUT/metrics.json and the weights after each case as OUT/<case>.
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -24,16 +33,21 @@ from megarl.runtime.distributed import init_distributed, init_megatron, shutdown
 from megarl.trainer.hooks import LossConfig  # noqa: E402
 from megarl.trainer.policy_trainer import PolicyTrainer  # noqa: E402
 from megarl.trainer.setup import OptimizerSettings, build_optimizer, unwrap, wrap_ddp  # noqa: E402
-from tests.rl_batch import RHO, TEMPERATURE, load_samples  # noqa: E402
+from tests.rl_batch import RHO, TEMPERATURE, VERSION, load_samples  # noqa: E402
 
+ENTROPY_COEF = 0.05
+KL_LR_AWAY = 1e-3  # step 1
+KL_LR = 1e-4  # steps 2, 3: lr x the KL's curvature along the step (|g|^2 / 2 KL ~ 700 here) ~ 0.07
 CASES = {
-    "custom": LossConfig(
-        name="examples.losses.entropy_bonus:aipo_with_entropy_bonus",
-        params={"rho": RHO, "entropy_coef": 0.01},
-        temperature=TEMPERATURE,
-    ),
-    "nan": LossConfig(name="tests.workers.nan_loss:aipo_with_nan", params={"rho": RHO}, temperature=TEMPERATURE),
-    "kl": LossConfig(name="aipo", params={"rho": RHO}, temperature=TEMPERATURE, kl_coef=0.1),
+    "custom": (LossConfig(name="examples.losses.entropy_bonus:aipo_with_entropy_bonus",
+                          params={"rho": RHO, "entropy_coef": ENTROPY_COEF}, temperature=TEMPERATURE),
+               OptimizerSettings(lr=1e-2)),
+    "nan": (LossConfig(name="tests.workers.nan_loss:aipo_with_nan", params={"rho": RHO}, temperature=TEMPERATURE),
+            OptimizerSettings(lr=1e-2)),
+    "kl": (LossConfig(name="aipo", params={"rho": RHO}, temperature=TEMPERATURE, kl_coef=1.0),
+           # Megatron's distributed optimizer is Adam-only
+           OptimizerSettings(optimizer="sgd", sgd_momentum=0.0, lr=KL_LR_AWAY, clip_grad=0.0,
+                             use_distributed_optimizer=False)),
 }
 
 
@@ -48,14 +62,21 @@ def main():
     samples = load_samples(args.samples)
     layout = parse_layout(args.layout)
     metrics = {}
-    for case, loss in CASES.items():
+    for case, (loss, settings) in CASES.items():
         init_megatron(layout)
         spec, chunks = load_llama(args.checkpoint, layout)
         ref_chunks = load_llama(args.checkpoint, layout)[1] if loss.kl_coef else None
-        ddp = wrap_ddp(chunks)
-        optimizer = build_optimizer(ddp, OptimizerSettings(lr=1e-2))
+        ddp = wrap_ddp(chunks, settings)
+        optimizer = build_optimizer(ddp, settings)
         trainer = PolicyTrainer(ddp, optimizer, spec.vocab_size, loss, 32, ref_chunks=ref_chunks)
-        metrics[case] = [trainer.step(samples) for _ in range(2 if loss.kl_coef else 1)]
+        if case == "kl":
+            equal = [dataclasses.replace(s, reward=0.0, meta={}) for s in samples]
+            metrics[case] = [trainer.step(samples, version=VERSION)]
+            for group in optimizer.param_groups:
+                group["lr"] = KL_LR
+            metrics[case] += [trainer.step(equal, version=VERSION) for _ in range(2)]
+        else:
+            metrics[case] = [trainer.step(samples, version=VERSION)]
         save_model(unwrap(ddp), os.path.join(args.out, case), spec)
     if dist.get_rank() == 0:
         with open(os.path.join(args.out, "metrics.json"), "w") as f:
