@@ -137,6 +137,7 @@ class DataConfig:
     max_prompt_tokens: int = 256
     eval_every: int = 0  # steps; 0 = only at the end
     eval_max_new_tokens: int = 64
+    eval_samples: int = 1  # > 1: also that many sampled answers per prompt (mean reward, pass@k)
 
 
 @dataclass
@@ -205,6 +206,12 @@ class Config:
         if self.run.mode == "sync" and r.prompts_per_step % self.world_size():
             raise ConfigError(f"rollout.prompts_per_step={r.prompts_per_step} must be a multiple of the "
                               f"{self.world_size()} ranks in sync mode (each generates an equal share)")
+        if self.data.eval_samples < 1:
+            raise ConfigError(f"data.eval_samples: must be >= 1, got {self.data.eval_samples}")
+        if self.data.eval is None:
+            for name in ("eval_every", "eval_samples"):
+                if getattr(self.data, name) != getattr(DataConfig(), name):
+                    raise ConfigError(f"data.{name}: used only with data.eval (a held-out set)")
         if self.run.hang_timeout_s <= 0:
             raise ConfigError(f"run.hang_timeout_s: must be > 0, got {self.run.hang_timeout_s}")
         if not 0 < r.top_p <= 1:

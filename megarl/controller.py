@@ -27,6 +27,7 @@ from typing import List, Optional
 import torch.distributed as dist
 
 from megarl.channels import Channel
+from megarl.executors.evaluator import eval_steps
 from megarl.loop_state import checkpoint_loop_state, generator_states, resume_point
 from megarl.runtime import preemption
 from megarl.config import Config, config_from_dict
@@ -41,21 +42,17 @@ def _broadcast_from_rank0(job, value):
     return box[0]
 
 
-def _load_prompts(cfg: Config, tokenizer, vocab_size: int) -> list:
-    from megarl.data.arithmetic import generate_arithmetic
-    from megarl.data.datasets import load_prompts, parse_record, tokenize_prompts
+def _load_prompts(cfg: Config, tokenizer, vocab_size: int, source: Optional[str] = None) -> list:
+    """Tokenized prompts of ``source`` (default data.train)."""
+    from megarl.evaluate import _load_records
+    from megarl.data.datasets import tokenize_prompts
 
-    source = cfg.data.train
+    source = source or cfg.data.train
     if source.startswith("random:"):  # token ids: no tokenizer involved
         from megarl.data.random_tokens import random_token_prompts
 
         return random_token_prompts(source, vocab_size, cfg.data.max_prompt_tokens)
-    if source.startswith("arithmetic:"):
-        _, n, seed = source.split(":")
-        records = [parse_record(r, f"{source}#{i}") for i, r in enumerate(generate_arithmetic(int(n), int(seed)))]
-    else:
-        records = load_prompts(source)
-    return tokenize_prompts(records, tokenizer, cfg.data.max_prompt_tokens)
+    return tokenize_prompts(_load_records(source), tokenizer, cfg.data.max_prompt_tokens)
 
 
 def _collective_timeout_s(cfg: Config) -> float:
@@ -86,7 +83,7 @@ class Controller:
         self._set_cpu_threads()
         self.spec = LlamaSpec.from_dict(prepared.spec)
         self.out = Path(cfg.run.output_dir)
-        self.trainer = self.generator = self.reward = None
+        self.trainer = self.generator = self.reward = self.evaluator = None
         self.tp_group = None
         self.last_sync = None  # this rank's SyncStats of the last weight sync
         root = self.out / CHECKPOINTS
@@ -158,6 +155,12 @@ class Controller:
             "waiting for the trainer's step" if waiting else "decoding", waiting=waiting)
         if job.has("reward"):
             self.reward = RewardExecutor(cfg, tokenizer)
+        if cfg.data.eval:
+            from megarl.executors.evaluator import ReplicaEvaluator
+
+            self.evaluator = ReplicaEvaluator(cfg.data, self.generator, self.reward,
+                                              _load_prompts(cfg, tokenizer, self.spec.vocab_size, cfg.data.eval),
+                                              replica, self.topo.generator_replicas, job.store, job.has("reward"))
 
     # -- the weights channel ------------------------------------------------------------------
 
@@ -178,7 +181,13 @@ class Controller:
 
             (self.out).mkdir(parents=True, exist_ok=True)
             (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
-            writer = MetricsWriter(self.out, cfg.run.steps, self.start, progress=cfg.run.progress)
+            writer = MetricsWriter(self.out, cfg.run.steps, self.resume.steps_done, progress=cfg.run.progress,
+                                   wandb=cfg.run.wandb, run_config=cfg.to_dict())
+        collector = None
+        if writer is not None and cfg.data.eval:
+            from megarl.executors.evaluator import EvalCollector
+
+            collector = EvalCollector(job.store, self.topo.generator_replicas, cfg.data.eval_samples, self.out)
         self.sync_weights()  # the generators start from the trainer's policy
         if job.rank in (0, job.world_size - 1):  # two watchers: one stuck watcher hides no hang
             self.heartbeat.watch()
@@ -191,7 +200,15 @@ class Controller:
         has_pending = self.resume.has_pending
         wall_start, trained, written = time.perf_counter(), 0, 0
         preempted, saved = False, None
+        checkpoint_s = 0.0  # time spent saving: reported apart from the loop's wall time
+        # held-out evaluations (executors/evaluator.py): step k's policy is in the generators at the
+        # top of iteration k (sync) or k + 1 (async, k > 0); the last step's after the loop
+        evals = [k for k in eval_steps(cfg.data.eval_every, cfg.run.steps) if k > self.resume.steps_done
+                 or k == 0 == self.resume.steps_done] if cfg.data.eval else []
+        eval_at = {(k + 1 if asynchronous and k > 0 else k): k for k in evals if k < cfg.run.steps}
         for it in iterations:
+            if it in eval_at:
+                self._evaluate(eval_at[it], collector)
             t0 = time.perf_counter()
             gen_out, train_metrics = None, None
             make_batch = it < cfg.run.steps
@@ -235,6 +252,8 @@ class Controller:
                 record = self._record(it, train_metrics, trained_batch, batch, wall, sync_s)
                 writer.write(record)
                 written += 1
+                if collector is not None:
+                    collector.collect(writer)
                 if cfg.run.log_rollouts:
                     self._log_rollouts(record["step"], train_metrics["trained_version"], trained_batch["samples"])
             if asynchronous:
@@ -244,24 +263,41 @@ class Controller:
             preempted = preemption.any_rank_requested(self.job.control)
             if preempted or (trains_now and self._should_save(step_done)):
                 self.heartbeat.beat(f"iteration {it}: saving the checkpoint of step {step_done}", force=True, waiting=True)
+                save_start = time.perf_counter()
                 saved = self._save(step_done, it + 1, pending if asynchronous else None)
+                checkpoint_s += time.perf_counter() - save_start
                 if preempted:
                     if job.rank == 0:
                         print(f"megarl: preempted ({preemption.requested() or 'signal on another rank'}): "
                               f"checkpoint of step {step_done} saved in {saved}; run the same command again "
                               f"to resume", file=sys.stderr, flush=True)
                     break
+        if not preempted and cfg.run.steps in evals:
+            if asynchronous:  # the last step's policy has not reached the generators yet
+                self.sync_weights()
+            self._evaluate(cfg.run.steps, collector)
         summary = None
         if writer is not None:
+            if collector is not None:
+                collector.collect(writer, block=True)
             writer.close()
             from megarl.metrics import read_metrics, summarize
 
-            records = read_metrics(self.out / "metrics.jsonl")
-            summary = summarize(records[len(records) - written:], time.perf_counter() - wall_start, trained)
+            records = [r for r in read_metrics(self.out / "metrics.jsonl") if not r.get("eval")]
+            summary = summarize(records[len(records) - written:], time.perf_counter() - wall_start - checkpoint_s,
+                                trained)
+            summary["time_checkpoint_s"] = checkpoint_s  # not in wall_s / samples_per_s
             if preempted:
                 summary.update(preempted=True, checkpoint=str(saved))
             (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary
+
+    def _evaluate(self, step: int, collector) -> None:
+        self.heartbeat.beat(f"evaluating step {step}", force=True)
+        if self.evaluator is not None and self.topo.runs_generator(self.job.rank):
+            self.evaluator.run(step)
+        if collector is not None:
+            collector.expect(step)
 
     def _save(self, step: int, next_iteration: int, pending: Optional[dict]) -> Optional[Path]:
         """Checkpoint at a step boundary (a collective over every rank): the trainer's state, every

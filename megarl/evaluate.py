@@ -17,12 +17,11 @@ import torch
 
 
 def _load_records(data: str):
-    from megarl.data.arithmetic import generate_arithmetic
+    from megarl.data.arithmetic import arithmetic_records
     from megarl.data.datasets import load_prompts, parse_record
 
     if data.startswith("arithmetic:"):
-        _, n, seed = data.split(":")
-        return [parse_record(r, f"{data}#{i}") for i, r in enumerate(generate_arithmetic(int(n), int(seed)))]
+        return [parse_record(r, f"{data}#{i}") for i, r in enumerate(arithmetic_records(data))]
     return load_prompts(data)
 
 

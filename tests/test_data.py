@@ -220,3 +220,21 @@ def test_prompt_stream_refuses_a_checkpoint_of_other_prompts_or_seed():
         PromptStream(list(range(11)), seed=0).load_state_dict(state)
     with pytest.raises(ConfigError, match="seed 0"):
         PromptStream(list(range(10)), seed=1).load_state_dict(state)
+
+
+def test_arithmetic_held_out_set_shares_no_problem_with_the_training_set():
+    from megarl.data.arithmetic import arithmetic_records, generate_arithmetic
+
+    def pairs(records):  # (operator, operands) read from the prompts' recorded expressions
+        out = set()
+        for r in records:
+            a, op, b = r["meta"]["expression"].split()
+            out.add((op, *sorted((int(a), int(b)))) if op in "+*" else (op, int(a), int(b)))
+        return out
+
+    train = pairs(generate_arithmetic(2000, 1))
+    held_out = arithmetic_records("arithmetic:64:99:heldout:2000:1")  # the demo's
+    assert len(held_out) == 64 and len(pairs(held_out)) == 64
+    assert not pairs(held_out) & train
+    # the demo's earlier held-out set (another seed only) shared problems with its training set
+    assert len(pairs(generate_arithmetic(64, 99)) & train) > 0

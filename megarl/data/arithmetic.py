@@ -91,6 +91,45 @@ def generate_arithmetic(n: int, seed: int = 0, digits: int = 2) -> List[Dict]:
     return [make_problem(rng, digits) for _ in range(n)]
 
 
+def problem_key(record: Dict) -> tuple:
+    """(operator, operands) of a problem; + and x commute, so their operands are unordered."""
+    a, op, b = record["meta"]["expression"].split()
+    a, b = int(a), int(b)
+    return (op, min(a, b), max(a, b)) if op in "+*" else (op, a, b)
+
+
+def generate_heldout(n: int, seed: int, exclude: List[Dict], digits: int = 2) -> List[Dict]:
+    """``n`` problems sharing no (operator, operands) pair with ``exclude`` (nor with each other),
+    drawn from their own stream: a held-out set disjoint from a training set by construction."""
+    taken = {problem_key(r) for r in exclude}
+    rng = random.Random(f"megarl-arithmetic-heldout:{seed}:{digits}")
+    out: List[Dict] = []
+    for _ in range(1000 * n):
+        problem = make_problem(rng, digits)
+        if problem_key(problem) not in taken:
+            taken.add(problem_key(problem))
+            out.append(problem)
+            if len(out) == n:
+                return out
+    raise ConfigError(f"arithmetic held-out set: could not find {n} problems outside the {len(exclude)} excluded "
+                      f"with {digits}-digit operands")
+
+
+def arithmetic_records(spec: str) -> List[Dict]:
+    """A data spec's problems: ``arithmetic:<n>:<seed>``, or ``arithmetic:<n>:<seed>:heldout:<n>:<seed>``
+    -- n problems from seed, none of whose (operator, operands) pairs is in ``arithmetic:<n>:<seed>``
+    (the training set: the demo evaluates on ``arithmetic:64:99:heldout:2000:1``)."""
+    parts = spec.split(":")
+    try:
+        if len(parts) == 3:
+            return generate_arithmetic(int(parts[1]), int(parts[2]))
+        if len(parts) == 6 and parts[3] == "heldout":
+            return generate_heldout(int(parts[1]), int(parts[2]), generate_arithmetic(int(parts[4]), int(parts[5])))
+    except ValueError:
+        pass
+    raise ConfigError(f"{spec!r}: expected arithmetic:<n>:<seed> or arithmetic:<n>:<seed>:heldout:<train n>:<train seed>")
+
+
 def write_jsonl(records: List[Dict], path) -> None:
     """One JSON object per line (UTF-8, written to a temporary file then renamed)."""
     path = os.fspath(path)

@@ -137,6 +137,7 @@ class TrainerExecutor:
         from megarl.checkpointing.training_checkpoint import save_training_state
 
         return save_training_state(self.chunks, self.optimizer, root, self.spec, step,
+                                   keep_checkpoints=self.cfg.run.keep_checkpoints,
                                    loop_state=dict(loop_state, version=self.version,
                                                    opt_param_scheduler=self.lr_scheduler.state_dict()),
                                    tokenizer_files=self.tokenizer_files)
