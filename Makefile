@@ -23,11 +23,11 @@ $(STAMP): setup.py
 	touch $(STAMP)
 
 # The main job: SmolLM2 learns arithmetic with the asynchronous loop (~30 min on
-# 2 cores), evaluated greedily on a held-out set (another seed) before and after.
+# 2 cores), evaluated greedily on a held-out set (no problem of the training set) before and after.
 demo: setup
-	$(VENV)/bin/megarl eval --checkpoint smollm2 --data arithmetic:64:99 --max-new-tokens 128
+	$(VENV)/bin/megarl eval --checkpoint smollm2 --data arithmetic:64:99:heldout:2000:1 --max-new-tokens 128
 	$(VENV)/bin/megarl train --config configs/demo_cpu.yaml
-	$(VENV)/bin/megarl eval --checkpoint runs/demo_cpu --data arithmetic:64:99 --max-new-tokens 128
+	$(VENV)/bin/megarl eval --checkpoint runs/demo_cpu --data arithmetic:64:99:heldout:2000:1 --max-new-tokens 128
 
 # The foundation's check: SmolLM2 at TP3 through Megatron vs transformers.
 demo-convert: setup
