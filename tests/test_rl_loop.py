@@ -9,6 +9,7 @@ arithmetic prompts scored by math-verify.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -117,7 +118,14 @@ def test_async_and_sync_loops(tmp_path):
         # shards of both stages) equal Megatron's log-probs of the same tokens
         assert metrics[0]["kl_mu_pi"] < 1e-5 and metrics[0]["ess"] > 1 - 1e-5, metrics[0]
         for m in metrics:
-            assert 0 < m["ess"] <= 1 + 1e-6 and m["lag_max"] <= (max_lag if mode == "async" else 0)
+            # ESS = (sum r)^2 / (N sum r^2) recomputed from every trained token's recorded ratio
+            # r = pi / mu (the trainer's log pi and the generator's log mu, both in rollouts.jsonl)
+            ratios = [math.exp(lp - mu) for x in rollouts if x["step"] == m["step"]
+                      for lp, mu in zip(x["trainer_logprobs"], x["behaviour_logprobs"])]
+            assert len(ratios) == m["response_tokens"]
+            ess = sum(ratios) ** 2 / (len(ratios) * sum(w * w for w in ratios))
+            assert m["ess"] == pytest.approx(ess, rel=1e-5), (m, ess)
+            assert m["lag_max"] <= (max_lag if mode == "async" else 0)
             assert m["samples"] == 8 and m["weight_sync_verified"] == (mode == "async")
         for r in rollouts:
             lags = [r["trained_version"] - v for v in r["versions"]]
