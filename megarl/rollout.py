@@ -26,6 +26,9 @@ class Sample:
     reward: float = 0.0
     # Samples of the same prompt share a group id (the group baseline's group).
     group_id: int = 0
+    # Free-form: the generator's "finish_reason" ("length": cut by max_new_tokens), the reward's
+    # "answer"/"reward_reason", and after a train step the trainer's "trainer_logprobs" (log pi
+    # of each response token as the loss saw it; the other side of each importance ratio).
     meta: dict = field(default_factory=dict)
 
     def __len__(self) -> int:

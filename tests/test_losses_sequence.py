@@ -315,3 +315,19 @@ def test_loss_settings_reach_the_loss_config():
     assert resolve_agg(resolve_loss(loss.name), loss.agg) == "seq_mean_token_mean"
     assert loss_config(load_config(TINY, ["run.mode=sync"])).max_lag == 0
     assert loss_config(load_config(TINY, ["trainer.loss=gspo", "trainer.loss_agg=token_mean"])).agg == "token_mean"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_an_empty_micro_batch_contributes_nothing(case):
+    # a DP rank with fewer bins than the others gets empty rows: every loss must give 0, not fail
+    _, loss, params, agg, coef, _, _, _ = case
+    fn = resolve_loss(loss)
+    cfg = LossConfig(name=loss, params=bind_loss_params(loss, params), agg=resolve_agg(fn, agg), max_new_tokens=M)
+    empty = torch.zeros(0, dtype=torch.float64)
+    none = torch.zeros(0, dtype=torch.long)
+    x = LossInputs(empty.clone().requires_grad_(), empty, empty, entropy=empty, sample_index=none,
+                   response_lengths=none, group_ids=none, lags=none, step_sequences=S, step_tokens=N)
+    out, per_token, kl = per_token_loss(fn, cfg, x)
+    assert aggregate(cfg.agg, x, per_token, M).item() == 0.0
+    stats = micro_batch_stats(x, out, torch.tensor(0.0), kl, 2)
+    assert stats.abs().sum().item() == 0.0 and len(stats) == len(stat_fields(2))

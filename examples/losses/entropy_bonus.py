@@ -11,10 +11,13 @@ Its keyword-only parameters (after ``*``) are the ones ``trainer.loss_params``
 may set; a name it does not declare is refused when the config is loaded.
 
 A loss receives the response tokens of one micro-batch (megarl.trainer.losses.LossInputs:
-log pi with gradient, log mu, advantages, entropy of pi with gradient, and the
-reference policy's log-probs when configured) and returns a per-token loss.
-megarl sums it over the tokens and Megatron normalises by the number of
-response tokens in the whole optimizer step, so write it per token, unreduced.
+log pi with gradient, log mu, advantages, entropy of pi with gradient, the
+reference policy's log-probs when configured, each token's sample, lag and the
+step's totals) and returns a per-token loss, unreduced: the hook aggregates it
+as ``trainer.loss_agg`` says (token_mean by default) over the whole optimizer
+step. (The built-in ``trainer.entropy_coef`` adds the same bonus to any loss;
+this file shows how a user loss declares parameters of its own. A sequence-level
+user loss: examples/losses/gmpo.py.)
 """
 
 from megarl.trainer.losses import LossInputs, LossOutput, aipo
