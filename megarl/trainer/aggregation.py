@@ -20,6 +20,10 @@ len_i the response length of the token's sample (a sample never straddles
 micro-batches: packing places whole samples) and M = rollout.max_new_tokens, a
 constant. Every term only needs its own sample and the step's totals, so the
 sum over micro-batches and DP ranks divided by N is the exact global value.
+l_t is the loss's per-token value plus the KL penalty and minus the entropy
+bonus: all three are aggregated alike. (Context parallelism, which would split
+a sample over ranks, is refused by `megarl train` today; it would need the
+per-sample reductions all-reduced over the CP group.)
 
 Overlong samples (finish_reason "length", cut by rollout.max_new_tokens):
 ``trainer.overlong=mask`` leaves them out of the loss (their rewards still count

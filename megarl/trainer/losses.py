@@ -23,10 +23,12 @@ geometric-mean ratio -- a product over hundreds of tokens would leave any band):
                or w = s_i (is_level=sequence: sequence-level truncated IS)
     ppo_clip   GRPO/PPO two-sided clip: -min(r A, clip(r, 1-eps, 1+eps_high) A)
     dr_grpo    ppo_clip aggregated by Dr.GRPO's constant (arXiv 2503.20783): no 1/len_i,
-               and no reward-std division (trainer.normalize_advantage_std is refused)
+               and no reward-std division (normalize_advantage_std=true or another
+               loss_agg is refused when the config loads)
     gspo       GSPO (arXiv 2507.18071): -min(s_i A, clip(s_i, 1-eps, 1+eps_high) A) on every
-               token of sample i, gradient through s_i; aggregated seq_mean_token_mean it is
-               the paper's (1/G) sum_i of the sequence objective
+               token of sample i, gradient through s_i; aggregated seq_mean_token_mean (its
+               default) it is the paper's (1/G) sum_i of the sequence objective; eps 3e-4,
+               eps_high 4e-4 by default, the paper's
     reinforce  on-policy policy gradient: -A * log pi_t
 
 Masked importance sampling (aipo, ppo_clip, dr_grpo: ``mask_c``, ``mask_level``):
