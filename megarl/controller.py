@@ -329,6 +329,8 @@ class Controller:
                     "versions": s.policy_versions, "behaviour_logprobs": s.behaviour_logprobs,
                     # the token ids: `megarl train --replay` trains on them again (replay.py)
                     "prompt_tokens": s.prompt_tokens, "response_tokens": s.response_tokens,
+                    # log pi of each response token as the trainer's loss saw it: ratios, ESS, replays
+                    "trainer_logprobs": s.meta.get("trainer_logprobs"),
                 }) + "\n")
 
     def _should_save(self, step: int) -> bool:
