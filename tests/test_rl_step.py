@@ -78,6 +78,15 @@ def test_non_finite_loss_skips_the_step_and_keeps_the_weights(stepped, tiny_mega
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+def test_overlong_samples_are_left_out_of_the_loss(stepped):
+    _, metrics, samples = stepped
+    m = metrics["overlong"][0]
+    # samples 0 and 3 (14 and 8 response tokens) are cut: 84 - 22 tokens trained
+    assert (m["truncated_frac"], m["overlong_masked"], m["response_tokens"]) == (0.25, 2, 84 - 22)
+    assert m["samples"] == 8 and not m["skipped"]
+    assert m["handed_back"] == [i not in (0, 3) for i in range(8)]
+
+
 def test_kl_penalty_pulls_the_policy_back_to_the_reference(stepped):
     """Step 1 moves pi away from the reference; steps 2-3 see zero advantages, so their only
     gradient is the KL term's: plain SGD must then bring KL(pi || ref) on the batch down, by

@@ -121,6 +121,7 @@ class PolicyTrainer:
         """Gradients of the loss over ``samples`` in the DDP buffers; returns (plan, per-micro-batch stats).
         ``version``: the trainer's policy version (lags); default the batch's newest token version."""
         kept, advantages, self.overlong_info = shape_batch(samples, self.loss)
+        self.positions_trained = sum(len(s) for s in kept)
         plan = self._pack(kept, advantages, version)
         if self.ref_chunks is not None:
             collector = make_logprob_collector(self.vocab_size, self.loss.temperature)
@@ -157,7 +158,7 @@ class PolicyTrainer:
             zero_grads(self.ddp_chunks, self.optimizer)
             logger.warning("optimizer step skipped, weights unchanged: %s", reason)
         elapsed = time.perf_counter() - start
-        real_tokens = sum(len(s) for s in samples)
+        real_tokens = self.positions_trained  # overlong=mask: the masked samples were not processed
         return self._metrics(totals, grad_norm, reason, plan, elapsed, real_tokens, len(samples))
 
     # -- helpers -------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ and a KL penalty against a frozen reference model.
 Cases:
   custom  the entropy-bonus example loss, one Adam step
   nan     a loss that goes non-finite: the step is skipped
+  overlong samples 0 and 3 marked cut by max_new_tokens, trainer.overlong=mask: left out
   kl      plain SGD (no momentum, no clipping: a step is -lr * this step's gradient): step 1
           on the batch's rewards moves pi away from the reference; steps 2 and 3 on the same
           tokens with every reward equal (zero advantage), so only the KL term has a gradient,
@@ -44,6 +45,8 @@ CASES = {
                OptimizerSettings(lr=1e-2)),
     "nan": (LossConfig(name="tests.workers.nan_loss:aipo_with_nan", params={"rho": RHO}, temperature=TEMPERATURE),
             OptimizerSettings(lr=1e-2)),
+    "overlong": (LossConfig(name="aipo", params={"rho": RHO}, temperature=TEMPERATURE, overlong="mask",
+                            max_new_tokens=16), OptimizerSettings(lr=1e-2)),
     "kl": (LossConfig(name="aipo", params={"rho": RHO}, temperature=TEMPERATURE, kl_coef=1.0),
            # Megatron's distributed optimizer is Adam-only
            OptimizerSettings(optimizer="sgd", sgd_momentum=0.0, lr=KL_LR_AWAY, clip_grad=0.0,
@@ -75,6 +78,11 @@ def main():
             for group in optimizer.param_groups:
                 group["lr"] = KL_LR
             metrics[case] += [trainer.step(equal, version=VERSION) for _ in range(2)]
+        elif case == "overlong":
+            cut = [dataclasses.replace(s, meta={"finish_reason": "length" if i in (0, 3) else "stop"})
+                   for i, s in enumerate(samples)]
+            metrics[case] = [trainer.step(cut, version=VERSION)]
+            metrics[case][0]["handed_back"] = ["trainer_logprobs" in s.meta for s in cut]
         else:
             metrics[case] = [trainer.step(samples, version=VERSION)]
         save_model(unwrap(ddp), os.path.join(args.out, case), spec)
