@@ -122,6 +122,8 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_lag: int = 2  # steps a token may be behind the trained policy (async); sync is always 0
+    # dynamic sampling (DAPO): groups whose samples all got one reward are not trained; more are generated
+    filter_groups: bool = False
 
 
 @dataclass

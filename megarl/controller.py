@@ -155,6 +155,10 @@ class Controller:
             "waiting for the trainer's step" if waiting else "decoding", waiting=waiting)
         if job.has("reward"):
             self.reward = RewardExecutor(cfg, tokenizer)
+        from megarl.executors.batch_maker import BatchMaker
+
+        self.batch_maker = BatchMaker(self.generator, self.reward,
+                                      cfg.rollout.filter_groups, cfg.rollout.samples_per_prompt, self.tp_group)
         if cfg.data.eval:
             from megarl.executors.evaluator import ReplicaEvaluator
 
@@ -338,11 +342,7 @@ class Controller:
         return step == self.cfg.run.steps or (every > 0 and step % every == 0)
 
     def _generate(self, train_version: int, n_groups: int, drain: bool) -> Optional[dict]:
-        out = self.generator.generate(train_version, n_groups, drain)
-        if self.reward is None:
-            return None
-        scored = self.reward.score(out.pop("groups"))
-        return {**out, **scored}
+        return self.batch_maker.make(train_version, n_groups, drain)
 
     @staticmethod
     def _merge(parts: List[dict]) -> dict:
@@ -354,6 +354,8 @@ class Controller:
                 "stale_dropped": sum(p["stale_dropped"] for p in parts),
                 "stale_aborted": sum(p["stale_aborted"] for p in parts),
                 "reward_timeouts": sum(p["reward_timeouts"] for p in parts),
+                "filtered_groups": sum(p["filtered_groups"] for p in parts),
+                "filter_extra_samples": sum(p["filter_extra_samples"] for p in parts),
                 "generated_tokens": sum(len(s.response_tokens) for s in samples),
                 "in_flight": sum(p["in_flight"] for p in parts)}
 
@@ -378,6 +380,9 @@ class Controller:
             "idle_generator": max(0.0, wall - gen_s - reward_s - sync_s),
             "stale_dropped": trained["stale_dropped"], "stale_aborted": trained["stale_aborted"],
             "reward_timeouts": trained["reward_timeouts"],
+            # rollout.filter_groups: groups of one reward not trained, and the samples refilling cost
+            "filtered_groups": trained.get("filtered_groups", 0),
+            "filter_extra_samples": trained.get("filter_extra_samples", 0),
             "in_flight": current["in_flight"] if current else 0,
             "weight_sync_verified": self.cfg.generator.verify_sync and self.cfg.run.mode == "async",
             # the trainer's own rate (its step's tokens / its step's time), the generators' while generating

@@ -59,10 +59,34 @@ def make_forward_step(loss_fn: LossFn, cfg: LossConfig, vocab_size: int):
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
-        output = model(mb.input_ids, mb.position_ids, mb.attention_mask, packed_seq_params=mb.packed_seq_params)
+        output = model(*model_inputs(mb, model), packed_seq_params=_packed_on_device(mb, model))
         return output, partial(_loss_func, loss_fn, cfg, vocab_size, mb)
 
     return forward_step
+
+
+def _device_of(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def model_inputs(mb, model) -> tuple:
+    """(input ids, position ids, attention mask) on the model's device: micro-batches are packed
+    on the host; on GPUs they must reach the device before the forward pass."""
+    device = _device_of(model)
+    mask = mb.attention_mask.to(device, non_blocking=True) if mb.attention_mask is not None else None
+    return mb.input_ids.to(device, non_blocking=True), mb.position_ids.to(device, non_blocking=True), mask
+
+
+def _packed_on_device(mb, model):
+    params = mb.packed_seq_params
+    if params is None:
+        return None
+    device = _device_of(model)
+    for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+        value = getattr(params, name, None)
+        if isinstance(value, torch.Tensor) and value.device != device:
+            setattr(params, name, value.to(device))
+    return params
 
 
 def per_token_loss(loss_fn: LossFn, cfg: LossConfig, inputs: LossInputs):
@@ -132,10 +156,10 @@ def make_logprob_collector(vocab_size: int, temperature: float):
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
-        output = model(mb.input_ids, mb.position_ids, mb.attention_mask, packed_seq_params=mb.packed_seq_params)
+        output = model(*model_inputs(mb, model), packed_seq_params=_packed_on_device(mb, model))
 
         def collect(logits, non_loss_data=True):
-            logp, _ = vocab_parallel_logprobs(logits, mb.targets, vocab_size, temperature)
+            logp, _ = vocab_parallel_logprobs(logits, mb.targets.to(logits.device), vocab_size, temperature)
             mb.ref_logprobs = logp.detach()
             return None
 
