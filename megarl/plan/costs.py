@@ -15,30 +15,36 @@ sequences in flight, so the per-sample time falls with h. With pipeline
 parallelism a step passes through every stage (micro-batches keep stages busy
 but each stage re-reads its weights per micro-batch).
 
-Memory: trainer = weights (2 B/param) + fp32 grads (4 B) + Adam (fp32 master +
-2 moments = 12 B, sharded over DP) + activations; generator = weights + KV
-cache; the colocated synchronous baseline keeps the trainer's state resident
-while it generates. A layout that does not fit names the part that overflows.
+Recomputation adds forward FLOPs (full: the recomputed layers; selective: core
+attention and/or the MLP), sequence parallelism moves the same bytes as the
+all-reduces it replaces, context parallelism adds the K/V exchange of ring
+attention, and an interleaved pipeline divides the bubble by vpp.
+
+Memory: trainer = weights (2 B/param) + fp32 grads (4 B) + optimizer state
+(Adam: fp32 master + 2 moments = 12 B, sharded over DP x CP by the distributed
+optimizer) + activations as ``activations`` counts them for the config's
+recompute / SP / CP / VPP settings; generator = weights + KV cache (see
+``engines`` for SGLang's pool and the torch engine's preallocated slots); the
+colocated synchronous baseline keeps the trainer's state resident while it
+generates. A layout that does not fit names the part that overflows.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 from megarl.models.spec import LlamaSpec
+from megarl.plan import activations as act
+from megarl.plan.engines import GeneratorEngine
 from megarl.plan.hardware import GB, Hardware, weight_bytes
-from megarl.plan.inputs import GeneratorLayout, LengthDistribution, TrainerLayout
+from megarl.plan.inputs import GeneratorLayout, LengthDistribution, TrainerLayout, TrainerOptions
 
 ADAM_BYTES = 12.0  # fp32 master weights + exp_avg + exp_avg_sq
 TRAIN_WEIGHT_BYTES = 2.0  # bf16 parameters
 KV_BYTES = 2.0  # bf16 KV cache (SGLang keeps a bf16 cache with fp8 weights by default)
-# Activation bytes per token per layer kept for backward with sequence parallelism and
-# selective recomputation (Korthikanti et al. 2022: 34 h / tp); full recomputation keeps
-# only each layer's input (2 h / tp) and rebuilds one layer at a time.
-SELECTIVE_ACT_BYTES_PER_HIDDEN = 34.0
-FULL_ACT_BYTES_PER_HIDDEN = 2.0
 DRAIN_SEGMENTS = 64  # resolution of the static-batch drain integral
 
 
@@ -53,13 +59,20 @@ class ModelShape:
     linear_params: int  # all transformer-layer matmul weights
     embedding_params: int  # one V x h matrix
     tied: bool
+    ffn: int = 0  # the MLP's width (SwiGLU's f)
 
     @classmethod
     def from_spec(cls, spec: LlamaSpec) -> "ModelShape":
         h = spec.hidden_size
         per_layer = spec.qkv_rows * h + spec.num_attention_heads * spec.head_dim * h + 3 * h * spec.ffn_hidden_size
         return cls(spec.num_layers, h, spec.num_attention_heads, spec.num_kv_heads, spec.head_dim,
-                   spec.vocab_size, spec.num_layers * per_layer, spec.vocab_size * h, spec.tie_embeddings)
+                   spec.vocab_size, spec.num_layers * per_layer, spec.vocab_size * h, spec.tie_embeddings,
+                   spec.ffn_hidden_size)
+
+    @property
+    def mlp_fraction(self) -> float:
+        """Share of a layer's matmul parameters in its MLP (3 h f of them)."""
+        return 3 * self.hidden * self.ffn * self.layers / self.linear_params
 
     @property
     def params(self) -> int:
@@ -144,57 +157,108 @@ class MemoryBreakdown:
 class H100CostModel:
     """The default eta_t / eta_g and memory model; every constant comes from ``Hardware``."""
 
-    def __init__(self, spec: LlamaSpec, hw: Hardware, workload: Workload, grad_bytes: float = 4.0):
+    def __init__(self, spec: LlamaSpec, hw: Hardware, workload: Workload, grad_bytes: float = 4.0,
+                 options: Optional[TrainerOptions] = None, engine: Optional[GeneratorEngine] = None):
         self.spec, self.hw, self.work = spec, hw, workload
         self.shape = ModelShape.from_spec(spec)
-        self.grad_bytes = grad_bytes  # megarl's DDP reduces gradients in fp32 (grad_reduce_in_fp32=True)
+        self.options = options or TrainerOptions(grad_bytes=grad_bytes)
+        self.grad_bytes = self.options.grad_bytes  # megarl's DDP reduces gradients in fp32
+        self.engine = engine or GeneratorEngine()
+        self.batch = 2048  # samples per step (build_costs sets the plan's): FSDP's micro-batch count
 
     # -- trainer ------------------------------------------------------------------------------
 
+    def packing(self, layout: TrainerLayout, dp: int, batch: int) -> Tuple[int, float]:
+        """(micro-batches per DP rank per step, real tokens / token positions processed).
+
+        A layout with micro_batch_tokens is megarl's packer (trainer/packing.py): the rank's
+        samples (the length distribution's quantiles) first-fit-decreasing into rows of that
+        many tokens, padded to full rows when PP > 1 (fixed-shape pipeline messages)."""
+        per_rank = math.ceil(batch / dp)
+        if layout.micro_batch_tokens is None:
+            return math.ceil(per_rank / layout.micro_batch), 1.0
+        rows, used = _pack(self.work, per_rank, layout.micro_batch_tokens)
+        return rows, (1.0 if layout.pp == 1 else used / (rows * layout.micro_batch_tokens))
+
+    def micro_batches(self, layout: TrainerLayout, dp: int, batch: int) -> int:
+        return self.packing(layout, dp, batch)[0]
+
     def trainer_memory(self, layout: TrainerLayout, dp: int, batch: int) -> MemoryBreakdown:
-        s, hw = self.shape, self.hw
-        stage = s.stage_params(layout.pp) / layout.tp
-        micro_batches = math.ceil(math.ceil(batch / dp) / layout.micro_batch)
-        tokens = layout.micro_batch * self.work.max_tokens  # a micro-batch may hold the longest sample
-        in_flight = min(layout.pp, micro_batches)  # 1F1B: stage 0 holds pp micro-batches
-        per_layer = (FULL_ACT_BYTES_PER_HIDDEN if layout.recompute == "full" else SELECTIVE_ACT_BYTES_PER_HIDDEN)
-        activations = tokens * s.stage_layers(layout.pp) * in_flight * per_layer * s.hidden / layout.tp
+        """The fullest GPU of a replica (PP rank 0 or the last), by part; see ``activations``."""
+        w = self.work
+        tokens = layout.micro_batch_tokens or layout.micro_batch * w.max_tokens  # may hold the longest sample
+        stage, parts = act.trainer_parts(self.shape, layout, self.options, dp, tokens, w.max_tokens,
+                                         self.micro_batches(layout, dp, batch))
+        return MemoryBreakdown("trainer", f"{layout.describe()}, {stage}", self.hw.memory_gb * GB,
+                               {"reserved": self.hw.reserved_gb * GB, **parts})
+
+    def _recomputed_flops(self, layout: TrainerLayout, linear: float, attention: float) -> float:
+        """Forward FLOPs run a second time in backward (per sample)."""
         if layout.recompute == "full":
-            activations += tokens * SELECTIVE_ACT_BYTES_PER_HIDDEN * s.hidden / layout.tp  # the layer being rebuilt
-        activations += tokens * s.vocab / layout.tp * 4.0  # fp32 logits chunk for the log-probs (last stage)
-        return MemoryBreakdown("trainer", layout.describe(), hw.memory_gb * GB, {
-            "reserved": hw.reserved_gb * GB,
-            "weights": TRAIN_WEIGHT_BYTES * stage,
-            "grads": self.grad_bytes * stage,
-            "optimizer": ADAM_BYTES * stage / dp,
-            "activations": activations,
-        })
+            chunk = -(-self.shape.layers // (layout.pp * layout.vpp))
+            n = chunk if (layout.recompute_method or "uniform") == "uniform" else \
+                min(chunk, 1 if layout.recompute_num_layers is None else layout.recompute_num_layers)
+            return (linear + attention) * n / chunk
+        if layout.recompute == "selective":
+            modules = layout.recompute_modules
+            return ("core_attn" in modules) * attention + ("mlp" in modules) * linear * self.shape.mlp_fraction
+        return 0.0
 
     def trainer_seconds_per_sample(self, layout: TrainerLayout, dp: int, batch: int) -> float:
-        """eta_t: seconds of one model replica (tp x pp GPUs) per sample, pipeline bubble included."""
+        """eta_t: seconds of one model replica (tp x pp x cp GPUs) per sample, pipeline bubble included."""
         s, hw, w = self.shape, self.hw, self.work
-        passes = 4.0 if layout.recompute == "full" else 3.0  # forward + backward (2x) [+ recomputed forward]
-        flops = passes * 2.0 * (s.matmul_params * w.mean_tokens + s.layers * s.hidden * w.mean_square_tokens)
+        linear = 2.0 * s.linear_params * w.mean_tokens  # forward FLOPs of the layers' matmuls
+        attention = 2.0 * s.layers * s.hidden * w.mean_square_tokens  # causal QK^T and PV, forward
+        head = 2.0 * s.embedding_params * w.mean_tokens
+        recomputed = self._recomputed_flops(layout, linear, attention)
+        flops = 3.0 * (linear + attention + head) + recomputed  # forward + backward (2x) + recomputation
         imbalance = s.stage_layers(layout.pp) * layout.pp / s.layers  # the largest stage sets the pace
-        compute = flops * imbalance / (layout.m * hw.peak_flops("bf16") * hw.train_mfu)
-        comm = 0.0
+        micro_batches, efficiency = self.packing(layout, dp, batch)
+        compute = flops * imbalance / (layout.m * hw.peak_flops("bf16") * hw.train_mfu * efficiency)
+        layers, comm = s.stage_layers(layout.pp), 0.0
         if layout.tp > 1:
-            message = w.mean_tokens * s.hidden * 2.0  # bf16 activations of one sample
+            # 2 all-reduces forward, 2 backward (with SP: all-gather + reduce-scatter, the same bytes),
+            # and the recomputed forward's again; each CP rank's TP group moves 1/cp of the tokens
+            message = w.mean_tokens / layout.cp * s.hidden * 2.0
             ring = 2.0 * (layout.tp - 1) / layout.tp
-            per_layer = (passes + 1) * ring * message / hw.link_bytes_s(layout.tp)  # 2 fwd + 2 bwd (+2 recompute)
-            comm = s.stage_layers(layout.pp) * per_layer * hw.tp_comm_exposed
-        micro_batches = math.ceil(math.ceil(batch / dp) / layout.micro_batch)
-        bubble = 1.0 + (layout.pp - 1) / micro_batches
-        return (compute + comm) * bubble
+            count = 4.0 + 2.0 * recomputed / max(linear + attention, 1e-30)
+            comm += layers * count * ring * message / hw.link_bytes_s(layout.tp)
+        if layout.cp > 1:
+            # ring attention: every rank receives the other ranks' K and V forward, and K, V, dK, dV backward
+            kv = w.mean_tokens / layout.cp * 2 * s.kv_heads * s.head_dim / layout.tp * 2.0
+            comm += layers * 3.0 * (layout.cp - 1) * kv / hw.link_bytes_s(layout.tp * layout.cp)
+        bubble = 1.0 + (layout.pp - 1) / (layout.vpp * micro_batches)
+        return (compute + comm * hw.tp_comm_exposed / efficiency) * bubble
 
-    def trainer_step_overhead(self, layout: TrainerLayout, dp: int) -> float:
-        """Once per step: the distributed optimizer's fp32 grad reduce-scatter + bf16 param all-gather."""
-        if dp == 1:
+    def trainer_step_overhead(self, layout: TrainerLayout, dp: int, batch: Optional[int] = None) -> float:
+        """Once per step: the gradient reduction over DP x CP and, with sharded weights, the bf16
+        parameter all-gather; an overlapped one hides behind one micro-batch's backward (forward).
+        FSDP (``TrainerOptions.state_sharding``) moves its weights every micro-batch instead."""
+        shards = dp * layout.cp
+        if shards == 1:
             return 0.0
-        hw = self.hw
-        shard = self.shape.stage_params(layout.pp) / layout.tp
-        volume = (dp - 1) / dp * (self.grad_bytes + TRAIN_WEIGHT_BYTES) * shard
-        return volume / hw.link_bytes_s(dp * layout.m) * hw.dp_comm_exposed
+        hw, o, w, s = self.hw, self.options, self.work, self.shape
+        shard = s.stage_params(layout.pp) / layout.tp
+        link = hw.link_bytes_s(shards * layout.tp * layout.pp)
+        ring = (shards - 1) / shards
+        tokens = layout.micro_batch_tokens or layout.micro_batch * w.mean_tokens
+        per_mb = 6.0 * s.matmul_params * tokens / (
+            layout.m * hw.peak_flops("bf16") * hw.train_mfu)  # one micro-batch's forward + backward
+        if o.state_sharding == "fsdp":
+            # FSDP gathers the weights before each micro-batch's forward and again before its backward
+            # and reduce-scatters its gradients after; prefetching hides them behind its compute
+            per_mb_comm = ring * (2 * TRAIN_WEIGHT_BYTES + o.grad_bytes) * shard / link
+            micro_batches = self.micro_batches(layout, dp, batch or self.batch)
+            return max(0.0, per_mb_comm - per_mb) * micro_batches * hw.dp_comm_exposed
+        if o.state_sharding == "none":  # plain DDP: one all-reduce of the gradients
+            reduce, gather = 2 * ring * o.grad_bytes * shard / link, 0.0
+        else:  # distributed optimizer: reduce-scatter the gradients, all-gather the new weights
+            reduce, gather = ring * o.grad_bytes * shard / link, ring * TRAIN_WEIGHT_BYTES * shard / link
+        if o.overlap_grad_reduce:
+            reduce = max(0.0, reduce - per_mb * 2 / 3)
+        if o.overlap_param_gather:
+            gather = max(0.0, gather - per_mb / 3)
+        return (reduce + gather) * hw.dp_comm_exposed
 
     # -- generator ----------------------------------------------------------------------------
 
@@ -212,18 +276,27 @@ class H100CostModel:
 
     def generator_memory(self, layout: GeneratorLayout, precision: str, sequences: float, mode: str,
                          resident: Optional[Dict[str, float]] = None) -> MemoryBreakdown:
-        """Per GPU: weights + KV of `sequences` in flight (+ a colocated trainer's resident state)."""
-        parts = {"reserved": self.hw.reserved_gb * GB}
+        """Per GPU: weights + KV of `sequences` in flight (+ a colocated trainer's resident state).
+        The asynchronous generator follows its engine (``engines``); the colocated baseline is an
+        SGLang-class engine sharing the trainer's GPU."""
+        hw, e, cap = self.hw, self.engine, self.hw.memory_gb * GB
+        parts = {"reserved": hw.reserved_gb * GB}
         if resident:
             parts.update(resident)  # the colocated trainer's weights double as the generator's
         else:
+            if e.backend == "sglang":  # SGLang keeps 1 - mem_fraction for activations and CUDA graphs
+                parts["reserved"] = max(parts["reserved"], (1 - e.mem_fraction) * cap)
             parts["weights"] = self.generator_weight_bytes(layout, precision)
-        parts["kv_cache"] = sequences * self._kv_tokens_per_sequence(mode) * self.kv_bytes_per_token(layout)
-        role = "colocated generator" if resident else "generator"
-        return MemoryBreakdown(role, f"{layout.describe()} {precision} x{sequences:g}", self.hw.memory_gb * GB, parts)
+            if e.torch and precision == "fp8":  # the largest matrix (fc1: gate + up) dequantised
+                parts["dequant_workspace"] = 2 * self.shape.ffn * self.shape.hidden / layout.tp * 2.0
+        parts["kv_cache"] = sequences * self._kv_tokens_per_sequence(mode, resident) * self.kv_bytes_per_token(layout)
+        role = "colocated generator" if resident else f"generator ({e.backend})"
+        return MemoryBreakdown(role, f"{layout.describe()} {precision} x{sequences:g}", cap, parts)
 
-    def _kv_tokens_per_sequence(self, mode: str) -> float:
+    def _kv_tokens_per_sequence(self, mode: str, resident=None) -> float:
         w = self.work
+        if self.engine.torch and not resident:  # preallocated slots
+            return self.engine.max_seq_len or w.max_tokens
         if mode == "continuous":
             return w.steady_context
         # static batch: the peak over decode steps of (fraction still running) x context
@@ -233,28 +306,33 @@ class H100CostModel:
                       resident: Optional[Dict[str, float]] = None) -> int:
         empty = self.generator_memory(layout, precision, 0, mode, resident)
         room = empty.capacity - empty.total
-        per_sequence = self._kv_tokens_per_sequence(mode) * self.kv_bytes_per_token(layout)
+        per_sequence = self._kv_tokens_per_sequence(mode, resident) * self.kv_bytes_per_token(layout)
         return max(0, int(room // per_sequence))
 
-    def decode_step_seconds(self, layout: GeneratorLayout, precision: str, sequences: float, context: float) -> float:
-        """One decode step of a replica: every one of `sequences` advances one token."""
-        s, hw = self.shape, self.hw
+    def decode_step_seconds(self, layout: GeneratorLayout, precision: str, sequences: float, context: float,
+                            engine: Optional[GeneratorEngine] = None) -> float:
+        """One decode step of a replica: every one of `sequences` advances one token
+        (engine: the asynchronous generator's; None prices an SGLang-class engine)."""
+        s, hw, e = self.shape, self.hw, engine or GeneratorEngine()
         sequences = max(sequences, 1e-9)
         micro = sequences / min(layout.pp, max(sequences, 1.0))  # sequences per pipeline micro-batch
-        q = weight_bytes(precision, "generator_precision")
+        q = e.weight_read_bytes(weight_bytes(precision, "generator_precision"), precision)
         stage_linear = s.linear_params * s.stage_layers(layout.pp) / s.layers / layout.tp
         read = stage_linear * q + s.embedding_params * 2.0 / layout.tp  # the last stage also reads lm_head
+        if e.torch:  # one padded batch: every slot's cache up to the longest running context
+            context = max(context, self.work.max_tokens)
         kv = micro * context * self.kv_bytes_per_token(layout)
         memory = (read + kv) / hw.hbm_bytes_s
         flops = 2.0 * micro * (stage_linear + s.embedding_params / layout.tp)
         flops += 4.0 * micro * context * s.head_dim * s.heads / layout.tp * s.stage_layers(layout.pp)
-        compute = flops / (hw.peak_flops(precision) * hw.decode_mfu)
+        compute = flops / (hw.peak_flops(e.compute_precision(precision)) * hw.decode_mfu)
         comm = 0.0
         if layout.tp > 1:
             ring = 2.0 * (layout.tp - 1) / layout.tp
             one = hw.allreduce_latency_s(layout.tp) + ring * micro * s.hidden * 2.0 / hw.link_bytes_s(layout.tp)
             comm = 2.0 * s.stage_layers(layout.pp) * one
-        stage = max(memory, compute) + comm
+        eager = s.stage_layers(layout.pp) * e.ops_per_layer(precision) * hw.eager_op_us * 1e-6
+        stage = max(memory, compute) + comm + eager
         return layout.pp * stage + hw.decode_step_overhead_ms * 1e-3
 
     def prefill_seconds_per_sample(self, layout: GeneratorLayout, precision: str) -> float:
@@ -278,9 +356,10 @@ class H100CostModel:
         replica is busy until the longest one ends (a synchronous step).
         """
         w = self.work
+        engine = self.engine if role == "generator" else None  # the baseline: an SGLang-class engine
         prefill = self.prefill_seconds_per_sample(layout, precision)
         if mode == "continuous":
-            step = self.decode_step_seconds(layout, precision, sequences, w.steady_context)
+            step = self.decode_step_seconds(layout, precision, sequences, w.steady_context, engine)
             return step * w.lengths.mean / sequences + prefill
         total = 0.0
         points = _drain_points(w.lengths)
@@ -288,8 +367,26 @@ class H100CostModel:
             mid = (lo + hi) / 2
             running = sequences * w.lengths.survival(mid)
             if running > 0:
-                total += (hi - lo) * self.decode_step_seconds(layout, precision, running, w.prompt_tokens + mid)
+                total += (hi - lo) * self.decode_step_seconds(layout, precision, running, w.prompt_tokens + mid,
+                                                              engine)
         return total / sequences + prefill
+
+
+@functools.lru_cache(maxsize=256)
+def _pack(work: Workload, samples: int, capacity: int) -> Tuple[int, float]:
+    """First-fit-decreasing of `samples` lengths (the distribution's quantiles) into rows of
+    `capacity` tokens: (rows, tokens). Samples longer than a row are refused by the config."""
+    sizes = sorted((work.prompt_tokens + work.lengths.quantile((i + 0.5) / samples) for i in range(samples)),
+                   reverse=True)
+    rows: list = []
+    for size in sizes:
+        for i, room in enumerate(rows):
+            if size <= room:
+                rows[i] = room - size
+                break
+        else:
+            rows.append(capacity - min(size, capacity))
+    return len(rows), float(sum(sizes))
 
 
 def _drain_points(lengths: LengthDistribution):

@@ -49,10 +49,12 @@ class Hardware:
     decode_mfu: float = 0.60  # matmul efficiency once decode is compute bound (large batch)
     # Per decode step: scheduler, sampling, CUDA-graph replay (SGLang-class engine).
     decode_step_overhead_ms: float = 1.0
+    # Eager PyTorch (megarl's torch engine): host time to dispatch and launch one kernel.
+    eager_op_us: float = 8.0
     # Fraction of the trainer's TP all-reduce time not hidden behind compute.
     tp_comm_exposed: float = 0.5
-    # megarl's Megatron DDP runs with overlap_grad_reduce=False: the gradient
-    # reduce-scatter and parameter all-gather of the distributed optimizer are exposed.
+    # Fraction of the gradient reduce-scatter / parameter all-gather left exposed once the
+    # overlap the config asks for (optimizer.overlap_grad_reduce / overlap_param_gather) is taken.
     dp_comm_exposed: float = 1.0
 
     def __post_init__(self):

@@ -101,6 +101,12 @@ class LengthDistribution:
             return 0.0
         return (self.high - s + 1) / (self.high - self.low + 1)
 
+    def quantile(self, p: float) -> int:
+        """The length below which a fraction p of responses fall (0 < p < 1)."""
+        if self.values:
+            return self.values[min(len(self.values) - 1, int(p * len(self.values)))]
+        return min(self.high, self.low + int(p * (self.high - self.low + 1)))
+
     @property
     def mean_inflight_position(self) -> float:
         """Mean decode position of a sequence in a continuously refilled batch: E[L^2] / (2 E[L])."""
@@ -121,19 +127,100 @@ def _uniform_m2(low: int, high: int) -> float:
     return (s2(high) - s2(low - 1)) / n
 
 
+RECOMPUTE = ("none", "selective", "full")  # Megatron's recompute_granularity (None spelled "none")
+RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")  # the selective modules a dense Llama has
+
+
 @dataclass(frozen=True)
 class TrainerLayout:
+    """One trainer replica's parallelism and activation settings, by Megatron-LM's names.
+
+    The defaults are the search's (sequence parallel wherever TP > 1, Megatron's
+    selective default); a run config's layout sets every field from trainer.*
+    (``config_plan.configured_layout``).
+    """
+
     tp: int
     pp: int
-    micro_batch: int = 1  # samples per micro-batch
-    recompute: str = "selective"  # selective | full activation recomputation
+    micro_batch: int = 1  # samples per micro-batch (each up to the longest sample)
+    recompute: str = "selective"  # none | selective | full
+    sequence_parallel: bool = True  # only meaningful with tp > 1 (Megatron turns it off at TP1)
+    cp: int = 1  # context parallel: each sequence split over cp ranks
+    vpp: int = 1  # virtual pipeline stages per PP rank (interleaved 1F1B)
+    recompute_method: Optional[str] = None  # full: uniform | block (None: uniform)
+    recompute_num_layers: Optional[int] = None  # full: layers per group (uniform) / per stage (block); None: 1
+    recompute_modules: Tuple[str, ...] = ("core_attn",)  # selective: Megatron's default
+    # Tokens a packed micro-batch holds (trainer.max_tokens_per_microbatch); None: micro_batch x longest sample
+    micro_batch_tokens: Optional[int] = None
 
     @property
     def m(self) -> int:
-        return self.tp * self.pp
+        """GPUs of one replica: TP x PP x CP (CP ranks hold the same weights but split the tokens)."""
+        return self.tp * self.pp * self.cp
+
+    @property
+    def sp(self) -> bool:
+        return self.sequence_parallel and self.tp > 1
+
+    def recompute_text(self) -> str:
+        if self.recompute == "full":
+            return f"full recompute ({self.recompute_method or 'uniform'} {self.recompute_num_layers or 1})"
+        if self.recompute == "selective":
+            return f"selective recompute ({'+'.join(self.recompute_modules) or 'nothing'})"
+        return "no recompute"
 
     def describe(self) -> str:
-        return f"TP{self.tp}xPP{self.pp} mb{self.micro_batch} {self.recompute} recompute"
+        shape = f"TP{self.tp}xPP{self.pp}" + (f"xCP{self.cp}" if self.cp > 1 else "")
+        shape += f" VPP{self.vpp}" if self.vpp > 1 else ""
+        return f"{shape}{' SP' if self.sp else ''} mb{self.micro_batch} {self.recompute_text()}"
+
+
+@dataclass(frozen=True)
+class TrainerOptions:
+    """Trainer settings that are not a layout: where the weight/grad/optimizer state lives and what
+    overlaps. Defaults are megarl's trainer (Megatron DDP + distributed optimizer, fp32 grads)."""
+
+    # optimizer: Megatron's distributed optimizer (Adam state sharded over DP x CP, ZeRO-1);
+    # none: every DP rank keeps the whole state; fsdp: weights, grads and optimizer state sharded
+    # over DP x CP (LlamaRL's FSDP trainer; megarl's trainer does not run it)
+    state_sharding: str = "optimizer"
+    optimizer_bytes: float = 12.0  # per parameter: Adam = fp32 master + exp_avg + exp_avg_sq
+    grad_bytes: float = 4.0  # megarl's DDP reduces gradients in fp32 (grad_reduce_in_fp32=True)
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    # Megatron-LM's --transformer-impl: transformer_engine (fused attention, norms fused into the
+    # linears; what megarl builds wherever TE imports) | local (unfused attention keeps its scores)
+    transformer_impl: str = "transformer_engine"
+
+    def validate(self) -> "TrainerOptions":
+        if self.state_sharding not in ("optimizer", "none", "fsdp"):
+            raise ConfigError(f"state_sharding={self.state_sharding!r}: choose optimizer, none or fsdp")
+        if self.transformer_impl not in ("transformer_engine", "local"):
+            raise ConfigError(f"transformer_impl={self.transformer_impl!r}: choose transformer_engine or local")
+        for name in ("optimizer_bytes", "grad_bytes"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        return self
+
+
+def check_trainer_layout(layout: TrainerLayout, options: TrainerOptions, field: str = "layout.trainer") -> None:
+    """Refuse a layout the cost model cannot price, naming the field."""
+    if layout.recompute not in RECOMPUTE:
+        raise ConfigError(f"{field}.recompute must be one of {RECOMPUTE}, got {layout.recompute!r}")
+    for name in ("cp", "vpp", "micro_batch"):
+        _positive_int(getattr(layout, name), f"{field}.{name}")
+    if layout.recompute == "full":
+        if (layout.recompute_method or "uniform") not in ("uniform", "block"):
+            raise ConfigError(f"{field}.recompute_method must be uniform or block, got {layout.recompute_method!r}")
+        n = layout.recompute_num_layers
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+            raise ConfigError(f"{field}.recompute_num_layers must be a non-negative integer, got {n!r}")
+    unknown = [m for m in layout.recompute_modules if m not in RECOMPUTE_MODULES]
+    if layout.recompute == "selective" and unknown:
+        raise ConfigError(f"{field}.recompute_modules: {unknown[0]!r} is not priced for a dense Llama; "
+                          f"choose from {list(RECOMPUTE_MODULES)}")
+    if layout.sp and options.transformer_impl != "transformer_engine":
+        raise ConfigError(f"{field}.sequence_parallel needs transformer_impl=transformer_engine")
 
 
 @dataclass(frozen=True)
@@ -179,6 +266,10 @@ class PlanInputs:
     # ("static"); "continuous" prices it with the same per-sample time as the
     # asynchronous generator, which is Theorem 7.5's setting.
     sync_batching: str = "static"
+    # How the asynchronous generator batches: "continuous" (megarl: a finished sequence is replaced
+    # at once, decoding goes on across steps) or "static" (LlamaRL: each step's batch is generated
+    # by one policy version and the replica waits for its longest response).
+    async_batching: str = "continuous"
     # The colocated baseline keeps grads and optimizer states on the GPU while generating.
     sync_offload_trainer_state: bool = False
     # Generator sequences in flight, in units of the step's batch (LlamaRL: one step off-policy).
@@ -195,7 +286,21 @@ class PlanInputs:
     # prompts (config: prompts_per_step % replicas == 0); set to search only such splits.
     equal_prompt_shares: bool = False
     # Activation recomputation the search may choose (a run config names the one its trainer runs).
-    recompute: Tuple[str, ...] = ("selective", "full")
+    recompute: Tuple[str, ...] = RECOMPUTE
+    # Search interleaved pipelines too (vpp up to this many chunks per PP rank, dividing its layers).
+    max_vpp: int = 4
+    trainer_options: TrainerOptions = field(default_factory=TrainerOptions)
+    # The engine that generates: sglang (paged KV pool, fp8 kernels, CUDA graphs) or torch
+    # (megarl's reference engine: preallocated KV slots, fp8 dequantised per matmul, eager)
+    generator_backend: str = "sglang"
+    generator_mem_fraction: float = 0.85  # sglang: --mem-fraction-static (weights + KV pool)
+    generator_dtype: str = "bf16"  # torch: the dtype fp8 weights are dequantised into and the KV cache's
+    generator_max_seq_len: Optional[int] = None  # torch: KV slot length (default prompt + longest response)
+    # The colocated baseline generates from its own copy of the weights (a DeepSpeed-Chat-like hybrid
+    # engine; LlamaRL's eq. (6): 4 W0 + W0), not from the trainer's tensors in place.
+    sync_separate_generator_copy: bool = False
+    # The baseline's layout when it is given (LlamaRL's 405B baseline: mp_size 64), not searched.
+    sync_layout: Optional[TrainerLayout] = None
 
     @property
     def batch(self) -> int:
@@ -233,12 +338,23 @@ class PlanInputs:
                 raise ConfigError(f"{name}={getattr(self, name)!r} is not one of {sorted(WEIGHT_BYTES)}")
         if self.trainer_precision == "fp8":
             raise ConfigError("trainer_precision='fp8' is not supported: megarl trains in bf16")
-        if self.sync_batching not in ("static", "continuous"):
-            raise ConfigError(f"sync_batching must be 'static' or 'continuous', got {self.sync_batching!r}")
+        for name in ("sync_batching", "async_batching"):
+            if getattr(self, name) not in ("static", "continuous"):
+                raise ConfigError(f"{name} must be 'static' or 'continuous', got {getattr(self, name)!r}")
         if self.weight_sync not in ("predict", "estimate", "skip"):
             raise ConfigError(f"weight_sync must be predict|estimate|skip, got {self.weight_sync!r}")
-        if not self.recompute or any(r not in ("selective", "full") for r in self.recompute):
-            raise ConfigError(f"recompute={self.recompute!r}: choose from 'selective' and 'full'")
+        if not self.recompute or any(r not in RECOMPUTE for r in self.recompute):
+            raise ConfigError(f"recompute={self.recompute!r}: choose from {RECOMPUTE}")
+        _positive_int(self.max_vpp, "max_vpp")
+        self.trainer_options.validate()
+        if self.generator_backend not in ("sglang", "torch"):
+            raise ConfigError(f"generator_backend={self.generator_backend!r}: choose sglang or torch")
+        if not 0 < self.generator_mem_fraction < 1:
+            raise ConfigError(f"generator_mem_fraction must be in (0, 1), got {self.generator_mem_fraction!r}")
+        if self.generator_dtype not in ("bf16", "fp16"):
+            raise ConfigError(f"generator_dtype={self.generator_dtype!r}: the planner prices a bf16 engine")
+        if self.generator_max_seq_len is not None:
+            _positive_int(self.generator_max_seq_len, "generator_max_seq_len")
         if not self.max_lag_steps > 0:
             raise ConfigError(f"max_lag_steps must be positive, got {self.max_lag_steps!r}")
         self.hw  # validates the hardware with the overrides

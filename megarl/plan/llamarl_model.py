@@ -38,10 +38,11 @@ from typing import List, Optional, Sequence
 from megarl.errors import ConfigError
 from megarl.plan import weight_sync_cost
 from megarl.plan.costs import H100CostModel, MemoryBreakdown, Workload
-from megarl.plan.inputs import FixedLayout, GeneratorLayout, PlanInputs, TrainerLayout
+from megarl.plan.engines import GeneratorEngine
+from megarl.plan.inputs import (RECOMPUTE, FixedLayout, GeneratorLayout, PlanInputs, TrainerLayout,
+                                check_trainer_layout)
 
 MICRO_BATCHES = (1, 2, 4, 8)
-RECOMPUTE = ("selective", "full")
 
 
 @dataclass
@@ -143,8 +144,11 @@ def pipeline_sizes(layers: int, max_pp: int, uneven: bool = False) -> List[int]:
 
 
 def trainer_layouts(costs, max_pp: int, uneven_pp: bool = False,
-                    recompute: Sequence[str] = RECOMPUTE) -> List[TrainerLayout]:
-    """TP a power of two within a node (dividing heads and FFN), PP as ``pipeline_sizes``."""
+                    recompute: Sequence[str] = RECOMPUTE, max_vpp: int = 1) -> List[TrainerLayout]:
+    """TP a power of two within a node (dividing heads and FFN), PP as ``pipeline_sizes``, each
+    recompute setting (full: one layer at a time, Megatron-LM's usual uniform 1), sequence
+    parallelism wherever TP > 1 (it only saves memory: the same bytes move as without), and
+    interleaved stages up to max_vpp chunks per PP rank where they divide its layers."""
     spec = costs.spec
     out = []
     for tp in _powers_of_two(costs.hw.gpus_per_node):
@@ -152,12 +156,16 @@ def trainer_layouts(costs, max_pp: int, uneven_pp: bool = False,
             spec.check_parallelism(tp, 1)
         except ConfigError:
             continue
+        sp = tp > 1 and costs.options.transformer_impl == "transformer_engine"
         for pp in pipeline_sizes(spec.num_layers, max_pp, uneven_pp):
-            for mb in MICRO_BATCHES:
-                for rc in recompute:
-                    layout = TrainerLayout(tp, pp, mb, rc)
-                    if costs.trainer_allowed(layout):
-                        out.append(layout)
+            stage = spec.num_layers // pp if spec.num_layers % pp == 0 else 0
+            vpps = [v for v in range(1, max_vpp + 1) if v == 1 or (pp > 1 and stage and stage % v == 0)]
+            for vpp in vpps:
+                for mb in MICRO_BATCHES:
+                    for rc in recompute:
+                        layout = TrainerLayout(tp, pp, mb, rc, sequence_parallel=sp, vpp=vpp)
+                        if costs.trainer_allowed(layout):
+                            out.append(layout)
     return out
 
 
@@ -197,19 +205,22 @@ def evaluate_async(costs, inputs: PlanInputs, trainer: TrainerLayout, trainer_gp
     train_s, eta_t, t_mem = trainer_eval or evaluate_trainer(costs, trainer, trainer_gpus, batch)
     generator_gpus = inputs.gpus - trainer_gpus
     replicas = generator_gpus // generator.m
+    mode = inputs.async_batching
     if sequences is None:
-        # eta_g falls with b_g: run as many as fit, but no more than the lag bound allows
-        lag_cap = math.ceil(inputs.max_lag_steps * batch / replicas)
-        sequences = min(lag_cap, costs.max_sequences(generator, precision, "continuous"))
-    g_mem = costs.generator_memory(generator, precision, max(sequences, 1), "continuous")
-    eta_g = costs.generator_seconds_per_sample(generator, precision, max(sequences, 1), "continuous")
+        # eta_g falls with b_g: run as many as fit, but no more than the lag bound allows (static:
+        # the replica's share of the step's batch, started together)
+        cap = math.ceil((1 if mode == "static" else inputs.max_lag_steps) * batch / replicas)
+        sequences = min(cap, costs.max_sequences(generator, precision, mode))
+    g_mem = costs.generator_memory(generator, precision, max(sequences, 1), mode)
+    eta_g = costs.generator_seconds_per_sample(generator, precision, max(sequences, 1), mode)
     if sequences < 1:
         g_mem.parts["kv_cache"] = max(g_mem.parts["kv_cache"], g_mem.capacity)  # not even one sequence fits
     sync_s = 0.0
     if inputs.weight_sync != "skip":
         sync_s = weight_sync_cost.estimate_seconds(costs, trainer, trainer_gpus, generator, replicas, precision)
+    share = batch / replicas if mode == "continuous" else math.ceil(batch / replicas)
     return AsyncLayout(trainer, trainer_gpus, generator, generator_gpus, sequences, train_s,
-                       batch / replicas * eta_g, sync_s, eta_t, eta_g, t_mem, g_mem,
+                       share * eta_g, sync_s, eta_t, eta_g, t_mem, g_mem,
                        "skip" if inputs.weight_sync == "skip" else "estimate")
 
 
@@ -219,10 +230,13 @@ def evaluate_sync(costs, inputs: PlanInputs, trainer: TrainerLayout, trainer_eva
     dp = gpus // trainer.m
     precision, mode = inputs.sync_precision, inputs.sync_batching
     layout = GeneratorLayout(trainer.tp, trainer.pp)  # the colocated generator uses the trainer's shards
-    resident = {k: t_mem.parts[k] for k in ("weights", "grads", "optimizer")}
+    resident = {k: v for k, v in t_mem.parts.items() if k in ("weights", "grads", "optimizer")}
     if inputs.sync_offload_trainer_state:
         resident = {"weights": resident["weights"]}
-    if precision != inputs.trainer_precision:  # a second, quantised copy of the weights to generate with
+    if precision != inputs.trainer_precision or inputs.sync_separate_generator_copy or \
+            costs.options.state_sharding == "fsdp":
+        # a second copy of the weights to generate with (quantised, the engine's own, or gathered
+        # from FSDP's shards: a GPU holds 1/dp of its layers' weights, not a generator's TP x PP shard)
         resident["generator weights"] = costs.generator_weight_bytes(layout, precision)
     per_replica = math.ceil(batch / dp)
     sequences = min(per_replica, costs.max_sequences(layout, precision, mode, resident))
@@ -248,7 +262,8 @@ def search_layouts(costs, inputs: PlanInputs):
     batch, n, layers = inputs.batch, inputs.gpus, costs.spec.num_layers
     # The synchronous baseline models the comparison system (Megatron-style, uneven stages
     # allowed); the asynchronous layout is the recommendation, so it is one megarl can run.
-    trainers = trainer_layouts(costs, inputs.max_pp, uneven_pp=True, recompute=inputs.recompute)
+    trainers = trainer_layouts(costs, inputs.max_pp, uneven_pp=True, recompute=inputs.recompute,
+                               max_vpp=inputs.max_vpp)
     generators = generator_layouts(costs, inputs.max_pp, inputs.generator_precision, uneven_pp=inputs.uneven_pp)
     best_train = {}  # trainer GPUs -> (seconds, layout, evaluation)
     best_sync, sync_count, async_count = None, 0, 0
@@ -259,13 +274,17 @@ def search_layouts(costs, inputs: PlanInputs):
             ev = evaluate_trainer(costs, layout, gpus, batch)
             if ev[2].fits and (gpus not in best_train or ev[0] < best_train[gpus][0]):
                 best_train[gpus] = (ev[0], layout, ev)
-        if n % layout.m == 0 and costs.generator_allowed(GeneratorLayout(layout.tp, layout.pp), "sync_generator"):
+        if inputs.sync_layout is None and n % layout.m == 0 and \
+                costs.generator_allowed(GeneratorLayout(layout.tp, layout.pp), "sync_generator"):
             sync_count += 1
             ev = evaluate_trainer(costs, layout, n, batch)
             if ev[2].fits:
                 candidate = evaluate_sync(costs, inputs, layout, ev)
                 if candidate.fits and (best_sync is None or candidate.step_seconds < best_sync.step_seconds):
                     best_sync = candidate
+    if inputs.sync_layout is not None:  # given: priced whether or not it is the best
+        sync_count = 1
+        best_sync = evaluate_sync(costs, inputs, inputs.sync_layout)
     best_async = None
     for gpus, (_, layout, ev) in best_train.items():
         for generator in generators:
@@ -282,7 +301,11 @@ def search_layouts(costs, inputs: PlanInputs):
 
 def build_costs(inputs: PlanInputs):
     spec = inputs.model_spec()
-    costs = H100CostModel(spec, inputs.hw, Workload(inputs.prompt_tokens, inputs.lengths))
+    engine = GeneratorEngine(inputs.generator_backend, inputs.generator_mem_fraction, inputs.generator_dtype,
+                             inputs.generator_max_seq_len)
+    costs = H100CostModel(spec, inputs.hw, Workload(inputs.prompt_tokens, inputs.lengths),
+                          options=inputs.trainer_options, engine=engine)
+    costs.batch = inputs.batch
     if inputs.measured:
         from megarl.plan.measured import load_measured
 
@@ -374,14 +397,16 @@ def _evaluate_fixed(costs, inputs: PlanInputs, fixed: FixedLayout) -> AsyncLayou
                           f"generator TP = {fixed.generator.m}")
     costs.spec.check_parallelism(fixed.trainer.tp, 1)
     costs.spec.check_parallelism(fixed.generator.tp, 1)
+    check_trainer_layout(fixed.trainer, costs.options)
     if not 1 <= fixed.trainer.pp <= costs.spec.num_layers:
         raise ConfigError(f"layout.trainer.pp={fixed.trainer.pp} must be between 1 and the "
                           f"{costs.spec.num_layers} layers")
     if costs.spec.num_layers % fixed.trainer.pp and not inputs.uneven_pp:
         raise ConfigError(f"layout.trainer.pp={fixed.trainer.pp} does not divide the {costs.spec.num_layers} layers: "
                           f"megarl refuses uneven pipeline stages (the planner prices them with uneven_pp)")
-    if fixed.trainer.recompute not in RECOMPUTE:
-        raise ConfigError(f"layout.trainer.recompute must be one of {RECOMPUTE}, got {fixed.trainer.recompute!r}")
+    if fixed.trainer.vpp > 1 and costs.spec.num_layers % (fixed.trainer.pp * fixed.trainer.vpp):
+        raise ConfigError(f"layout.trainer.vpp={fixed.trainer.vpp}: PP{fixed.trainer.pp} x VPP{fixed.trainer.vpp} "
+                          f"chunks do not divide the {costs.spec.num_layers} layers")
     return evaluate_async(costs, inputs, fixed.trainer, t, fixed.generator, fixed.generator_batch)
 
 

@@ -117,7 +117,7 @@ class MeasuredCostModel:
                                      mode: str = "continuous", role: str = "generator") -> float:
         table = self.generator.get(role)
         if table is None:
-            return self.base.generator_seconds_per_sample(layout, precision, sequences, mode)
+            return self.base.generator_seconds_per_sample(layout, precision, sequences, mode, role)
         points = table[(layout.tp, layout.pp)]
         below = [p for p in points if p[0] <= sequences]
         if below:
