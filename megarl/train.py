@@ -39,6 +39,12 @@ def train(config_path: str, overrides: Sequence[str] = (), prepare_only: bool = 
         else:
             run_rank(cfg.to_dict(), prepared)
         return {}
+    if prepare_only and cfg.plan:
+        # A GPU config (one with a plan: section) whose layout cannot fit in GPU memory with its own
+        # settings is refused before a checkpoint is converted for it, naming the part that overflows.
+        from megarl.plan.config_plan import check_config_fits
+
+        check_config_fits(cfg)
     prepared = prepare_model(cfg.model)
     if prepare_only:
         print(json.dumps({"prepared": prepared.checkpoint or cfg.model.source,

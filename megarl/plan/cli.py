@@ -4,6 +4,7 @@
     megarl plan --config FILE --dry-run-topology [--json]       # its ranks and weight sync, no process
     megarl plan --model llama3-405b --gpus 1024 --batch 2048 [--gpu-memory-gb 80] [--measured FILE.json] [--json]
     megarl plan --pipeline-appendix [--gpus 128 --batch 128 ...]
+    megarl plan --scenario llamarl-405b|llamarl-70b|llamarl-8b|pipelinerl|all [--json]   # the papers' settings
     megarl plan --compare-paper
 
 (also ``python -m megarl.plan.cli ...``). With --config the model, cluster and lengths come
@@ -24,10 +25,9 @@ from megarl.errors import ConfigError
 from megarl.plan.hardware import H100, Hardware
 from megarl.plan.inputs import FixedLayout, GeneratorLayout, LengthDistribution, PlanInputs, TrainerLayout
 from megarl.plan.llamarl_model import plan_from_inputs, theorem_setting
-from megarl.plan.pipeline_appendix import (DEFAULT_LAGS, PAPER_CASE, AppendixInputs, conventional, knee_lag,
-                                           pipeline, speedup_curve, table_utilisation)
-from megarl.plan.report import (LLAMARL_TABLE3, appendix_json, appendix_text, compare_text, dumps, plan_json,
-                                plan_text)
+from megarl.plan.pipeline_appendix import (DEFAULT_LAGS, PAPER_CASE, AppendixInputs, knee_lag, speedup_curve,
+                                           table_utilisation)
+from megarl.plan.report import appendix_json, appendix_text, compare_text, dumps, plan_json, plan_text
 
 
 def add_plan_args(parser: argparse.ArgumentParser) -> None:
@@ -39,7 +39,10 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     mode = parser.add_argument_group("mode")
     mode.add_argument("--pipeline-appendix", action="store_true", help="PipelineRL App. A: speed-up vs max lag")
     mode.add_argument("--compare-paper", action="store_true",
-                      help="the three LlamaRL Table 3 cases and the PipelineRL case next to the papers' numbers")
+                      help="the papers' scenarios and the planner's defaults next to the papers' numbers")
+    mode.add_argument("--scenario", default=None,
+                      help="a paper's setting (megarl/plan/scenarios.py): llamarl-8b, llamarl-70b, llamarl-405b, "
+                           "pipelinerl or all")
     mode.add_argument("--theorem-setting", action="store_true",
                       help="price the baseline with the async generator's eta (Theorem 7.5's setting)")
     mode.add_argument("--json", action="store_true", help="print one JSON line instead of tables")
@@ -82,7 +85,7 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     fixed.add_argument("--trainer-tp", type=int, default=8)
     fixed.add_argument("--trainer-pp", type=int, default=1)
     fixed.add_argument("--micro-batch", type=int, default=1)
-    fixed.add_argument("--recompute", default="selective", choices=["selective", "full"])
+    fixed.add_argument("--recompute", default="selective", choices=["none", "selective", "full"])
     fixed.add_argument("--generator-tp", type=int, default=8)
     fixed.add_argument("--generator-batch", type=int, default=None, help="b_g (default: the largest that fits)")
     pipe = parser.add_argument_group("--pipeline-appendix")
@@ -167,7 +170,14 @@ def run_plan(args) -> dict:
     if args.dry_run_topology or args.overrides:
         what = "--dry-run-topology" if args.dry_run_topology else f"override {args.overrides[0]!r}"
         raise ConfigError(f"{what}: needs --config FILE")
-    if args.compare_paper:
+    if args.scenario is not None:
+        from megarl.plan.scenarios import SCENARIOS, scenarios_json, scenarios_text
+
+        names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
+        result = scenarios_json(names)
+        if not args.json:
+            print(scenarios_text(result), flush=True)
+    elif args.compare_paper:
         result = compare_paper(args)
     elif args.pipeline_appendix:
         a = appendix_from_args(args)
@@ -197,8 +207,9 @@ CONFIG_REPLACES = {"model": "plan.model", "gpus": "plan.gpus", "gpus_per_node": 
                    "generator_precision": "generator.fp8", "max_lag_steps": "plan.max_lag_steps",
                    "max_pp": "plan.max_pp", "measured": "plan.measured", "hardware": "plan.hardware.FIELD",
                    "trainer_gpus": "trainer.dp", "trainer_tp": "trainer.tp", "trainer_pp": "trainer.pp",
-                   "micro_batch": "plan.micro_batch", "recompute": "plan.recompute", "generator_tp": "generator.tp",
-                   "generator_batch": "generator.max_running"}
+                   "micro_batch": "trainer.max_tokens_per_microbatch", "recompute": "trainer.recompute_granularity",
+                   "generator_tp": "generator.tp", "generator_batch": "generator.max_running",
+                   "scenario": "plan.model (its paper scenario is part of the config's plan)"}
 
 
 def run_config_plan(args) -> dict:
@@ -234,36 +245,24 @@ def run_config_plan(args) -> dict:
     return result
 
 
-# Response lengths the comparison is run under: the default, and a right-skewed one with the
-# same kind of mean whose longest responses are ~7x the mean (what a synchronous step waits for).
-COMPARE_LENGTHS = (
-    ("uniform", lambda: LengthDistribution.uniform(512, 4096)),
-    ("long tail", lambda: LengthDistribution.truncated_exponential(2048, 16384)),
-)
-
-
 def compare_paper(args) -> dict:
+    """The papers' scenarios (their settings, ``scenarios``) and, for contrast, the planner's defaults
+    (megarl's trainer, the best synchronous layout, uniform [512, 4096] responses) on the same clusters."""
+    from megarl.plan.scenarios import LLAMARL_GPUS, LLAMARL_SPEEDUP, scenarios_json, scenarios_text
+
+    scenarios = scenarios_json()
     rows, plans = [], {}
-    for label, lengths in COMPARE_LENGTHS:
-        for model, gpus, paper in LLAMARL_TABLE3:
-            inputs = replace(inputs_from_args(args, model=model, gpus=gpus), layout=None, lengths=lengths())
-            plan = plan_from_inputs(inputs)
-            plans[f"{model} {label}"] = plan_json(plan)
-            rows.append({"case": f"LlamaRL {model}, {label} lengths", "gpus": gpus, "predicted": plan.speedup,
-                         "paper": paper, "sync": f"{plan.best_sync.step_seconds:.1f}",
-                         "async": f"{plan.best_async.step_seconds:.1f}", "lengths": inputs.lengths.describe()})
-    a = AppendixInputs(hardware=_hardware(args)).validate()
-    g = PAPER_CASE["g_max"]
-    knee = knee_lag(a)
-    at_paper = pipeline(a, g).tokens_s / conventional(a, g).tokens_s
-    at_knee = pipeline(a, knee).tokens_s / conventional(a, knee).tokens_s
-    rows.append({"case": f"PipelineRL N=128 B=128 g_max={g}", "gpus": a.gpus, "predicted": at_paper,
-                 "paper": PAPER_CASE["speedup"]})
-    rows.append({"case": f"PipelineRL at its knee g_max={knee}", "gpus": a.gpus, "predicted": at_knee,
-                 "paper": PAPER_CASE["speedup"]})
+    for model, paper in LLAMARL_SPEEDUP.items():
+        inputs = replace(inputs_from_args(args, model=model, gpus=LLAMARL_GPUS[model]), layout=None)
+        plan = plan_from_inputs(inputs)
+        plans[model] = plan_json(plan)
+        rows.append({"case": f"planner defaults, {model}", "gpus": inputs.gpus, "predicted": plan.speedup,
+                     "paper": paper, "sync": f"{plan.best_sync.step_seconds:.1f}",
+                     "async": f"{plan.best_async.step_seconds:.1f}", "lengths": inputs.lengths.describe()})
     if not args.json:
-        print(compare_text(rows), flush=True)
-    return {"compare": [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()} for row in rows],
+        print(scenarios_text(scenarios) + "\n\n" + compare_text(rows), flush=True)
+    return {"scenarios": scenarios,
+            "defaults": [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()} for row in rows],
             "plans": plans}
 
 

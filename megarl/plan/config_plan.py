@@ -1,8 +1,14 @@
 """`megarl plan --config FILE`: the capacity planner driven by a run config.
 
-The run config says what the job runs (trainer TP x PP x DP, generator TP x
-replicas, precisions, the batch); its free-form ``plan:`` section says what the
-planner needs about the cluster and the workload that a run does not::
+The run config says what the job runs, and the planner prices exactly that:
+trainer TP x PP x CP x DP, its interleaved stages (trainer.vpp), sequence
+parallelism and activation recomputation (trainer.recompute_*), the packed
+micro-batch (trainer.max_tokens_per_microbatch), the optimizer state's sharding
+(optimizer.use_distributed_optimizer, overlap_*), the generator's engine
+(generator.backend: sglang's KV pool within sglang_mem_fraction, or the torch
+engine's preallocated max_running x max_seq_len slots), its TP, replicas and
+precisions. The free-form ``plan:`` section says what the planner needs about
+the cluster and the workload that a run does not::
 
     plan:
       model: llama3-405b        # preset shapes, so planning needs no checkpoint
@@ -12,13 +18,17 @@ planner needs about the cluster and the workload that a run does not::
       prompt_tokens: 512        # default data.max_prompt_tokens
       response_tokens_min: 512  # uniform [min, max]; default max: rollout.max_new_tokens
       response_tokens_max: 4096
-      recompute: selective      # activation recomputation the trainer runs with
+      transformer_impl: transformer_engine  # what megarl builds on GPUs (local: no TE)
 
-Three answers come back: the configured layout priced as it is (a fixed
-layout), the split of the same GPUs with the same parallelism that balances
-train and generate times best, and the best layout the search finds -- all
-three restricted to what megarl runs (PP dividing the layers, every generator
-replica an equal share of the prompts) -- next to the synchronous baseline.
+A layout that does not fit in GPU memory with its own settings is refused
+(``check_config_fits``, also run by ``megarl train --prepare-only``), naming the
+part that overflows and the settings that would make it fit. Otherwise three
+answers come back: the configured layout priced as it is, the split of the same
+GPUs with the same parallelism that balances train and generate times best, and
+the best layout the search finds -- restricted to what megarl runs (PP dividing
+the layers, every generator replica an equal share of the prompts; it may choose
+other recompute / VPP settings) -- next to the synchronous baseline, and, for
+the Llama 3.1 presets, LlamaRL's setting of the same model (``scenarios``).
 """
 
 from __future__ import annotations
@@ -28,9 +38,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Union
 
 from megarl.errors import ConfigError
-from megarl.plan.hardware import H100, Hardware
-from megarl.plan.inputs import FixedLayout, GeneratorLayout, LengthDistribution, PlanInputs, TrainerLayout
-from megarl.plan.llamarl_model import (AsyncLayout, PlanResult, RECOMPUTE, balanced_split, evaluate_layout,
+from megarl.plan.costs import MemoryBreakdown
+from megarl.plan.hardware import GB, H100, Hardware
+from megarl.plan.inputs import (FixedLayout, GeneratorLayout, LengthDistribution, PlanInputs, TrainerLayout,
+                                TrainerOptions)
+from megarl.plan.llamarl_model import (AsyncLayout, PlanResult, balanced_split, build_costs, evaluate_layout,
                                        plan_from_inputs)
 
 
@@ -47,8 +59,7 @@ class PlanSection:
     response_tokens_min: int = 512
     response_tokens_max: Optional[int] = None
     response_tokens_mean: Optional[float] = None  # exponential only
-    micro_batch: Optional[int] = None  # default trainer.max_tokens_per_microbatch // longest sample
-    recompute: str = "selective"
+    transformer_impl: str = "transformer_engine"  # Megatron-LM's --transformer-impl of the trainer's GPUs
     max_lag_steps: float = 1.0
     max_pp: int = 16
     measured: Optional[Union[str, Dict[str, Any]]] = None  # see megarl/plan/measured.py
@@ -56,16 +67,23 @@ class PlanSection:
     hardware: Dict[str, Any] = field(default_factory=dict)  # Hardware field -> value
 
 
-_INTS = ("gpus", "gpus_per_node", "prompt_tokens", "response_tokens_min", "response_tokens_max", "micro_batch",
-         "max_pp")
+_INTS = ("gpus", "gpus_per_node", "prompt_tokens", "response_tokens_min", "response_tokens_max", "max_pp")
 _FLOATS = ("gpu_memory_gb", "response_tokens_mean", "max_lag_steps")
-_CHOICES = {"response_dist": ("uniform", "exponential"), "recompute": RECOMPUTE,
-            "weight_sync": ("predict", "estimate", "skip")}
+_CHOICES = {"response_dist": ("uniform", "exponential"), "weight_sync": ("predict", "estimate", "skip"),
+            "transformer_impl": ("transformer_engine", "local")}
+# Fields the plan section once had, now read from the trainer's own settings.
+_MOVED = {
+    "recompute": "the planner prices the trainer's own setting: set trainer.recompute_granularity "
+                 "(null | selective | full, with trainer.recompute_method / recompute_num_layers / recompute_modules)",
+    "micro_batch": "the planner packs samples as the trainer does: set trainer.max_tokens_per_microbatch",
+}
 
 
 def plan_section(cfg) -> PlanSection:
     """Parse and check ``cfg.plan``; every error names the field (``plan.gpus: ...``)."""
     data = dict(cfg.plan or {})
+    for name in sorted(set(data) & set(_MOVED)):
+        raise ConfigError(f"plan.{name}: no longer a plan field; {_MOVED[name]}")
     known = {f.name for f in dataclasses.fields(PlanSection)}
     unknown = sorted(set(data) - known)
     if unknown:
@@ -137,15 +155,26 @@ def _precision(name: str, value: str, hint: str) -> str:
     return value
 
 
+def trainer_options(cfg, section: PlanSection) -> TrainerOptions:
+    """The optimizer section in the planner's terms: bytes of state per parameter, its sharding, overlap."""
+    o = cfg.optimizer
+    state = 12.0 if o.optimizer == "adam" else 4.0 + (4.0 if o.sgd_momentum > 0 else 0.0)  # fp32 master (+ moments)
+    return TrainerOptions(state_sharding="optimizer" if o.use_distributed_optimizer else "none",
+                          optimizer_bytes=state, overlap_grad_reduce=o.overlap_grad_reduce,
+                          overlap_param_gather=o.overlap_param_gather, transformer_impl=section.transformer_impl)
+
+
 def inputs_from_config(cfg, section: Optional[PlanSection] = None) -> PlanInputs:
-    """PlanInputs of a run config: batch, precisions and lengths from the run, the rest from plan:."""
+    """PlanInputs of a run config: batch, precisions, engine and lengths from the run, the rest from plan:."""
     section = section or plan_section(cfg)
-    r = cfg.rollout
+    r, g = cfg.rollout, cfg.generator
     trainer_precision = _precision("model.dtype", cfg.model.dtype, "set model.dtype: bf16")
-    if cfg.generator.fp8:
+    if g.fp8:
         generator_precision = "fp8"
+        if g.backend == "torch":  # the torch engine dequantises fp8 weights into generator.dtype
+            _precision("generator.dtype", g.dtype, "the torch engine dequantises fp8 into it")
     else:
-        generator_precision = _precision("generator.dtype", cfg.generator.dtype, "or set generator.fp8: true")
+        generator_precision = _precision("generator.dtype", g.dtype, "or set generator.fp8: true")
     longest = section.response_tokens_max or r.max_new_tokens
     if section.response_dist == "exponential":
         if section.response_tokens_mean is None:
@@ -160,20 +189,128 @@ def inputs_from_config(cfg, section: Optional[PlanSection] = None) -> PlanInputs
         gpu_memory_gb=section.gpu_memory_gb, trainer_precision=trainer_precision,
         generator_precision=generator_precision, max_lag_steps=section.max_lag_steps, measured=section.measured,
         weight_sync=section.weight_sync, hardware=section_hardware(section), max_pp=section.max_pp,
-        equal_prompt_shares=cfg.run.mode == "async", recompute=(section.recompute,),
+        equal_prompt_shares=cfg.run.mode == "async", trainer_options=trainer_options(cfg, section),
+        generator_backend=g.backend, generator_mem_fraction=g.sglang_mem_fraction,
+        generator_dtype="bf16", generator_max_seq_len=g.max_seq_len if g.backend == "torch" else None,
     )
 
 
-def configured_layout(cfg, inputs: PlanInputs, section: PlanSection) -> FixedLayout:
-    """The config's own layout in the planner's terms. A micro-batch of the planner holds
-    ``micro_batch`` longest samples; megarl packs up to trainer.max_tokens_per_microbatch tokens."""
-    t, g = cfg.trainer, cfg.generator
+def trainer_layout(cfg, inputs: PlanInputs) -> TrainerLayout:
+    """The trainer's layout exactly as trainer.* sets it (Megatron's recompute_granularity None is "none")."""
+    t = cfg.trainer
+    rows = t.max_tokens_per_microbatch
+    return TrainerLayout(
+        t.tp, t.pp, max(1, int(rows // (inputs.prompt_tokens + inputs.lengths.mean))),
+        recompute=t.recompute_granularity or "none", sequence_parallel=t.sequence_parallel, cp=t.cp, vpp=t.vpp,
+        recompute_method=t.recompute_method, recompute_num_layers=t.recompute_num_layers,
+        recompute_modules=tuple(t.recompute_modules) if t.recompute_modules is not None else ("core_attn",),
+        micro_batch_tokens=rows)
+
+
+def configured_layout(cfg, inputs: PlanInputs, section: Optional[PlanSection] = None,
+                      notes: Optional[List[str]] = None) -> FixedLayout:
+    """The config's own layout in the planner's terms. SGLang runs at most the requests its KV pool
+    holds (the rest wait), so its sequences in flight are min(max_running, what fits); the torch
+    engine allocates all max_running slots at start, fitting or not."""
+    g = cfg.generator
     if cfg.run.mode != "async":
         raise ConfigError("run.mode: sync runs colocated; `megarl plan --config` prices asynchronous layouts")
-    longest = inputs.prompt_tokens + inputs.lengths.max
-    micro_batch = section.micro_batch or max(1, t.max_tokens_per_microbatch // longest)
-    return FixedLayout(TrainerLayout(t.tp, t.pp, micro_batch, section.recompute), GeneratorLayout(g.tp),
-                       trainer_gpus=cfg.trainer_size(), generator_batch=g.max_running)
+    sequences = g.max_running
+    if g.backend == "sglang":
+        room = build_costs(inputs).max_sequences(GeneratorLayout(g.tp), inputs.generator_precision, "continuous")
+        if 0 < room < sequences:
+            sequences = room
+            if notes is not None:
+                notes.append(f"SGLang's KV pool holds {room} of generator.max_running={g.max_running} sequences "
+                             f"per replica at the mean context; the rest wait (priced at {room})")
+    return FixedLayout(trainer_layout(cfg, inputs), GeneratorLayout(g.tp), trainer_gpus=cfg.trainer_size(),
+                       generator_batch=sequences)
+
+
+# -- does the configured layout fit? -------------------------------------------------------------
+
+
+def _gb(x: float) -> str:
+    return f"{x / GB:.1f} GB"
+
+
+def _trainer_remedies(costs, layout: TrainerLayout, dp: int, batch: int, part: str) -> List[str]:
+    """Settings that would make the trainer fit, each checked with the same model."""
+    tries = []
+    if part in ("activations", "logits"):
+        if layout.tp > 1 and not layout.sequence_parallel and costs.options.transformer_impl == "transformer_engine":
+            tries.append(("trainer.sequence_parallel=true", replace(layout, sequence_parallel=True)))
+        if layout.recompute != "selective" and costs.options.transformer_impl == "local":
+            tries.append(("trainer.recompute_granularity=selective", replace(layout, recompute="selective")))
+        if layout.recompute != "full":
+            tries.append(("trainer.recompute_granularity=selective with trainer.recompute_modules=[core_attn, mlp]",
+                          replace(layout, recompute="selective", recompute_modules=("core_attn", "mlp"))))
+            tries.append(("trainer.recompute_granularity=full (recompute_method=uniform, recompute_num_layers=1)",
+                          replace(layout, recompute="full", recompute_method="uniform", recompute_num_layers=1)))
+    out = []
+    for text, candidate in tries:
+        memory = costs.trainer_memory(candidate, dp, batch)
+        out.append(f"{text} ({_gb(memory.total)}{'' if memory.fits else ', still too much'})")
+    advice = {"weights": "a larger trainer.tp or trainer.pp (the weights are split over TP x PP)",
+              "grads": "a larger trainer.tp or trainer.pp (gradients are split over TP x PP)",
+              "optimizer": "optimizer.use_distributed_optimizer=true or a larger trainer.dp / tp / pp",
+              "activations": "a larger trainer.tp or trainer.pp",
+              "logits": "a larger trainer.tp (the logits are split over TP)"}
+    if part in advice:
+        out.append(advice[part])
+    return out
+
+
+def _generator_remedies(cfg, part: str) -> List[str]:
+    g = cfg.generator
+    if part == "kv_cache":
+        if g.backend == "torch":
+            return [f"a smaller generator.max_running (now {g.max_running}) or generator.max_seq_len "
+                    f"(now {g.max_seq_len}): the torch engine allocates every slot at start",
+                    "or generator.backend=sglang (a paged pool: only what is in flight)"]
+        return ["a larger generator.tp (not even one sequence fits SGLang's KV pool)"]
+    if part in ("weights", "dequant_workspace"):
+        return ["a larger generator.tp"] + ([] if g.fp8 else ["or generator.fp8=true"])
+    return []
+
+
+def overflow_message(memory: MemoryBreakdown, remedies: List[str]) -> str:
+    part = memory.overflow
+    parts = " + ".join(f"{k} {v / GB:.1f}" for k, v in memory.parts.items() if v)
+    text = (f"{memory.role} {memory.layout}: {part} {_gb(memory.parts[part])} overflows the "
+            f"{memory.capacity / GB:g} GB GPU ({parts} = {_gb(memory.total)})")
+    return text + ("; fits with " + "; or ".join(remedies) if remedies else "")
+
+
+def check_layout_fits(cfg, inputs: PlanInputs, layout: AsyncLayout) -> None:
+    """Refuse a configured layout whose trainer or generator GPUs overflow, naming the part."""
+    costs = build_costs(inputs)
+    if not layout.trainer_memory.fits:
+        part = layout.trainer_memory.overflow
+        remedies = _trainer_remedies(costs, layout.trainer, layout.dp, inputs.batch, part)
+        raise ConfigError(overflow_message(layout.trainer_memory, remedies))
+    if not layout.generator_memory.fits:
+        part = layout.generator_memory.overflow
+        raise ConfigError(overflow_message(layout.generator_memory, _generator_remedies(cfg, part)))
+
+
+def check_config_fits(cfg) -> Optional[AsyncLayout]:
+    """`megarl train --prepare-only`: refuse a config with a plan: section whose layout does not fit
+    (memory only: no search, no weight-sync plan). Sync mode: the trainer's GPUs alone are checked
+    (the colocated engine's copy is not priced). Returns the priced layout (None for sync)."""
+    section = plan_section(cfg)
+    inputs = replace(inputs_from_config(cfg, section), gpus=gpus_used(cfg), weight_sync="skip")
+    if cfg.run.mode == "sync":
+        costs = build_costs(inputs)
+        layout = trainer_layout(cfg, inputs)
+        memory = costs.trainer_memory(layout, cfg.trainer.dp, inputs.batch)
+        if not memory.fits:
+            remedies = _trainer_remedies(costs, layout, cfg.trainer.dp, inputs.batch, memory.overflow)
+            raise ConfigError(overflow_message(memory, remedies))
+        return None
+    layout = evaluate_layout(inputs, configured_layout(cfg, inputs, section))
+    check_layout_fits(cfg, inputs, layout)
+    return layout
 
 
 @dataclass
@@ -185,6 +322,7 @@ class ConfigPlan:
     balanced: Optional[AsyncLayout]  # the same parallelism, the best split of the same GPUs
     searched: PlanResult  # the best megarl-runnable layout on plan.gpus, and the sync baseline
     notes: List[str] = field(default_factory=list)
+    scenario: Optional[dict] = None  # LlamaRL's setting of the same model (scenarios.scenario_json)
 
     def speedup(self, layout: Optional[AsyncLayout]) -> Optional[float]:
         s = self.searched.best_sync
@@ -201,14 +339,16 @@ def plan_config(cfg, path: str = "config") -> ConfigPlan:
                           f"generator.replicas")
     if used < inputs.gpus:
         notes.append(f"the config uses {used} of plan.gpus={inputs.gpus} GPUs; its layout is priced on those {used}")
-    fixed = configured_layout(cfg, inputs, section)
     on_used = replace(inputs, gpus=used)
+    fixed = configured_layout(cfg, on_used, section, notes)
     configured = evaluate_layout(on_used, fixed, notes)
+    check_layout_fits(cfg, on_used, configured)
     # b_g free here: as many sequences as fit (and the lag allows) -- a recommendation for max_running
     balanced = balanced_split(on_used, fixed.trainer, fixed.generator, None, notes)
     searched = plan_from_inputs(inputs)
     notes.extend(searched.notes)
-    if not configured.fits:
-        over = [m.describe() for m in (configured.trainer_memory, configured.generator_memory) if not m.fits]
-        notes.append(f"the configured layout does not fit in {inputs.gpu_memory_gb:g} GB: " + "; ".join(over))
-    return ConfigPlan(path, inputs, used, configured, balanced, searched, notes)
+    from megarl.plan.scenarios import scenario_for_model, scenario_json
+
+    name = scenario_for_model(inputs.model)
+    scenario = scenario_json(name) if name else None
+    return ConfigPlan(path, inputs, used, configured, balanced, searched, notes, scenario)

@@ -10,12 +10,26 @@ from megarl.plan.hardware import GB
 from megarl.plan.llamarl_model import AsyncLayout, PlanResult, SyncLayout
 from megarl.plan.pipeline_appendix import PAPER_CASE, AppendixInputs, LagRow
 
-# LlamaRL Table 3: measured step-time speed-ups over the DeepSpeed-Chat-like baseline.
+# LlamaRL Table 3: measured step-time speed-ups over the DeepSpeed-Chat-like baseline
+# (the scenarios that price the paper's setting are in scenarios.py).
 LLAMARL_TABLE3 = (
     ("llama3-8b", 256, 2.52),
     ("llama3-70b", 256, 3.98),
     ("llama3-405b", 1024, 10.7),
 )
+
+
+def trainer_json(t, dp: int, gpus: int) -> dict:
+    """A trainer layout by Megatron-LM's names (recompute "none" is recompute_granularity None)."""
+    out = {"tp": t.tp, "pp": t.pp, "dp": dp, "micro_batch": t.micro_batch, "recompute": t.recompute, "gpus": gpus,
+           "sequence_parallel": t.sp, "cp": t.cp, "vpp": t.vpp}
+    if t.recompute == "full":
+        out.update(recompute_method=t.recompute_method or "uniform", recompute_num_layers=t.recompute_num_layers or 1)
+    if t.recompute == "selective":
+        out["recompute_modules"] = list(t.recompute_modules)
+    if t.micro_batch_tokens:
+        out["micro_batch_tokens"] = t.micro_batch_tokens
+    return out
 
 
 def _r(x: Optional[float], digits: int = 3):
@@ -31,8 +45,7 @@ def async_json(a: Optional[AsyncLayout]) -> Optional[dict]:
     if a is None:
         return None
     return {
-        "trainer": {"tp": a.trainer.tp, "pp": a.trainer.pp, "dp": a.dp, "micro_batch": a.trainer.micro_batch,
-                    "recompute": a.trainer.recompute, "gpus": a.trainer_gpus},
+        "trainer": trainer_json(a.trainer, a.dp, a.trainer_gpus),
         "generator": {"tp": a.generator.tp, "pp": a.generator.pp, "replicas": a.replicas, "gpus": a.generator_gpus,
                       "sequences_in_flight": a.sequences},
         "theta": _r(a.theta), "eta_t": _r(a.eta_t, 5), "eta_g": _r(a.eta_g, 5),
@@ -47,8 +60,7 @@ def sync_json(s: Optional[SyncLayout]) -> Optional[dict]:
     if s is None:
         return None
     return {
-        "layout": {"tp": s.trainer.tp, "pp": s.trainer.pp, "dp": s.dp, "micro_batch": s.trainer.micro_batch,
-                   "recompute": s.trainer.recompute, "gpus": s.gpus},
+        "layout": trainer_json(s.trainer, s.dp, s.gpus),
         "generator_precision": s.generator_precision, "batching": s.batching, "sequences_in_flight": s.sequences,
         "eta_t": _r(s.eta_t, 5), "eta_g": _r(s.eta_g, 5),
         "train_seconds": _r(s.train_seconds), "generate_seconds": _r(s.generate_seconds),
@@ -171,6 +183,7 @@ def config_plan_json(p) -> dict:
         "synchronous_baseline": _r(sync and sync.step_seconds)}
     out["configured"] = dict(async_json(p.configured), fits=p.configured.fits, speedup=_r(p.speedup(p.configured)))
     out["balanced"] = p.balanced and dict(async_json(p.balanced), speedup=_r(p.speedup(p.balanced)))
+    out["paper_scenario"] = p.scenario
     out["notes"] = p.notes
     return out
 
@@ -208,5 +221,10 @@ def config_plan_text(p) -> str:
     if b is not None and (b.trainer_gpus, b.sequences) != (c.trainer_gpus, c.sequences):
         lines.append(f"balanced split: trainer.dp={b.dp}, generator.replicas={b.replicas}, "
                      f"generator.max_running={b.sequences}")
+    if p.scenario is not None:
+        sc = p.scenario
+        lines.append(f"paper scenario {sc['scenario']} (`megarl plan --scenario {sc['scenario']}`): "
+                     f"{sc['predicted_speedup']:.2f}x predicted vs {sc['paper_speedup']:.2f}x in the paper "
+                     f"({'within' if sc['within_15_percent'] else 'NOT within'} 15%)")
     lines.extend(f"note: {n}" for n in p.notes)
     return "\n".join(lines)
