@@ -9,6 +9,7 @@ import argparse
 import json
 import math
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -16,9 +17,11 @@ from megarl.errors import ConfigError
 from megarl.models.presets import preset_spec
 from megarl.plan import llamarl_theorem as thm
 from megarl.plan.cli import add_plan_args, run_plan
-from megarl.plan.costs import H100CostModel, Workload
+from megarl.plan import activations
+from megarl.plan.costs import H100CostModel, ModelShape, Workload
 from megarl.plan.hardware import GB, H100
-from megarl.plan.inputs import FixedLayout, GeneratorLayout, LengthDistribution, PlanInputs, TrainerLayout
+from megarl.plan.inputs import (FixedLayout, GeneratorLayout, LengthDistribution, PlanInputs, TrainerLayout,
+                                TrainerOptions)
 from megarl.plan.llamarl_model import evaluate_async, plan_from_inputs, theorem_setting
 from megarl.plan.pipeline_appendix import (AppendixInputs, conventional, ideal_tokens_s, knee_lag, pipeline,
                                            speedup_curve)
@@ -90,6 +93,72 @@ def test_theorem_holds_for_default_h100_model(model, gpus):
     assert r.speedup > 1.1
 
 
+# -- activation memory: Korthikanti et al. 2022's accounting, by hand ------------------------------------
+
+TINY = ModelShape.from_spec(preset_spec("tiny"))  # h 64, f 96, 4 heads, 2 KV heads of 16, 4 layers, vocab 300
+TE, LOCAL = TrainerOptions(), TrainerOptions(transformer_impl="local")
+
+
+def _tiny_bytes_per_token(t, sp, seq=0, scores=False):
+    """A Llama layer's bytes per token, written out: norm inputs 2 x 2h and outputs 2 x 2h (replicated
+    unless SP), Q and the attention output 2 x 2h / t, K and V 2 x 2 h_kv / t, fc1's gate+up and fc2's
+    input 2 x 3f / t, and (unfused attention only) the softmax output 2 a s / t."""
+    h, f, a = 64, 96, 4
+    kv_rank = max(2 / t, 1) * 16  # 2 KV heads of 16, each TP rank keeps at least one (replicated at TP4)
+    replicated = (8 * h) / (t if sp else 1)
+    return replicated + (4 * h + 6 * f) / t + 4 * kv_rank + (2 * a * seq / t if scores else 0)
+
+
+@pytest.mark.parametrize("tp,sp", [(1, False), (2, False), (2, True), (4, True)])
+def test_activations_follow_recompute_and_sequence_parallel(tp, sp):
+    tokens, seq = 512, 256  # one micro-batch of 512 tokens; the longest sequence 256
+    act = lambda layout, options=TE: activations.stage_activations(TINY, layout, options, tokens, seq, 8, 0)  # noqa
+    none = TrainerLayout(tp, 1, recompute="none", sequence_parallel=sp)
+    per_token = _tiny_bytes_per_token(tp, sp and tp > 1)
+    assert act(none) == pytest.approx(4 * tokens * per_token)  # PP1: 4 layers of one micro-batch
+    # Transformer Engine's fused attention keeps no scores: selective (core_attn) saves nothing
+    assert act(TrainerLayout(tp, 1, recompute="selective", sequence_parallel=sp)) == act(none)
+    # the local spec keeps the softmax output (2 a s / t per token) unless core_attn is recomputed
+    local = act(none, LOCAL) if not (sp and tp > 1) else None
+    if local is not None:
+        assert local == pytest.approx(4 * tokens * _tiny_bytes_per_token(tp, False, seq, scores=True))
+        assert act(TrainerLayout(tp, 1, recompute="selective", sequence_parallel=False), LOCAL) == act(none)
+    # full: each layer's input (2h, / t with SP) for all 4 layers + one layer rebuilt at a time
+    full = TrainerLayout(tp, 1, recompute="full", recompute_method="uniform", recompute_num_layers=1,
+                         sequence_parallel=sp)
+    checkpoint = 2 * 64 / (tp if sp and tp > 1 else 1)
+    assert act(full) == pytest.approx(tokens * (4 * checkpoint + per_token))
+    # block 3: the first 3 layers checkpointed, the 4th keeps everything, one rebuilt at a time
+    block = replace(full, recompute_method="block", recompute_num_layers=3)
+    assert act(block) == pytest.approx(tokens * (3 * checkpoint + per_token + per_token))
+
+
+def test_llama3_8b_with_sequence_parallelism_keeps_korthikantis_34_h_per_token():
+    """Korthikanti et al. Table 2: 34 s b h / t per layer with SP + selective recomputation. Llama 3 8B's
+    layer (no dropout, SwiGLU 3.5 h, 8 KV heads) comes to the same 34 h."""
+    shape = ModelShape.from_spec(preset_spec("llama3-8b"))
+    for t in (2, 4, 8):
+        layout = TrainerLayout(t, 1, recompute="selective", sequence_parallel=True)
+        assert activations.layer_bytes(shape, layout, TE, 4096) == pytest.approx(34 * 4096 / t)
+
+
+def test_pipeline_stages_hold_the_micro_batches_1f1b_and_interleaving_keep_in_flight():
+    """1F1B: PP rank 0 holds p micro-batches of L/p layers (Narayanan et al. 2021); interleaving v chunks
+    multiplies that by 1 + (p - 1) / (p v) (Korthikanti et al. s.4.2.3)."""
+    p, v, tokens = 4, 2, 512
+    plain = TrainerLayout(1, p, recompute="none", sequence_parallel=False)
+    one_layer = 4 * 64 + 4 * 64 + 4 * 64 + 4 * 32 + 6 * 96  # the tiny layer at TP1, bytes per token
+    got = activations.stage_activations(TINY, plain, TE, tokens, 256, 64, rank=0)
+    assert got == pytest.approx(p * (4 // p) * one_layer * tokens)  # p micro-batches of 1 layer
+    inter = replace(plain, vpp=v)
+    tiny8 = replace(TINY, layers=16)  # 16 layers: 4 per stage, 2 per chunk
+    ratio = (activations.stage_activations(tiny8, inter, TE, tokens, 256, 64, 0)
+             / activations.stage_activations(tiny8, plain, TE, tokens, 256, 64, 0))
+    assert ratio == pytest.approx(1 + (p - 1) / (p * v))
+    # few micro-batches: rank 0 cannot hold more than there are
+    assert activations.chunks_in_flight(plain, micro_batches=2, rank=0) == 2
+
+
 # -- memory ------------------------------------------------------------------------------------
 
 
@@ -97,8 +166,8 @@ def test_405b_trainer_at_tp1_overflows_on_weights():
     costs = _costs("llama3-405b")
     mem = costs.trainer_memory(TrainerLayout(1, 1), dp=512, batch=2048)
     assert not mem.fits and mem.overflow == "weights"
-    assert mem.parts["weights"] / GB == pytest.approx(2 * costs.shape.params / 1e9)
-    assert mem.parts["weights"] / GB > 800 and "weights overflows" in mem.describe()
+    assert mem.parts["weights"] / GB == pytest.approx(2 * 405.85, rel=1e-3)  # bf16 x Llama 3.1 405B's 405.85B
+    assert "weights overflows" in mem.describe()
     # a fixed layout asking for it is evaluated and flagged, not silently dropped
     fixed = FixedLayout(TrainerLayout(1, 1), GeneratorLayout(8), trainer_gpus=512)
     r = plan_from_inputs(PlanInputs(model="llama3-405b", gpus=1024, layout=fixed, weight_sync="skip"))
@@ -111,16 +180,38 @@ def test_memory_names_each_overflowing_part():
     # 70B at TP8 without data parallelism: the unsharded Adam state (12 B/param / 8) overflows
     mem = costs.trainer_memory(TrainerLayout(8, 1), dp=1, batch=2048)
     assert mem.overflow == "optimizer" and mem.parts["optimizer"] / GB == pytest.approx(12 * 70.55 / 8, rel=0.01)
-    # selective recomputation of a 4.6k-token 405B micro-batch at TP8 x PP6 does not fit; full does
+    # 405B at TP8 x PP6: PP rank 0 holds 6 micro-batches of 21 layers of one 4608-token sample; with SP
+    # and TE that is 31.75 h / 8 bytes per token and layer (h = 16384): 37.8 GB -- it does not fit;
+    # full recomputation keeps 2 h / 8 per layer plus one layer: 2.7 GB, and it does
     big = _costs("llama3-405b")
-    assert big.trainer_memory(TrainerLayout(8, 6, 1, "selective"), 80, 2048).overflow == "activations"
-    assert big.trainer_memory(TrainerLayout(8, 6, 1, "full"), 80, 2048).fits
-    # a generator asked to hold too many sequences runs out of KV cache
+    selective = big.trainer_memory(TrainerLayout(8, 6, 1, "selective"), 16, 2048)
+    assert selective.overflow == "activations"
+    assert selective.parts["activations"] == pytest.approx(6 * 21 * 4608 * 31.75 * 16384 / 8)
+    full = big.trainer_memory(TrainerLayout(8, 6, 1, "full"), 16, 2048)
+    assert full.fits and full.parts["activations"] == pytest.approx(4608 * (21 * 6 * 2 + 31.75) * 16384 / 8)
+    # a generator asked to hold too many sequences runs out of KV cache: SGLang's pool is 85% of the GPU
     small = _costs("llama3-8b")
+    weights = 6_979_321_856 * (1 + 4 / 128 ** 2) + 2 * 525_336_576 * 2  # fp8 layers + bf16 embedding and head
+    per_sequence = (512 + LengthDistribution().mean_inflight_position) * 32 * 2 * 8 * 128 * 2  # KV bf16 at TP1
     room = small.max_sequences(GeneratorLayout(1), "fp8", "continuous")
-    assert 200 < room < 320  # (80 - 6 - 9 GB) / (2.3k tokens x 128 KiB)
+    assert room == int((0.85 * 80e9 - weights) // per_sequence)
     assert small.generator_memory(GeneratorLayout(1), "fp8", room, "continuous").fits
     assert small.generator_memory(GeneratorLayout(1), "fp8", room + 1, "continuous").overflow == "kv_cache"
+
+
+def test_decode_step_by_hand():
+    """One decode step of Llama 3 8B at TP8 in fp8, 64 sequences at 2000 tokens of context, from the
+    H100 datasheet: 3.35 TB/s HBM at 80%, 1979 dense fp8 TFLOPS at 60%, two all-reduces per layer at
+    8 us + 2 (t - 1) / t of the message over 450 GB/s NVLink, 1 ms of step overhead."""
+    costs = _costs("llama3-8b")
+    linear, embedding, layers = 6_979_321_856 / 8, 525_336_576 / 8, 32
+    read = linear * (1 + 4 / 128 ** 2) + embedding * 2  # fp8 shard + bf16 lm_head shard
+    kv = 64 * 2000 * layers * 2 * 1 * 128 * 2  # one KV head per rank
+    memory = (read + kv) / (3.35e12 * 0.8)
+    compute = (2 * 64 * (linear + embedding) + 4 * 64 * 2000 * 128 * 32 / 8 * layers) / (1979e12 * 0.6)
+    comm = 2 * layers * (8e-6 + 2 * 7 / 8 * 64 * 4096 * 2 / 450e9)
+    assert costs.decode_step_seconds(GeneratorLayout(8), "fp8", 64, 2000) == pytest.approx(
+        max(memory, compute) + comm + 1e-3, rel=1e-9)
 
 
 # -- the search ------------------------------------------------------------------------------
@@ -137,12 +228,9 @@ def test_search_layouts_respect_constraints(model, gpus):
     assert a.trainer.tp <= 8 and a.generator.tp <= 8 and s.trainer.tp <= 8
     assert s.gpus == gpus and gpus % s.trainer.m == 0
     assert a.fits and s.fits and a.sequences >= 1 and s.sequences >= 1
-    # the step times are s.7's formulas
-    assert a.generate_seconds == pytest.approx(batch / a.replicas * a.eta_g)
-    assert a.step_seconds == pytest.approx(max(a.train_seconds, a.generate_seconds) + a.weight_sync_seconds)
-    assert s.generate_seconds == pytest.approx(math.ceil(batch / (gpus / s.trainer.m)) * s.eta_g)
-    assert s.train_seconds >= batch / (gpus / s.trainer.m) * s.eta_t
-    assert r.speedup == pytest.approx(s.step_seconds / a.step_seconds)
+    # what megarl runs: PP dividing the layers, interleaved chunks dividing a stage
+    layers = preset_spec(model).num_layers
+    assert layers % a.trainer.pp == 0 and layers % (a.trainer.pp * a.trainer.vpp) == 0
     # no other split of the GPUs with these layouts is faster
     costs = _costs(model)
     for t in range(a.trainer.m * 8 // math.gcd(a.trainer.m, 8), gpus, 8):
@@ -152,18 +240,47 @@ def test_search_layouts_respect_constraints(model, gpus):
         assert not other.fits or other.step_seconds >= a.step_seconds - 1e-9
 
 
-def test_default_predictions():
-    """The default H100 model's numbers (uniform [512, 4096] responses); see the report for the paper's."""
-    got = {m: _plan(m, g).speedup for m, g in PAPER_CASES}
-    assert got["llama3-8b"] == pytest.approx(1.87, abs=0.05)
-    assert got["llama3-70b"] == pytest.approx(1.84, abs=0.05)
-    assert got["llama3-405b"] == pytest.approx(3.64, abs=0.1)
-    # a long-tailed response distribution (the synchronous step waits for the longest)
-    tail = LengthDistribution.truncated_exponential(2048, 16384)
-    assert tail.mean == pytest.approx(2048, rel=0.01) and tail.max > 6 * tail.mean
-    r = _plan("llama3-405b", 1024, lengths=tail)
-    assert r.speedup == pytest.approx(10.7, rel=0.15)  # LlamaRL Table 3
-    assert r.best_async.step_seconds == pytest.approx(59.5, rel=0.15)  # the paper's measured async step
+# -- the papers' settings (megarl/plan/scenarios.py) against the papers' figures ---------------------
+
+
+@pytest.mark.parametrize("name,paper", [("llamarl-70b", 3.98), ("llamarl-405b", 10.7)])
+def test_llamarl_scenarios_reproduce_table_3_within_15_percent(name, paper):
+    from megarl.plan.scenarios import scenario_json
+
+    r = scenario_json(name)
+    assert r["paper_speedup"] == paper
+    assert r["predicted_speedup"] == pytest.approx(paper, rel=0.15)  # LlamaRL Table 3, the issue's 15%
+    if name == "llamarl-405b":  # the paper's layouts, and its step times as quoted (635.8 s / 59.5 s)
+        assert (r["synchronous"]["layout"]["tp"], r["synchronous"]["layout"]["pp"]) == (8, 8)  # mp 64
+        assert (r["asynchronous"]["trainer"]["tp"], r["asynchronous"]["trainer"]["pp"]) == (8, 2)  # mp 16
+        assert r["asynchronous"]["generator"]["tp"] == 8
+        assert r["step_seconds"]["synchronous"] == pytest.approx(635.8, rel=0.15)
+        assert r["step_seconds"]["asynchronous"] == pytest.approx(59.5, rel=0.15)
+
+
+def test_llamarl_8b_is_the_documented_exception():
+    """megarl/plan/DESIGN.md: with the lengths that reproduce 70B and 405B, the 8B baseline waits too long
+    for the tail (38 s vs the 22.4 s quoted) while the asynchronous step is about right (7.5 s vs 8.9 s);
+    the paper gives no per-model lengths. If a change brings 8B within 15%, the note must change too."""
+    from megarl.plan.scenarios import scenario_json
+
+    r = scenario_json("llamarl-8b")
+    assert r["predicted_speedup"] > 1.15 * 2.52 and not r["within_15_percent"]
+    assert r["step_seconds"]["asynchronous"] == pytest.approx(8.90, rel=0.2)
+    assert r["step_seconds"]["synchronous"] > 1.5 * 22.4
+
+
+def test_pipelinerl_scenario_reproduces_appendix_a():
+    """Appendix A.4: 1.57x at g_max ~ 133; conventional RL generates at 18.3 tokens/flash on 128 GPUs
+    and 10.7 overall, PipelineRL at 16.9 on 44 generation GPUs."""
+    from megarl.plan.scenarios import pipelinerl_json
+
+    r = pipelinerl_json()
+    assert r["predicted_speedup"] == pytest.approx(1.57, rel=0.15)
+    flash = r["tokens_per_flash"]
+    assert flash["conventional_generating"] == pytest.approx(18.3, rel=0.15)  # an output: the drain integral
+    assert flash["conventional"] == pytest.approx(10.7, rel=0.15)
+    assert r["pipeline_generator_gpus"] == pytest.approx(44, abs=2)  # the search's best split
 
 
 def test_measured_table_replaces_eta():
@@ -185,12 +302,18 @@ def test_measured_table_replaces_eta():
 
 
 def test_weight_sync_predictor_is_used_for_the_chosen_layout():
+    """megarl's transfer plan prices the chosen layout; every generator GPU must receive its own fp8
+    shard over its 50 GB/s NIC (trainers and generators sit on different nodes), so the prediction
+    cannot be below that shard's bytes over the NIC -- counted here by hand from the shapes."""
     pytest.importorskip("torch")
     r = _plan("llama-mini", 16, weight_sync="predict")
     a = r.best_async
-    assert a.weight_sync_method == "predict" and a.weight_sync_seconds > 0
-    estimate = evaluate_async(_costs("llama-mini"), r.inputs, a.trainer, a.trainer_gpus, a.generator)
-    assert a.weight_sync_seconds == pytest.approx(estimate.weight_sync_seconds, rel=2.0)
+    assert a.weight_sync_method == "predict"
+    h, f, kv, layers, vocab, t = 1024, 3072, 4 * 128, 8, 32000, a.generator.tp
+    linear = layers * (h * h + 2 * kv * h + h * h + 3 * h * f) / t
+    shard = linear * 1 + 2 * vocab * h / t * 2  # fp8 layers (scales aside), bf16 embedding and head
+    assert a.trainer_gpus % 8 == 0  # trainer and generator GPUs on different nodes: the NIC, not NVLink
+    assert a.weight_sync_seconds >= shard / 50e9
 
 
 def test_bad_inputs_name_the_field():
@@ -207,25 +330,31 @@ def test_bad_inputs_name_the_field():
 # -- PipelineRL Appendix A ---------------------------------------------------------------------
 
 
-def test_pipeline_appendix_case_study():
-    a = AppendixInputs()  # N = B = 128, uniform lengths, H100 roofline
+def test_pipeline_appendix_roofline_by_hand():
+    """The planner's default PipelineRL model (H100 roofline U(h) = U_max min(1, h / h_sat), training at
+    40% MFU) at the paper's N = B = 128, uniform [1, 8192] lengths, g_max = 133, by hand."""
+    a = AppendixInputs()
     u_max, tau, h_sat = a.u(1e9), a.tau, a.saturation
-    assert h_sat == pytest.approx(221.4, abs=0.1) and u_max / tau == pytest.approx(4.5)
-    # conventional RL in the memory-bound regime has a closed form: the drain costs Lmax h_sat / U_max
-    c = conventional(a, 64)
-    assert c.inflight == 65 and c.generate_seconds == pytest.approx(8192 * h_sat / u_max, rel=1e-3)
-    assert c.tokens_s == pytest.approx(128 * 65 * 4096.5 / (8192 * h_sat / u_max + 65 * 4096.5 / tau), rel=1e-3)
-    rows = {row.g_max: row for row in speedup_curve(a, [1, 64, 133, 1000])}
+    assert h_sat == pytest.approx(989e12 * 0.6 / (3.35e12 * 0.8))  # the ridge point, 2 FLOPs per 2 bytes
+    assert u_max / tau == pytest.approx((989e12 * 0.6 / 2) / (989e12 * 0.4 / 6))  # 4.5
+    mean = 4096.5
+    # conventional: 134 sequences per GPU < h_sat, so h / U(h) = h_sat / U_max while the batch drains
+    g, steps = 133, 134
+    tokens = steps * 128 * mean
+    conv = tokens / (8192 * h_sat / u_max + tokens / (128 * tau))
+    assert conventional(a, g).tokens_s == pytest.approx(conv, rel=2e-3)
+    # PipelineRL: H = g B / ((Lmax / Lbar) I) is past h_sat for I < 37, so I generators give I U_max
+    # and 128 - I trainers (128 - I) tau; the best whole I balances them: I = 24 (24 U vs 23.1 U)
+    best = max(min(i * u_max, (128 - i) * tau) for i in range(1, 37))
+    assert pipeline(a, g).tokens_s == pytest.approx(best, rel=1e-9) and pipeline(a, g).generator_gpus == 24
+    rows = {row.g_max: row for row in speedup_curve(a, [1, g, 1000])}
+    assert rows[g].speedup == pytest.approx(best / conv, rel=2e-3)
     for row in rows.values():
         assert row.pipeline.lag <= row.g_max + 1e-9
     assert rows[1].speedup < 1  # at lag ~0 only the conventional loop can stay on-policy
-    assert rows[133].speedup == pytest.approx(1.409, abs=0.005)
-    assert rows[133].speedup == pytest.approx(1.57, rel=0.15)  # the paper's case study
     assert rows[1000].speedup == pytest.approx(1.0, abs=0.01)  # with enough lag both reach the ideal
     knee = knee_lag(a)
-    assert knee == 80
-    assert pipeline(a, knee).tokens_s >= 0.99 * ideal_tokens_s(a)
-    assert pipeline(a, knee).tokens_s / conventional(a, knee).tokens_s == pytest.approx(1.80, abs=0.01)
+    assert pipeline(a, knee).tokens_s >= 0.99 * ideal_tokens_s(a) > pipeline(a, knee - 1).tokens_s
 
 
 # -- the command line ---------------------------------------------------------------------------
@@ -246,6 +375,54 @@ def test_cli_json_line(capsys):
     assert result["asynchronous"]["memory"]["trainer"]["fits"] is True
     run_plan(_args("--pipeline-appendix", "--lags", "133"))
     text = capsys.readouterr().out
-    assert "1.41x" in text and "g_max = 80" in text
+    row = speedup_curve(AppendixInputs(), [133])[0]
+    assert f"{row.speedup:.2f}x" in text and f"g_max = {knee_lag(AppendixInputs())}" in text
+    result = run_plan(_args("--scenario", "pipelinerl", "--json"))
+    assert result["pipelinerl"]["paper_speedup"] == 1.57
+    with pytest.raises(ConfigError, match="--scenario 'llamarl-1t'"):
+        run_plan(_args("--scenario", "llamarl-1t"))
     with pytest.raises(ConfigError, match="--hardware"):
         run_plan(_args("--hardware", "warp_speed=9"))
+
+
+def test_torch_engine_kernel_counts_are_what_the_engine_issues():
+    """megarl/plan/engines.py prices the torch engine's eager decode step by its kernels per layer;
+    count them again with torch.profiler (kernel-launching aten ops, views excluded) on one decode
+    step, as the difference between a 4- and a 2-layer model."""
+    torch = pytest.importorskip("torch")
+    from torch.profiler import ProfilerActivity, profile
+
+    from megarl.generator.interface import GenerationRequest, SamplingParams
+    from megarl.generator.torch_engine.engine import TorchEngine
+    from megarl.plan.engines import TORCH_OPS_PER_LAYER
+    from megarl.weight_sync.endpoints import allocate_generator_params
+
+    views = {"view", "reshape", "_reshape_alias", "as_strided", "slice", "select", "split", "split_with_sizes",
+             "chunk", "unsqueeze", "squeeze", "transpose", "t", "permute", "expand", "detach", "alias", "empty",
+             "empty_strided", "_unsafe_view", "lift_fresh", "resolve_conj", "resolve_neg", "empty_like", "unbind",
+             "narrow", "view_as", "expand_as", "contiguous", "result_type"}
+
+    def kernel(e):
+        if not e.name.startswith("aten::") or e.name[6:] in views:
+            return False
+        stack = list(e.cpu_children)
+        while stack:
+            child = stack.pop()
+            if child.name.startswith("aten::") and child.name[6:] not in views:
+                return False
+            stack.extend(child.cpu_children)
+        return True
+
+    def count(layers, fp8):
+        spec = replace(preset_spec("llama-mini"), num_layers=layers)
+        engine = TorchEngine(spec, allocate_generator_params(spec, 1, 0, torch.bfloat16, fp8=fp8), 8, 64)
+        engine.submit([GenerationRequest(f"r{i}", [1, 2, 3], SamplingParams(max_new_tokens=20, seed=i))
+                       for i in range(8)])
+        engine.step(), engine.step()  # prefill, then decoding
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            engine.step()
+        return sum(kernel(e) for e in prof.events())
+
+    for fp8, name in ((False, "bf16"), (True, "fp8")):
+        per_layer = (count(4, fp8) - count(2, fp8)) / 2
+        assert per_layer == pytest.approx(TORCH_OPS_PER_LAYER[name], rel=0.1)
