@@ -64,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
 
+    mach = bench_sub.add_parser("machine", help="this machine's GEMM / attention / bandwidth rates at the demo "
+                                                "model's shapes and the roofline they imply (one JSON line)")
+    mach.add_argument("--min-time", type=float, default=0.1, help="seconds of timed calls per measurement")
+
     avs = bench_sub.add_parser("async-vs-sync", help="samples/s of the async loop vs the sync baseline, same workload")
     avs.add_argument("--config", required=True)
     avs.add_argument("--workdir", default="runs/bench_async_vs_sync")
@@ -139,6 +143,10 @@ def dispatch(args: argparse.Namespace) -> None:
         from megarl.bench import generate
 
         generate.run(generate.GenerateBench(args.backend, args.batch, args.max_new_tokens, args.dtype))
+    elif args.command == "bench" and args.benchmark == "machine":
+        from megarl.bench import machine
+
+        machine.run(machine.MachineBench(min_time=args.min_time))
     elif args.command == "bench" and args.benchmark == "async-vs-sync":
         from megarl.bench import async_vs_sync
 
