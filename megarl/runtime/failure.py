@@ -16,6 +16,21 @@ import time
 
 REPORT_ENV = "MEGARL_ERROR_REPORT"  # set by runtime.launch for the ranks it spawns
 USER_ERROR_EXIT_CODE = 2
+ROLE_SUFFIX = ".role"  # beside the error report: what the rank is, read by runtime.launch
+
+
+def announce_role(role: str) -> None:
+    """Tell the local launcher what this rank is (its executor) and its pid, ahead of any failure:
+    a rank killed without a word (SIGKILL, the OOM killer) writes no report, and the launcher
+    would otherwise name it by number only. A no-op where no launcher of ours asked (torchrun)."""
+    from pathlib import Path
+
+    path = os.environ.get(REPORT_ENV)
+    if path:
+        try:
+            Path(path).with_suffix(ROLE_SUFFIX).write_text(f"{role}, pid {os.getpid()}")
+        except OSError:
+            pass
 
 
 def fail_rank(message: str) -> None:

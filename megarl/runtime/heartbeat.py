@@ -36,6 +36,9 @@ class Heartbeat:
         self.count, self.last = 0, 0.0
         self.host = socket.gethostname()
         self.beat("starting", force=True)
+        from megarl.runtime.failure import announce_role
+
+        announce_role(role)  # the local launcher names a rank killed outright by this
         self._stop = threading.Event()
 
     def watch(self) -> None:

@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 
 from megarl.errors import MegarlError
 from megarl.runtime.distributed import free_port
-from megarl.runtime.failure import REPORT_ENV, USER_ERROR_EXIT_CODE
+from megarl.runtime.failure import REPORT_ENV, ROLE_SUFFIX, USER_ERROR_EXIT_CODE
 
 
 def running_under_torchrun() -> bool:
@@ -71,6 +71,14 @@ def _child(index: int, worlds: list, error_dir: str) -> None:
     except BaseException:
         report.with_suffix(".crash").write_text(f"{time.time()}\n{traceback.format_exc()}")
         raise
+
+
+def _named(error_dir: Path, index: int) -> str:
+    """'rank N (its executor, pid P)' once the rank announced itself (runtime.failure.announce_role)."""
+    try:
+        return f"rank {index} ({(error_dir / f'rank{index}{ROLE_SUFFIX}').read_text()})"
+    except OSError:
+        return f"rank {index}"
 
 
 def _failure_message(error_dir: Path, fallback: str) -> str:
@@ -149,7 +157,8 @@ def run_worlds(worlds: List[Tuple[Callable[..., Any], int, tuple]]) -> None:
             if err.signal_name:  # killed (OOM killer, scheduler, a user): it wrote no report, and its
                 # peers' reports only say that it vanished -- name it first
                 others = _failure_message(Path(error_dir), "")
-                raise MegarlError(f"rank {err.error_index} was killed by {err.signal_name}; the job stopped"
+                raise MegarlError(f"{_named(Path(error_dir), err.error_index)} was killed by {err.signal_name}; "
+                                  f"the job stopped"
                                   + (f" (then {others.splitlines()[0]})" if others else "")) from None
-            fallback = f"rank {err.error_index} exited with code {err.exit_code}"
+            fallback = f"{_named(Path(error_dir), err.error_index)} exited with code {err.exit_code}"
             raise MegarlError(_failure_message(Path(error_dir), fallback)) from None

@@ -21,3 +21,15 @@ def user_error_on_rank_two():
     if os.environ["RANK"] == "2":
         raise ConfigError("field 'x' is bad")
     time.sleep(60)
+
+
+def killed_after_announcing():
+    """Rank 1 says what it is (as the controller's heartbeat does), then dies without a word."""
+    import signal
+
+    from megarl.runtime.failure import announce_role
+
+    announce_role("generator replica 0, TP rank 0" if os.environ["RANK"] == "1" else "trainer")
+    if os.environ["RANK"] == "1":
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(60)
