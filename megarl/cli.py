@@ -57,12 +57,17 @@ def build_parser() -> argparse.ArgumentParser:
     train_step.add_argument("--samples", type=int, default=8)
     train_step.add_argument("--steps", type=int, default=3, help="timed steps per side (after one warm-up)")
     train_step.add_argument("--max-tokens", type=int, default=256, help="Megatron micro-batch row length")
+    train_step.add_argument("--no-roofline", action="store_true", help="skip measuring this machine's roofline")
 
     gen = bench_sub.add_parser("generate", help="generation tokens/s: megarl's engine vs transformers' generate")
     gen.add_argument("--backend", default="torch", choices=["torch", "sglang"])
     gen.add_argument("--batch", type=int, default=64)
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    gen.add_argument("--vllm-python", default="", metavar="PATH",
+                     help="also run vLLM's CPU build with this interpreter (its own venv) on the same prompts")
+    gen.add_argument("--vllm-dtype", default="bf16", choices=["fp32", "bf16"], help="the dtype vLLM serves in")
+    gen.add_argument("--no-roofline", action="store_true", help="skip measuring this machine's decode roofline")
 
     mach = bench_sub.add_parser("machine", help="this machine's GEMM / attention / bandwidth rates at the demo "
                                                 "model's shapes and the roofline they imply (one JSON line)")
@@ -137,12 +142,15 @@ def dispatch(args: argparse.Namespace) -> None:
         from megarl.bench import train_step
 
         train_step.run(train_step.BenchSettings(
-            workdir=args.workdir, samples=args.samples, steps=args.steps, max_tokens=args.max_tokens
+            workdir=args.workdir, samples=args.samples, steps=args.steps, max_tokens=args.max_tokens,
+            roofline=not args.no_roofline,
         ))
     elif args.command == "bench" and args.benchmark == "generate":
         from megarl.bench import generate
 
-        generate.run(generate.GenerateBench(args.backend, args.batch, args.max_new_tokens, args.dtype))
+        generate.run(generate.GenerateBench(args.backend, args.batch, args.max_new_tokens, args.dtype,
+                                            vllm_python=args.vllm_python, vllm_dtype=args.vllm_dtype,
+                                            roofline=not args.no_roofline))
     elif args.command == "bench" and args.benchmark == "machine":
         from megarl.bench import machine
 

@@ -9,11 +9,18 @@ One run on this machine, greedy, the same prompts on both sides, two settings:
   batch until its longest answer ends; the engine keeps --batch sequences in
   flight and admits the next prompt as soon as one finishes. Tokens/s counts
   the tokens actually generated.
+
+``roofline``: this machine's decode roofline for the bench's dtype, batch and
+mean context (megarl/bench/roofline.py), measured in the same run; each
+setting reports ``engine_fraction_of_roofline``. ``--vllm-python`` also runs
+vLLM's CPU build (its own interpreter, megarl/bench/vllm_cpu_runner.py) on the
+equal_work prompts from the same HF directory.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 from dataclasses import dataclass
 
@@ -45,6 +52,10 @@ class GenerateBench:
     batch: int = 64
     max_new_tokens: int = 128
     dtype: str = "fp32"
+    vllm_python: str = ""
+    vllm_dtype: str = "bf16"
+    vllm_timeout_s: int = 1800
+    roofline: bool = True
 
 
 def _transformers_run(model, prompts, max_new: int, batch: int, stops) -> tuple:
@@ -113,5 +124,47 @@ def run(b: GenerateBench) -> dict:
                 "transformers_tokens_per_s": hf_tokens / hf_s, "engine_tokens_per_s": engine_tokens / engine_s,
                 "engine_over_transformers": (engine_tokens / engine_s) / (hf_tokens / hf_s),
             }
+        if b.roofline:
+            _add_roofline(result, hf.spec, b, prompts[: b.batch])
+        if b.vllm_python:
+            result["vllm_cpu"] = _vllm_run(b, model_dir, prompts[: b.batch], f"{tmp}/vllm_job.json")
+            if "tokens_per_s" in result["vllm_cpu"]:
+                result["vllm_cpu"]["engine_over_vllm"] = (result["equal_work"]["engine_tokens_per_s"]
+                                                          / result["vllm_cpu"]["tokens_per_s"])
     print(json.dumps(result), flush=True)
     return result
+
+
+def _add_roofline(result: dict, spec, b: GenerateBench, prompts) -> None:
+    """The decode roofline at the equal_work run's batch and mean context, and each run's fraction of it."""
+    from megarl.bench.roofline import decode_roofline
+
+    context = round(sum(len(p) for p in prompts) / len(prompts) + b.max_new_tokens / 2)
+    roof = decode_roofline(spec, b.dtype, b.batch, context)
+    result["roofline"] = roof
+    for name in ("equal_work", "rollouts"):
+        result[name]["engine_fraction_of_roofline"] = result[name]["engine_tokens_per_s"] / roof["tokens_per_s"]
+        result[name]["transformers_fraction_of_roofline"] = (result[name]["transformers_tokens_per_s"]
+                                                             / roof["tokens_per_s"])
+    result["engine_fraction_of_roofline"] = result["equal_work"]["engine_fraction_of_roofline"]
+
+
+def _vllm_run(b: GenerateBench, model_dir, prompts, job_path: str) -> dict:
+    """vLLM CPU's tokens/s on the equal_work prompts (vllm_cpu_runner.py under b.vllm_python), or why none."""
+    from pathlib import Path
+
+    runner = Path(__file__).with_name("vllm_cpu_runner.py")
+    if not Path(b.vllm_python).exists():
+        return {"error": f"--vllm-python {b.vllm_python}: no such interpreter"}
+    Path(job_path).write_text(json.dumps({"model_dir": str(model_dir), "prompts": [list(p) for p in prompts],
+                                          "max_new_tokens": b.max_new_tokens, "batch": b.batch, "dtype": b.vllm_dtype}))
+    try:
+        proc = subprocess.run([b.vllm_python, str(runner), job_path], capture_output=True, text=True,
+                              timeout=b.vllm_timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"error": f"vLLM did not finish within {b.vllm_timeout_s} s"}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+        return {"error": f"vLLM runner exited {proc.returncode}: " + " | ".join(tail)[-800:]}
+    return json.loads(lines[-1])

@@ -12,7 +12,9 @@ synthetic rollouts of the same model, on this machine, in one run:
 
 The transformers side runs first: on CPU the Megatron side activates the CPU
 backend's TorchFunctionMode for the rest of the process. Reports tokens/s of
-each (real tokens, prompt + response) and their ratio.
+each (real tokens, prompt + response) and their ratio, and each as a fraction
+of this machine's fp32 training roofline at --max-tokens rows
+(megarl/bench/roofline.py), measured first in the same run.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class BenchSettings:
     micro_batch_samples: int = 4
     max_tokens: int = 256
     steps: int = 3
+    roofline: bool = True
     lr: float = 1e-6
     rho: float = 4.0
     temperature: float = 1.0
@@ -97,7 +100,13 @@ def run(s: BenchSettings) -> dict:
     from megarl.trainer.advantages import compute_advantages
 
     gguf = smollm2_gguf_path()
-    vocab = gguf_spec(gguf.parent, gguf.name).vocab_size
+    spec = gguf_spec(gguf.parent, gguf.name)
+    vocab = spec.vocab_size
+    roof = None
+    if s.roofline:  # before either side: the Megatron side's CPU TorchFunctionMode stays on afterwards
+        from megarl.bench.roofline import train_roofline
+
+        roof = train_roofline(spec, "fp32", s.max_tokens)
     batch = synthetic_samples(s, vocab)
     real_tokens = sum(len(x.prompt_tokens) + len(x.response_tokens) for x in batch)
     hf_s = _transformers_step_time(gguf, batch, compute_advantages(batch), s)
@@ -117,6 +126,10 @@ def run(s: BenchSettings) -> dict:
         "transformers_padding_efficiency": _padding_efficiency(batch, s.micro_batch_samples),
         "threads": torch.get_num_threads(),
     }
+    if roof is not None:
+        result["roofline"] = roof
+        result["megatron_fraction_of_roofline"] = result["megatron_tokens_per_s"] / roof["tokens_per_s"]
+        result["transformers_fraction_of_roofline"] = result["transformers_tokens_per_s"] / roof["tokens_per_s"]
     print(
         f"train step, {len(batch)} samples, {real_tokens} tokens, median of {s.steps}:\n"
         f"  transformers      {result['transformers_tokens_per_s']:8.1f} tokens/s\n"
