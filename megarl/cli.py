@@ -43,6 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--batch", type=int, default=32, help="sequences in flight")
     ev.add_argument("--cache-dir", default="runs/cache")
     ev.add_argument("--dump", help="write every prompt, response and reward to this .jsonl")
+    ev.add_argument("--dtype", choices=["fp32", "bf16", "auto"], default=None,
+                    help="the dtype the engine decodes in. Default: a training run's checkpoint decodes in the "
+                         "run's generator.dtype (from RUN_DIR/config.json: what its rollouts and in-training "
+                         "evaluations used); any other checkpoint in fp32. auto: bf16 on CUDA and on CPUs with "
+                         "native bf16 (avx512_bf16 / amx_bf16; Arm bf16), else fp32")
 
     data = sub.add_parser("data", help="prompt datasets")
     data_sub = data.add_subparsers(dest="dataset", required=True)
@@ -129,7 +134,8 @@ def dispatch(args: argparse.Namespace) -> None:
     elif args.command == "eval":
         from megarl.evaluate import evaluate
 
-        evaluate(args.checkpoint, args.data, args.max_new_tokens, args.reward, args.batch, args.cache_dir, args.dump)
+        evaluate(args.checkpoint, args.data, args.max_new_tokens, args.reward, args.batch, args.cache_dir, args.dump,
+                 args.dtype)
     elif args.command == "data":
         from megarl.data.arithmetic import run_data
 

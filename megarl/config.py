@@ -26,7 +26,9 @@ class ModelConfig:
     source: str = "smollm2"
     # defaults to the source's; "smollm2" for random models; "none": token-id prompts (data.train random:...)
     tokenizer: Optional[str] = None
-    dtype: str = "fp32"  # trainer parameters: fp32 | bf16
+    # trainer parameters: fp32 | bf16 | auto (bf16 on CUDA and on CPUs that multiply bf16 natively, else
+    # fp32; megarl/runtime/cpu_dtype.py; resolved once by `megarl train`, RUN_DIR/config.json records it)
+    dtype: str = "fp32"
     cache_dir: str = "runs/cache"  # converted checkpoints, reused across runs
 
 
@@ -94,7 +96,7 @@ class GeneratorConfig:
     max_running: int = 32  # sequences in flight per replica
     max_seq_len: int = 1024
     fp8: bool = False
-    dtype: str = "fp32"  # engine weights when not fp8: fp32 | bf16
+    dtype: str = "fp32"  # engine weights when not fp8: fp32 | bf16 | auto (as model.dtype)
     recompute_kv_on_update: bool = False
     # async: once its batch is ready, keep decoding for the next one until the trainer's step ends
     generate_while_waiting: bool = True
@@ -153,6 +155,10 @@ class RunConfig:
     log_rollouts: bool = True  # rollouts.jsonl: every trained sample's text, reward, versions, lags
     # a rank whose progress stops this long ends the job naming it; above the slowest step
     hang_timeout_s: float = 600.0
+    # minutes of training per run (0 = none): at the first step boundary after it the job saves a checkpoint
+    # and exits 0. Counted from the training loop's start (not start-up or conversion) and summed over the
+    # launches of one run: a relaunch continues with what is left, and one whose budget is spent trains nothing
+    time_budget_min: float = 0.0
     keep_checkpoints: int = 0  # keep the newest N complete checkpoints (older ones deleted after a save); 0 = all
     # Weights & Biases next to TensorBoard: {project, name, entity, mode: online | offline | disabled}
     # (megarl.metrics.check_wandb_config); needs `pip install wandb` unless mode is disabled
@@ -179,8 +185,8 @@ class Config:
         t, g, r = self.trainer, self.generator, self.rollout
         _choice("run.mode", self.run.mode, ("async", "sync"))
         _choice("generator.backend", g.backend, ("torch", "sglang"))
-        _choice("model.dtype", self.model.dtype, ("fp32", "bf16"))
-        _choice("generator.dtype", g.dtype, ("fp32", "bf16"))
+        _choice("model.dtype", self.model.dtype, ("fp32", "bf16", "auto"))
+        _choice("generator.dtype", g.dtype, ("fp32", "bf16", "auto"))
         for name in ("trainer.tp", "trainer.pp", "trainer.dp", "generator.tp", "generator.replicas",
                      "generator.max_running", "rollout.prompts_per_step", "rollout.samples_per_prompt",
                      "rollout.max_new_tokens", "run.steps", "trainer.max_tokens_per_microbatch"):
@@ -214,6 +220,9 @@ class Config:
             for name in ("eval_every", "eval_samples"):
                 if getattr(self.data, name) != getattr(DataConfig(), name):
                     raise ConfigError(f"data.{name}: used only with data.eval (a held-out set)")
+        if not self.run.time_budget_min >= 0 or self.run.time_budget_min == float("inf"):
+            raise ConfigError(f"run.time_budget_min: must be a finite number of minutes >= 0 (0 = no budget), "
+                              f"got {self.run.time_budget_min}")
         if self.run.hang_timeout_s <= 0:
             raise ConfigError(f"run.hang_timeout_s: must be > 0, got {self.run.hang_timeout_s}")
         if not 0 < r.top_p <= 1:

@@ -55,6 +55,10 @@ def _load_prompts(cfg: Config, tokenizer, vocab_size: int, source: Optional[str]
     return tokenize_prompts(_load_records(source), tokenizer, cfg.data.max_prompt_tokens)
 
 
+def _minutes(seconds: float) -> str:
+    return f"{seconds / 60:.1f}" if seconds >= 600 else f"{seconds / 60:.2f}"
+
+
 def _collective_timeout_s(cfg: Config) -> float:
     """How long a collective may wait for a peer: the first weight sync waits for SGLang
     servers to start (launched: the checkpoint's conversion and the load included)."""
@@ -203,7 +207,18 @@ class Controller:
         pending: Optional[dict] = self.trainer.restored_pending() if self.trainer is not None else None
         has_pending = self.resume.has_pending
         wall_start, trained, written = time.perf_counter(), 0, 0
-        preempted, saved = False, None
+        # run.time_budget_min: the training loop's seconds, from here (start-up and conversion excluded),
+        # summed over the run's launches through the checkpoints; rank 0's clock decides (agree_stop)
+        budget_s, spent_before = cfg.run.time_budget_min * 60.0, self.resume.train_seconds
+        stop, saved = None, None  # why this launch stopped early: "preempted" | "time_budget"
+        if budget_s and spent_before >= budget_s and self.resume.steps_done < cfg.run.steps:
+            iterations, stop = range(0), "time_budget"  # every rank knows the resume point: no collective
+            if job.rank == 0:
+                print(f"megarl: time budget of {cfg.run.time_budget_min:g} min already spent by this run "
+                      f"({_minutes(spent_before)} min of training up to step {self.resume.steps_done}); its "
+                      f"checkpoint of step {self.resume.steps_done} is in {self.out / CHECKPOINTS}; nothing "
+                      f"trained. Raise run.time_budget_min to train further, or use another run.output_dir "
+                      f"to start over", file=sys.stderr, flush=True)
         checkpoint_s = 0.0  # time spent saving: reported apart from the loop's wall time
         # held-out evaluations (executors/evaluator.py): step k's policy is in the generators at the
         # top of iteration k (sync) or k + 1 (async, k > 0); the last step's after the loop
@@ -250,10 +265,18 @@ class Controller:
                 self.heartbeat.beat(f"iteration {it}: weight sync", force=True, waiting=True)
                 sync_s = self.sync_weights()
             wall = time.perf_counter() - t0
+            step_done = it + (0 if asynchronous else 1)
+            # stop here? a signal on any rank, or rank 0's budget clock; a step must have been trained in
+            # this iteration (async iteration 0 only generates), and the last step ends the run anyway
+            over_budget = (job.rank == 0 and budget_s > 0 and trains_now and step_done < cfg.run.steps
+                           and spent_before + time.perf_counter() - wall_start >= budget_s)
+            stop = preemption.agree_stop(self.job.control, over_budget)
             trained_batch = batch if not asynchronous else pending
             if writer is not None and train_metrics is not None:
                 trained += len(trained_batch["samples"])
                 record = self._record(it, train_metrics, trained_batch, batch, wall, sync_s)
+                if stop is not None or step_done == cfg.run.steps:  # the launch's last step says why
+                    record["stop_reason"] = stop or "steps"
                 writer.write(record)
                 written += 1
                 if collector is not None:
@@ -263,20 +286,18 @@ class Controller:
             if asynchronous:
                 pending = batch if self.trainer is not None else None
                 has_pending = make_batch
-            step_done = it + (0 if asynchronous else 1)
-            preempted = preemption.any_rank_requested(self.job.control)
-            if preempted or (trains_now and self._should_save(step_done)):
+            if stop is not None or (trains_now and self._should_save(step_done)):
                 self.heartbeat.beat(f"iteration {it}: saving the checkpoint of step {step_done}", force=True, waiting=True)
                 save_start = time.perf_counter()
-                saved = self._save(step_done, it + 1, pending if asynchronous else None)
+                spent = spent_before + save_start - wall_start
+                saved = self._save(step_done, it + 1, pending if asynchronous else None, spent)
                 checkpoint_s += time.perf_counter() - save_start
-                if preempted:
+                if stop is not None:
                     if job.rank == 0:
-                        print(f"megarl: preempted ({preemption.requested() or 'signal on another rank'}): "
-                              f"checkpoint of step {step_done} saved in {saved}; run the same command again "
-                              f"to resume", file=sys.stderr, flush=True)
+                        self._say_stopped(stop, step_done, saved, spent, spent_before)
                     break
-        if not preempted and cfg.run.steps in evals:
+        stopped_early = stop is not None
+        if not stopped_early and cfg.run.steps in evals:
             if asynchronous:  # the last step's policy has not reached the generators yet
                 self.sync_weights()
             self._evaluate(cfg.run.steps, collector)
@@ -291,8 +312,14 @@ class Controller:
             summary = summarize(records[len(records) - written:], time.perf_counter() - wall_start - checkpoint_s,
                                 trained)
             summary["time_checkpoint_s"] = checkpoint_s  # not in wall_s / samples_per_s
-            if preempted:
+            summary["stop_reason"] = stop or "steps"
+            if cfg.run.time_budget_min:
+                summary.update(time_budget_min=cfg.run.time_budget_min,
+                               train_min=(spent_before + time.perf_counter() - wall_start) / 60.0)
+            if stop == "preempted":
                 summary.update(preempted=True, checkpoint=str(saved))
+            elif stop == "time_budget":
+                summary.update(checkpoint=str(saved or self.out / CHECKPOINTS))
             (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary
 
@@ -303,7 +330,20 @@ class Controller:
         if collector is not None:
             collector.expect(step)
 
-    def _save(self, step: int, next_iteration: int, pending: Optional[dict]) -> Optional[Path]:
+    def _say_stopped(self, stop: str, step: int, saved, spent: float, spent_before: float) -> None:
+        if stop == "preempted":
+            print(f"megarl: preempted ({preemption.requested() or 'signal on another rank'}): "
+                  f"checkpoint of step {step} saved in {saved}; run the same command again "
+                  f"to resume", file=sys.stderr, flush=True)
+            return
+        launches = f", {_minutes(spent - spent_before)} in this launch" if spent_before else ""
+        print(f"megarl: time budget of {self.cfg.run.time_budget_min:g} min reached after step {step} "
+              f"({_minutes(spent)} min of training{launches}); checkpoint of step {step} saved in {saved}. "
+              f"The budget is the run's: the same command again trains nothing more; raise "
+              f"run.time_budget_min to continue", file=sys.stderr, flush=True)
+
+    def _save(self, step: int, next_iteration: int, pending: Optional[dict],
+              train_seconds: float = 0.0) -> Optional[Path]:
         """Checkpoint at a step boundary (a collective over every rank): the trainer's state, every
         generator replica's prompt stream and, async, the batch not yet trained."""
         state = self.generator.state_dict() if self.generator is not None and self.topo.runs_generator(
@@ -313,7 +353,7 @@ class Controller:
         if self.trainer is None:
             return None
         generators = generator_states(states, self.topo)
-        loop_state = checkpoint_loop_state(step, next_iteration, generators, pending)
+        loop_state = checkpoint_loop_state(step, next_iteration, generators, pending, train_seconds)
         return self.trainer.save_checkpoint(self.out / CHECKPOINTS, step, loop_state)
 
     def close(self) -> None:
@@ -396,6 +436,16 @@ class Controller:
         return record
 
 
+def concrete_config(cfg_dict: dict) -> Config:
+    """The rank's config with no ``auto`` dtype left: `megarl train` resolves it before the launch
+    (and says so); a caller that starts ranks itself gets the same resolution here."""
+    from megarl.runtime.cpu_dtype import resolve_auto_dtypes
+
+    cfg = config_from_dict(cfg_dict)
+    resolve_auto_dtypes(cfg)
+    return cfg
+
+
 def run_rank(cfg_dict: dict, prepared) -> None:
     from megarl.runtime.distributed import shutdown
 
@@ -405,7 +455,7 @@ def run_rank(cfg_dict: dict, prepared) -> None:
     import signal
 
     preemption.install(signals=(signal.SIGUSR1,) if "RANK" in os.environ else preemption.SIGNALS)
-    controller = Controller(config_from_dict(cfg_dict), prepared)
+    controller = Controller(concrete_config(cfg_dict), prepared)
     try:
         controller.run()
     finally:

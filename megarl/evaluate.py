@@ -5,11 +5,20 @@ is loaded by Megatron-Core at TP 1, copied into megarl's torch engine (the
 same path sync-mode training uses), and every prompt is answered greedily
 with continuous batching; rewards come from the reward registry
 (math-verify by default). Prints one JSON line with ``accuracy`` and ``n``.
+
+The engine decodes in one dtype, chosen by this rule (``dtype_rule``): ``--dtype``
+if given (``auto``: what ``model.dtype: auto`` picks on this machine,
+runtime/cpu_dtype.py); else, for a training run's checkpoint, the run's
+``generator.dtype`` from its RUN_DIR/config.json -- the dtype its rollouts and its
+evaluations during training were decoded in; else (a converted checkpoint, an HF
+dir, ``smollm2``) fp32. The checkpoint's weights are read in the dtype they were
+saved in and cast to it.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -44,8 +53,35 @@ def _checkpoint_dir(checkpoint: str, cache_dir: str) -> Path:
     return resolve_checkpoint_dir(prepared.checkpoint, what="--checkpoint", verify="checksums")
 
 
+def _run_config(ckpt_dir: Path) -> dict:
+    """The config.json of the training run a checkpoint (RUN_DIR/checkpoints/iter_N) belongs to; {} if none."""
+    path = ckpt_dir.resolve().parent.parent / "config.json"
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except ValueError:
+        return {}
+
+
+def dtype_rule(requested: str | None, run_config: dict) -> tuple[str, str]:
+    """(dtype, where it came from) of `megarl eval`'s engine (the module docstring's rule)."""
+    from megarl.runtime.cpu_dtype import resolve_dtype
+
+    if requested is not None:
+        if requested == "auto":
+            return resolve_dtype("--dtype", "auto", torch.cuda.is_available())[0], "--dtype auto"
+        return requested, "--dtype"
+    recorded = (run_config.get("generator") or {}).get("dtype")
+    if recorded in ("fp32", "bf16"):
+        return recorded, "the run's generator.dtype"
+    if recorded == "auto":  # a config written before megarl train resolved auto
+        return resolve_dtype("generator.dtype", "auto", torch.cuda.is_available())[0], "the run's generator.dtype (auto)"
+    return "fp32", "default (no run config)"
+
+
 def _eval_rank(ckpt_dir: str, tokenizer_dir: str, data: str, max_new_tokens: int, reward: str, batch: int,
-               out: str, dump: str | None = None) -> None:
+               out: str, dump: str | None = None, dtype: str = "fp32") -> None:
     from megarl.generator.interface import GenerationRequest, SamplingParams
     from megarl.generator.tokenizer import load_tokenizer, stop_ids
     from megarl.generator.torch_engine.engine import TorchEngine
@@ -59,7 +95,8 @@ def _eval_rank(ckpt_dir: str, tokenizer_dir: str, data: str, max_new_tokens: int
     init_distributed()
     init_megatron(ParallelLayout(1, 1))
     spec, chunks = load_llama(ckpt_dir, ParallelLayout(1, 1))  # in the dtype it was saved in
-    params = allocate_generator_params(spec, 1, 0, torch.float32)  # greedy decoding in fp32
+    # decoded in the dtype of dtype_rule: the checkpoint's weights are cast into it by the copy
+    params = allocate_generator_params(spec, 1, 0, torch.bfloat16 if dtype == "bf16" else torch.float32)
     copy_colocated(spec, chunks, params)
     del chunks
     tokenizer = load_tokenizer(tokenizer_dir)
@@ -75,7 +112,7 @@ def _eval_rank(ckpt_dir: str, tokenizer_dir: str, data: str, max_new_tokens: int
     result = {"checkpoint": ckpt_dir, "data": data, "n": len(done),
               "accuracy": sum(s.score >= 1.0 for s in scores) / len(done),
               "reward_mean": sum(s.score for s in scores) / len(done),
-              "generate_s": time.perf_counter() - start, "example": texts[0][:200]}
+              "generate_s": time.perf_counter() - start, "example": texts[0][:200], "dtype": dtype}
     Path(out).write_text(json.dumps(result))
     if dump:
         with open(dump, "w") as f:
@@ -86,22 +123,24 @@ def _eval_rank(ckpt_dir: str, tokenizer_dir: str, data: str, max_new_tokens: int
 
 
 def evaluate(checkpoint: str, data: str, max_new_tokens: int = 64, reward: str = "math", batch: int = 32,
-             cache_dir: str = "runs/cache", dump: str | None = None) -> dict:
+             cache_dir: str = "runs/cache", dump: str | None = None, dtype: str | None = None) -> dict:
     import tempfile
 
     from megarl.checkpointing.megatron_checkpoint import TOKENIZER_DIR
     from megarl.runtime.launch import run_world
 
     ckpt_dir = _checkpoint_dir(checkpoint, cache_dir)
+    run_config = _run_config(ckpt_dir)
+    decode_dtype, source = dtype_rule(dtype, run_config)
+    print(f"megarl: eval decodes in {decode_dtype} ({source})", file=sys.stderr, flush=True)
     tokenizer_dir = ckpt_dir / TOKENIZER_DIR
     if not tokenizer_dir.exists():  # a training run from a random model keeps its tokenizer elsewhere
-        cfg = json.loads((ckpt_dir.parent.parent / "config.json").read_text()) if (
-            ckpt_dir.parent.parent / "config.json").exists() else {}
-        tokenizer_dir = Path(cfg.get("model", {}).get("tokenizer") or "")
+        tokenizer_dir = Path(run_config.get("model", {}).get("tokenizer") or "")
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "result.json")
         run_world(_eval_rank, 1, str(ckpt_dir), str(tokenizer_dir), data, max_new_tokens, reward, batch, out,
-                  dump and str(Path(dump).resolve()))
+                  dump and str(Path(dump).resolve()), decode_dtype)
         result = json.loads(Path(out).read_text())
+    result["dtype_source"] = source
     print(json.dumps(result), flush=True)
     return result

@@ -10,6 +10,8 @@ schedule (executors/trainer.py):
                      the groups it had started but not handed over, to generate again first
     pending          async: the batch already generated, not yet trained on (its samples,
                      with versions and behaviour log-probs), trained first after a resume
+    train_seconds    seconds this run has spent in its training loop up to this checkpoint, over
+                     all its launches (run.time_budget_min counts them; 0 in older checkpoints)
 
 So a sync run resumed from step k is the run that never stopped: the same
 prompts, samples, rewards and losses. An async run resumes with the same
@@ -33,6 +35,7 @@ class ResumePoint:
     steps_done: int = 0
     generators: List[dict] = field(default_factory=list)  # by replica; empty: fresh streams
     has_pending: bool = False
+    train_seconds: float = 0.0  # the training loop's seconds of the launches before (run.time_budget_min)
 
 
 def resume_point(loop_state: dict) -> ResumePoint:
@@ -43,7 +46,8 @@ def resume_point(loop_state: dict) -> ResumePoint:
     step = int(loop_state.get("step", 0))
     return ResumePoint(next_iteration=int(loop_state.get("next_iteration", step)), steps_done=step,
                        generators=list(loop_state.get("generators", [])),
-                       has_pending=loop_state.get("pending") is not None)
+                       has_pending=loop_state.get("pending") is not None,
+                       train_seconds=float(loop_state.get("train_seconds", 0.0)))
 
 
 def generator_states(gathered: list, topology) -> List[dict]:
@@ -55,9 +59,10 @@ def generator_states(gathered: list, topology) -> List[dict]:
     return [by_replica[r] for r in sorted(by_replica)]
 
 
-def checkpoint_loop_state(step: int, next_iteration: int, generators: List[dict], pending: Optional[dict]) -> dict:
+def checkpoint_loop_state(step: int, next_iteration: int, generators: List[dict], pending: Optional[dict],
+                          train_seconds: float = 0.0) -> dict:
     return {"step": step, "next_iteration": next_iteration, "generators": generators,
-            "pending": pending_to_state(pending) if pending is not None else None}
+            "pending": pending_to_state(pending) if pending is not None else None, "train_seconds": train_seconds}
 
 
 def pending_to_state(pending: dict) -> dict:

@@ -47,11 +47,11 @@ def load_recorded_batches(path: Path) -> Dict[int, dict]:
 def replay_rank(cfg_dict: dict, prepared, rollouts: str) -> None:
     import torch.distributed as dist
 
-    from megarl.config import config_from_dict
+    from megarl.controller import concrete_config
     from megarl.executors.trainer import TrainerExecutor
     from megarl.runtime.distributed import init_distributed, shutdown
 
-    cfg = config_from_dict(cfg_dict)
+    cfg = concrete_config(cfg_dict)
     init_distributed()
     batches = load_recorded_batches(Path(rollouts))
     trainer = TrainerExecutor(cfg, None, prepared, resume_dir=None)

@@ -8,6 +8,8 @@ with one JSON line: the run's summary (samples/s, where the time went).
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -20,6 +22,7 @@ def train(config_path: str, overrides: Sequence[str] = (), prepare_only: bool = 
     from megarl.runtime.launch import run_world, running_under_torchrun
 
     cfg = load_config(config_path, overrides)
+    _resolve_dtypes(cfg, replay)
     from megarl.trainer.features import check_trainer_runs_here
 
     check_trainer_runs_here(cfg)
@@ -51,6 +54,9 @@ def train(config_path: str, overrides: Sequence[str] = (), prepare_only: bool = 
                           "tokenizer": prepared.tokenizer, "world_size": cfg.world_size()}), flush=True)
         return {}
     if replay:  # the trainer's ranks alone, on recorded batches (replay.py)
+        if cfg.run.time_budget_min:
+            print(f"megarl: --replay trains every recorded step: run.time_budget_min={cfg.run.time_budget_min:g} "
+                  f"does not apply", file=sys.stderr, flush=True)
         from megarl.replay import replay_rank
 
         run_world(replay_rank, cfg.trainer_size(), cfg.to_dict(), prepared, replay)
@@ -59,3 +65,15 @@ def train(config_path: str, overrides: Sequence[str] = (), prepare_only: bool = 
     summary = json.loads((Path(cfg.run.output_dir) / "summary.json").read_text())
     print(json.dumps(summary), flush=True)
     return summary
+
+
+def _resolve_dtypes(cfg, replay: Optional[str]) -> None:
+    """model.dtype / generator.dtype ``auto`` -> the concrete dtype for this machine (runtime/cpu_dtype.py),
+    once, before any rank starts: the ranks and RUN_DIR/config.json see only fp32 or bf16. A run being
+    resumed keeps the dtype its earlier launch recorded."""
+    from megarl.runtime.cpu_dtype import recorded_dtypes, resolve_auto_dtypes
+
+    recorded = {} if replay else recorded_dtypes(Path(cfg.run.output_dir))
+    for line in resolve_auto_dtypes(cfg, recorded=recorded):
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank resolves; one says so
+            print(f"megarl: {line}", file=sys.stderr, flush=True)

@@ -150,9 +150,9 @@ def gpus_used(cfg) -> int:
 
 
 def _precision(name: str, value: str, hint: str) -> str:
-    if value != "bf16":
+    if value not in ("bf16", "auto"):  # auto is bf16 on the GPUs the planner prices (runtime/cpu_dtype.py)
         raise ConfigError(f"{name}: {value!r}; the planner prices H100 runs in bf16 ({hint})")
-    return value
+    return "bf16"
 
 
 def trainer_options(cfg, section: PlanSection) -> TrainerOptions:

@@ -13,6 +13,10 @@ or a rank -- the ranks end up with a flag set:
   at once (the local launcher and torchrun send it to the survivors when a rank fails);
 - a second signal to the same process ends it at once (exit 128 + signal number).
 
+The same agreement carries ``run.time_budget_min``: the trainer's first rank (rank 0)
+owns the budget's clock and says at each step boundary whether it is spent; the
+ranks then save the same step and stop exactly as for a signal (``agree_stop``).
+
 Under torchrun, signal the ranks (or scripts/launch.sh, which forwards): torchrun
 answers SIGTERM itself by killing its workers after 30 s, before a long step ends.
 """
@@ -54,11 +58,15 @@ def install(forward: Optional[Callable[[int], None]] = None, signals=SIGNALS) ->
         signal.signal(sig, handler)
 
 
-def any_rank_requested(group) -> bool:
-    """True on every rank if any rank of ``group`` got a signal (a collective: all ranks call it)."""
+def agree_stop(group, budget_reached: bool = False) -> Optional[str]:
+    """Why the job stops at this step boundary, the same on every rank of ``group`` (a collective:
+    all ranks call it): "preempted" if any rank got a signal, else "time_budget" if any rank says
+    the time budget is spent (``budget_reached``), else None."""
     import torch
     import torch.distributed as dist
 
-    flag = torch.tensor([1 if _requested is not None else 0])
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    return bool(flag.item())
+    flags = torch.tensor([1 if _requested is not None else 0, 1 if budget_reached else 0])
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    if flags[0].item():
+        return "preempted"
+    return "time_budget" if flags[1].item() else None
