@@ -18,6 +18,11 @@ import time
 def main(job_path: str) -> None:
     job = json.load(open(job_path))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(job.get("kv_cache_gb", 2)))
+    # vLLM's CPU default reserves one core for its frontend and binds the worker to the rest:
+    # on a 2-core machine that halves its compute; give it every core, as the engine gets.
+    cores = os.cpu_count() or 1
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{cores - 1}" if cores > 1 else "0")
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     import vllm
     from vllm import LLM, SamplingParams
 
@@ -26,7 +31,9 @@ def main(job_path: str) -> None:
     start = time.perf_counter()
     llm = LLM(model=job["model_dir"], dtype={"bf16": "bfloat16", "fp32": "float32"}[job["dtype"]],
               max_num_seqs=job["batch"], max_model_len=max_len, skip_tokenizer_init=True, seed=0,
-              enforce_eager=bool(job.get("enforce_eager", False)))
+              enforce_eager=bool(job.get("enforce_eager", False)),
+              # the directory materialised from the GGUF has architectures: null; vLLM would resolve LlamaModel
+              hf_overrides={"architectures": ["LlamaForCausalLM"]})
     params = SamplingParams(temperature=0.0, max_tokens=job["max_new_tokens"], ignore_eos=True, detokenize=False)
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False)
     llm.generate([{"prompt_token_ids": p} for p in prompts[: job["batch"]]], warm, use_tqdm=False)
