@@ -153,6 +153,31 @@ def test_in_flight_update_versions_and_kv_recompute(smol):
             assert (torch.tensor(f.logprobs) - torch.tensor(c.logprobs[10:])).abs().max() <= 1e-4
 
 
+def test_onednn_linears_match_mkl_and_follow_in_place_weight_updates(smol):
+    """The engine's oneDNN path (prepacked weight copies) computes what F.linear computes, and a
+    weight update reaches the packed copies: forced on, whatever this CPU's probe would pick."""
+    hf, prompts, stops = smol
+    runs = {}
+    for path in ("mkl", "onednn"):
+        eng = engine(hf, linear_path=path)
+        assert bool(eng.model.kernels.packed) == (path == "onednn")
+        eng.submit([GenerationRequest(str(i), p, greedy(stops)) for i, p in enumerate(prompts)])
+        runs[path] = by_id(eng.run_until_idle())
+    for key, c in runs["mkl"].items():
+        assert runs["onednn"][key].output_ids == c.output_ids
+        assert (torch.tensor(runs["onednn"][key].logprobs) - torch.tensor(c.logprobs)).abs().max() <= 1e-4
+    v1 = scaled_params(hf, 1.05)
+    updated = engine(hf, linear_path="onednn")
+    updated.update_weights(lambda: ([updated.params[k].copy_(v) for k, v in v1.items()], SyncStats(version=1))[1])
+    fresh = TorchEngine(hf.spec, {k: v.clone() for k, v in v1.items()}, max_running=8, max_seq_len=384,
+                        linear_path="mkl")
+    for eng in (updated, fresh):
+        eng.submit([GenerationRequest("x", prompts[4], greedy((), 12))])
+    (a,), (b,) = updated.run_until_idle(), fresh.run_until_idle()
+    assert a.output_ids == b.output_ids and a.versions == [1] * 12
+    assert (torch.tensor(a.logprobs) - torch.tensor(b.logprobs)).abs().max() <= 1e-4
+
+
 def test_block_fp8_logits_stay_close_to_bf16(smol):
     hf, prompts, _ = smol
     ids = prompts[4]

@@ -10,7 +10,7 @@ its log-probability under the unscaled model distribution.
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -33,19 +33,30 @@ def _filtered_log_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor
 
 def sample(logits: torch.Tensor, params: List[SamplingParams], generators: List[Optional[torch.Generator]]
            ) -> Tuple[List[int], List[float]]:
-    """One token per row of ``logits`` [B, V]; returns (tokens, behaviour log-probs)."""
-    tokens, logprobs = [], []
-    greedy_logp = None
-    for row, (p, g) in enumerate(zip(params, generators)):
-        if p.temperature == 0:
-            if greedy_logp is None:
-                greedy_logp = torch.log_softmax(logits.float(), dim=-1)
-            token = int(torch.argmax(logits[row]))
-            tokens.append(token)
-            logprobs.append(float(greedy_logp[row, token]))
+    """One token per row of ``logits`` [B, V]; returns (tokens, behaviour log-probs).
+
+    Rows are batched where the math is row-wise anyway (greedy rows; rows with only a
+    temperature), so a row's result does not depend on the others; each sampled row
+    still draws with its own generator."""
+    tokens, logprobs = [0] * len(params), [0.0] * len(params)
+    plain: Dict[float, List[int]] = {}  # temperature -> rows with no top-k / top-p
+    for row, p in enumerate(params):
+        if p.temperature == 0 or not ((p.top_k and p.top_k < logits.shape[-1]) or p.top_p < 1.0):
+            plain.setdefault(p.temperature, []).append(row)
             continue
         logp = _filtered_log_probs(logits[row], p)
-        token = int(torch.multinomial(logp.exp(), 1, generator=g))
-        tokens.append(token)
-        logprobs.append(float(logp[token]))
+        tokens[row] = int(torch.multinomial(logp.exp(), 1, generator=generators[row]))
+        logprobs[row] = float(logp[tokens[row]])
+    for temperature, rows in plain.items():
+        x = logits[rows].float()
+        if temperature == 0:
+            chosen = torch.argmax(x, dim=-1)
+            logp = torch.log_softmax(x, dim=-1)
+        else:
+            logp = torch.log_softmax(x / temperature, dim=-1)
+            probs = logp.exp()
+            chosen = torch.cat([torch.multinomial(probs[j], 1, generator=generators[row]) for j, row in enumerate(rows)])
+        picked = logp.gather(1, chosen[:, None])[:, 0]
+        for row, token, lp in zip(rows, chosen.tolist(), picked.tolist()):
+            tokens[row], logprobs[row] = token, lp
     return tokens, logprobs

@@ -52,9 +52,10 @@ class _Sequence:
 class TorchEngine(GeneratorBackend):
     def __init__(self, spec: LlamaSpec, params: Dict[str, torch.Tensor], max_running: int = 64,
                  max_seq_len: int = 2048, tp: int = 1, tp_rank: int = 0, group=None,
-                 recompute_kv_on_update: bool = False, version: int = 0):
+                 recompute_kv_on_update: bool = False, version: int = 0, linear_path: str = "auto"):
         self.spec = spec
-        self.model = SglangLayoutLlama(spec, params, tp, tp_rank, group)
+        self.model = SglangLayoutLlama(spec, params, tp, tp_rank, group, decode_rows=max_running,
+                                       linear_path=linear_path)
         self.params = params
         self.cache = KVCache(spec.num_layers, max_running, self.model.kv_heads, max_seq_len, spec.head_dim,
                              self.model.dtype, self.model.device)
@@ -91,6 +92,7 @@ class TorchEngine(GeneratorBackend):
 
     def update_weights(self, apply: Callable[[], object]):
         stats = apply()
+        self.model.kernels.repack()  # the weights changed in place
         self.version = int(stats.version)
         if self.recompute_kv_on_update and self.running:
             seqs = list(self.running.values())

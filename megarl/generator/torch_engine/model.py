@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megarl.generator.torch_engine.kernels import LinearKernels
 from megarl.models.spec import LlamaSpec
 from megarl.weight_sync import fp8 as fp8_format
 from megarl.weight_sync.layouts import sglang_kv_head_of, sglang_padded_vocab
@@ -47,9 +48,10 @@ def rope_inv_freq(spec: LlamaSpec) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """transformers' ``x * cos + rotate_half(x) * sin`` with the negation folded into the sin."""
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
 
 
 @dataclass
@@ -79,7 +81,9 @@ class KVCache:
 
 class SglangLayoutLlama:
     def __init__(self, spec: LlamaSpec, params: Dict[str, torch.Tensor], tp: int = 1, tp_rank: int = 0,
-                 group=None, fp8: bool = False):
+                 group=None, fp8: bool = False, decode_rows: int = 0, linear_path: str = "mkl"):
+        """``linear_path`` "auto": time MKL against oneDNN at ``decode_rows`` rows per weight shape
+        and use the faster (kernels.py); "mkl": plain ``F.linear``; "onednn": oneDNN wherever it runs."""
         self.spec, self.params, self.tp, self.tp_rank, self.group, self.fp8 = spec, params, tp, tp_rank, group, fp8
         self.heads = spec.num_attention_heads // tp
         kv0, kv1 = sglang_kv_head_of(spec, tp, tp_rank)
@@ -89,6 +93,9 @@ class SglangLayoutLlama:
         self.inv_freq = rope_inv_freq(spec)
         self.dtype = params["model.norm.weight"].dtype
         self.device = params["model.norm.weight"].device
+        linears = [n for n in params if n.endswith("_proj.weight")]
+        linears.append("model.embed_tokens.weight" if spec.tie_embeddings else "lm_head.weight")
+        self.kernels = LinearKernels(params, linears, decode_rows, linear_path)
 
     # -- building blocks -----------------------------------------------------------------------
 
@@ -99,7 +106,9 @@ class SglangLayoutLlama:
         return w
 
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return F.linear(x, self._weight(name))
+        if self.params[name].dtype == fp8_format.FP8_DTYPE:
+            return F.linear(x, self._weight(name))
+        return self.kernels.linear(x, name)
 
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp > 1:
@@ -107,6 +116,8 @@ class SglangLayoutLlama:
         return x
 
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused kernel, the same math
+            return F.rms_norm(x, (x.shape[-1],), self.params[name], self.spec.rms_norm_eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.spec.rms_norm_eps)
         return self.params[name] * h.to(x.dtype)
@@ -120,7 +131,7 @@ class SglangLayoutLlama:
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         name = "model.embed_tokens.weight" if self.spec.tie_embeddings else "lm_head.weight"
-        local = F.linear(x, self.params[name]).float()
+        local = self.kernels.linear(x, name).float()
         if self.tp > 1:
             parts = [torch.empty_like(local) for _ in range(self.tp)]
             dist.all_gather(parts, local.contiguous(), group=self.group)
@@ -128,9 +139,12 @@ class SglangLayoutLlama:
         return local[..., : self.spec.vocab_size]
 
     def _rope(self, positions: torch.Tensor):
+        """cos and sin [T, 1, head_dim]; sin's first half negated, so that rotating is
+        x * cos + swap_halves(x) * signed_sin (rotate_half without its negation per layer)."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :].to(positions.device)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        cos = torch.cat((freqs, freqs), dim=-1).cos()
+        signed_sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
+        return cos.to(self.dtype)[:, None], signed_sin.to(self.dtype)[:, None]
 
     # -- the forward ---------------------------------------------------------------------------
 
@@ -146,22 +160,29 @@ class SglangLayoutLlama:
         # call, sequences being prefilled one by one; the linear layers see all rows at once.
         decode = [s for s in segments if s.length == 1]
         ragged = [s for s in segments if s.length != 1]
-        decode_rows = torch.tensor([s.offset for s in decode], dtype=torch.long, device=tokens.device)
+        first = decode[0].offset if decode else 0
+        if [s.offset for s in decode] == list(range(first, first + len(decode))):
+            decode_rows = slice(first, first + len(decode))  # the engine puts them last, together: views
+        else:
+            decode_rows = torch.tensor([s.offset for s in decode], dtype=torch.long, device=tokens.device)
+        plan = self._decode_plan(decode, cache, tokens.device) if decode else None
         for i in range(self.spec.num_layers):
             p = f"model.layers.{i}."
             h = self._norm(x, p + "input_layernorm.weight")
             qkv = self._linear(h, p + "self_attn.qkv_proj.weight")
-            q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
-            q = q.view(-1, self.heads, d)
-            k = k.view(-1, self.kv_heads, d)
-            q = q * cos[:, None] + _rotate_half(q) * sin[:, None]
-            k = k * cos[:, None] + _rotate_half(k) * sin[:, None]
-            v = v.view(-1, self.kv_heads, d)
-            attn = torch.empty_like(q)
+            # q and k heads are adjacent in qkv_proj: rotated in one pass
+            qk = _apply_rope(qkv[:, : (self.heads + self.kv_heads) * d].view(-1, self.heads + self.kv_heads, d),
+                             cos, sin)
+            q, k = qk[:, : self.heads], qk[:, self.heads :]
+            v = qkv[:, (self.heads + self.kv_heads) * d :].view(-1, self.kv_heads, d)
             if ragged:
+                attn = torch.empty_like(q)
                 self._attend_ragged(q, k, v, ragged, cache, i, attn)
-            if decode:
-                attn[decode_rows] = self._attend_decode(q[decode_rows], k[decode_rows], v[decode_rows], decode, cache, i)
+                if decode:
+                    attn[decode_rows] = self._attend_decode(q[decode_rows], k[decode_rows], v[decode_rows], plan,
+                                                            cache, i)
+            else:  # decode only: every row
+                attn = self._attend_decode(q, k, v, plan, cache, i)
             x = x + self._all_reduce(self._linear(attn.reshape(-1, self.heads * d), p + "self_attn.o_proj.weight"))
             h = self._norm(x, p + "post_attention_layernorm.weight")
             gate, up = self._linear(h, p + "mlp.gate_up_proj.weight").chunk(2, dim=-1)
@@ -188,23 +209,40 @@ class SglangLayoutLlama:
                                                enable_gqa=self.heads != self.kv_heads)
             out[rows] = o[0].transpose(0, 1)
 
-    def _attend_decode(self, q, k, v, segments: List[Segment], cache: KVCache, layer: int) -> torch.Tensor:
-        """One new token per sequence (rows of q, k, v in segment order): one batched attention
-        over the slots' cached prefixes."""
+    def _decode_plan(self, segments: List[Segment], cache: KVCache, device) -> "_DecodePlan":
+        """What every layer's decode attention needs, computed once per forward: the flat cache
+        rows each new key lands in, the cache slots to read and the length mask."""
         slot_list = [s.slot for s in segments]
-        slots = torch.tensor(slot_list, device=q.device)
-        starts = torch.tensor([s.start for s in segments], device=q.device)
-        cache.k[layer][slots, :, starts] = k
-        cache.v[layer][slots, :, starts] = v
+        slots = torch.tensor(slot_list, device=device)
+        starts = torch.tensor([s.start for s in segments], device=device)
+        heads = torch.arange(self.kv_heads, device=device)
+        # cache.k[layer] is [slots, kv_heads, max_len, head_dim]: (slot, head, pos) -> one row of a [-1, head_dim] view
+        write_rows = ((slots[:, None] * self.kv_heads + heads[None, :]) * cache.max_len + starts[:, None]).reshape(-1)
         longest = int(starts.max()) + 1
         if slot_list == list(range(slot_list[0], slot_list[0] + len(slot_list))):
-            rows = slice(slot_list[0], slot_list[0] + len(slot_list))  # a view: no copy of the cache
+            read = slice(slot_list[0], slot_list[0] + len(slot_list))  # a view: no copy of the cache
         else:
-            rows = slots
-        keys = cache.k[layer][rows, :, :longest]
-        values = cache.v[layer][rows, :, :longest]
-        mask = (torch.arange(longest, device=q.device)[None, :] <= starts[:, None])[:, None, None, :]
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask,
-                                           scale=1.0 / math.sqrt(self.spec.head_dim),
-                                           enable_gqa=self.heads != self.kv_heads)
-        return o.squeeze(2)
+            read = slots
+        mask = (torch.arange(longest, device=device)[None, :] <= starts[:, None])[:, None, None, :]
+        return _DecodePlan(write_rows, read, longest, mask)
+
+    def _attend_decode(self, q, k, v, plan: "_DecodePlan", cache: KVCache, layer: int) -> torch.Tensor:
+        """One new token per sequence (rows of q, k, v in segment order): one batched attention
+        over the slots' cached prefixes. The query heads sharing a KV head attend as that head's
+        queries ([B, kv_heads, group, d]): no copy of the keys per query head (GQA)."""
+        d = self.spec.head_dim
+        cache.k[layer].view(-1, d).index_copy_(0, plan.write_rows, k.reshape(-1, d))
+        cache.v[layer].view(-1, d).index_copy_(0, plan.write_rows, v.reshape(-1, d))
+        keys = cache.k[layer][plan.read, :, : plan.longest]
+        values = cache.v[layer][plan.read, :, : plan.longest]
+        grouped = q.reshape(q.shape[0], self.kv_heads, self.heads // self.kv_heads, d)
+        o = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=plan.mask, scale=1.0 / math.sqrt(d))
+        return o.reshape(q.shape[0], self.heads, d)
+
+
+@dataclass
+class _DecodePlan:
+    write_rows: torch.Tensor  # [decoding sequences x kv heads] rows of the cache's [-1, head_dim] view
+    read: object  # slice or index tensor of cache slots
+    longest: int
+    mask: torch.Tensor  # [B, 1, 1, longest]: key j visible to sequence b
