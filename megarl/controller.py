@@ -44,15 +44,14 @@ def _broadcast_from_rank0(job, value):
 
 def _load_prompts(cfg: Config, tokenizer, vocab_size: int, source: Optional[str] = None) -> list:
     """Tokenized prompts of ``source`` (default data.train)."""
-    from megarl.evaluate import _load_records
-    from megarl.data.datasets import tokenize_prompts
+    from megarl.data.datasets import load_records, tokenize_prompts
 
     source = source or cfg.data.train
     if source.startswith("random:"):  # token ids: no tokenizer involved
         from megarl.data.random_tokens import random_token_prompts
 
         return random_token_prompts(source, vocab_size, cfg.data.max_prompt_tokens)
-    return tokenize_prompts(_load_records(source), tokenizer, cfg.data.max_prompt_tokens)
+    return tokenize_prompts(load_records(source), tokenizer, cfg.data.max_prompt_tokens)
 
 
 def _minutes(seconds: float) -> str:

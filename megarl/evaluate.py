@@ -25,15 +25,6 @@ from pathlib import Path
 import torch
 
 
-def _load_records(data: str):
-    from megarl.data.arithmetic import arithmetic_records
-    from megarl.data.datasets import load_prompts, parse_record
-
-    if data.startswith("arithmetic:"):
-        return [parse_record(r, f"{data}#{i}") for i, r in enumerate(arithmetic_records(data))]
-    return load_prompts(data)
-
-
 def _checkpoint_dir(checkpoint: str, cache_dir: str) -> Path:
     from megarl.checkpointing.megatron_checkpoint import resolve_checkpoint_dir
     from megarl.config import ModelConfig
@@ -85,7 +76,7 @@ def _eval_rank(ckpt_dir: str, tokenizer_dir: str, data: str, max_new_tokens: int
     from megarl.generator.interface import GenerationRequest, SamplingParams
     from megarl.generator.tokenizer import load_tokenizer, stop_ids
     from megarl.generator.torch_engine.engine import TorchEngine
-    from megarl.data.datasets import tokenize_prompts
+    from megarl.data.datasets import load_records, tokenize_prompts
     from megarl.models.loading import load_llama
     from megarl.rewards.scoring import score_batch
     from megarl.runtime.distributed import ParallelLayout, init_distributed, init_megatron, shutdown
@@ -100,7 +91,7 @@ def _eval_rank(ckpt_dir: str, tokenizer_dir: str, data: str, max_new_tokens: int
     copy_colocated(spec, chunks, params)
     del chunks
     tokenizer = load_tokenizer(tokenizer_dir)
-    prompts = tokenize_prompts(_load_records(data), tokenizer, 512)
+    prompts = tokenize_prompts(load_records(data), tokenizer, 512)
     longest = max(len(p.ids) for p in prompts)
     engine = TorchEngine(spec, params, max_running=batch, max_seq_len=longest + max_new_tokens + 1)
     sp = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids(tokenizer))

@@ -50,6 +50,16 @@ class TokenizedPrompt:
     record: PromptRecord
 
 
+def load_records(spec: str) -> List[PromptRecord]:
+    """The records a data spec names: ``arithmetic:...`` (built in, megarl/data/arithmetic.py)
+    or a .jsonl / .parquet file. ``random:...`` specs are token ids, not records: the caller's."""
+    if spec.startswith("arithmetic:"):
+        from megarl.data.arithmetic import arithmetic_records
+
+        return [parse_record(r, f"{spec}#{i}") for i, r in enumerate(arithmetic_records(spec))]
+    return load_prompts(spec)
+
+
 def load_prompts(path) -> List[PromptRecord]:
     """Every record of a .jsonl or .parquet prompt file; ConfigError naming file:line on a bad one."""
     path = os.fspath(path)
