@@ -39,6 +39,16 @@ def _pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, rows)
 
 
+def _packable(weight: torch.Tensor, rows: int) -> bool:
+    """oneDNN refuses some dtypes on some CPUs (bf16 packing needs avx_ne_convert or AVX-512 BW/VL/DQ):
+    those weights stay on F.linear."""
+    try:
+        _pack(weight[:1], rows)
+        return True
+    except RuntimeError:
+        return False
+
+
 def _onednn(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
@@ -63,7 +73,7 @@ class LinearKernels:
         self.packed: Dict[str, torch.Tensor] = {}
         self.choice: Dict[Tuple[int, int], str] = {}  # (out, in) -> "mkl" | "onednn"
         self.timings: Dict[Tuple[int, int], Tuple[float, float]] = {}  # (out, in) -> (mkl s, onednn s)
-        names = [n for n in names if onednn_linear_available(params[n])]
+        names = [n for n in names if onednn_linear_available(params[n]) and _packable(params[n], self.rows)]
         if path == "auto":
             self._probe(names)
         elif path == "onednn":
