@@ -1,3 +1,9 @@
 """megarl: a Megatron-Core backend for reinforcement learning of large language models."""
 
 __version__ = "0.1.0"
+
+# Before anything imports Megatron-Core: on CPU its import would load torch.compile's
+# stack for fusions megarl never runs there (~3 s per rank process; see the patch).
+from megatron_patches.jit_fuser import install as _install_jit_fuser_hook  # noqa: E402
+
+_install_jit_fuser_hook()

@@ -11,9 +11,21 @@ that is wrong on any device and never change a value that is right.
                       distributed-optimizer load (torch Adam: no Apex/TE)
     checkpoint_writer the checkpoint writer's helper process dies with its
                       rank (else a killed job leaves it holding the job's pipes)
+    jit_fuser         on CPU, Megatron-Core's import does not load torch.compile's
+                      stack for fusions that never run there (installed by
+                      ``import megarl``: ~3 s of CPU per rank process)
+
+The names below are imported lazily: ``import megarl`` installs the jit_fuser hook
+through this package and must not pay for importing torch.
 """
 
-from megatron_patches.cpu_backend import apply as apply_cpu_backend
-from megatron_patches.cpu_backend import cpu_device_mode, is_active
-
 __all__ = ["apply_cpu_backend", "cpu_device_mode", "is_active"]
+
+
+def __getattr__(name):
+    if name in __all__:
+        from megatron_patches import cpu_backend
+
+        return {"apply_cpu_backend": cpu_backend.apply, "cpu_device_mode": cpu_backend.cpu_device_mode,
+                "is_active": cpu_backend.is_active}[name]
+    raise AttributeError(f"module 'megatron_patches' has no attribute {name!r}")

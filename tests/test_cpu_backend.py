@@ -35,3 +35,21 @@ def test_warns_clearly_on_another_megatron_version():
     out = observe("other_version")
     assert out["applied"]
     assert any("0.16.1" in m and "0.17.0" in m for m in out["messages"]), out["messages"]
+
+
+def _jit_fuser_after_import(fake_cuda: bool) -> dict:
+    code = (
+        "import json, sys, torch\n"
+        + ("torch.cuda.is_available = lambda: True\n" if fake_cuda else "")
+        + "import megarl, megatron.core, megatron.core.jit as jit\n"
+        "print(json.dumps({'compile': jit.jit_fuser is torch.compile, 'noop': jit.jit_fuser is jit.noop_decorator,\n"
+        "                  'dynamo': 'torch._dynamo' in sys.modules}))\n"
+    )
+    return json.loads(run_command([sys.executable, "-c", code]).stdout.strip().splitlines()[-1])
+
+
+def test_megatron_import_skips_torch_compile_on_cpu_only():
+    # megatron_patches/jit_fuser.py: on CPU no fused function runs, so its import need not
+    # load TorchDynamo (seconds per rank process); with CUDA, Megatron's fuser stays.
+    assert _jit_fuser_after_import(fake_cuda=False) == {"compile": False, "noop": True, "dynamo": False}
+    assert _jit_fuser_after_import(fake_cuda=True) == {"compile": True, "noop": False, "dynamo": True}
