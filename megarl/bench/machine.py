@@ -51,12 +51,16 @@ def demo_spec():
 
 
 def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> dict:
-    try:
-        text = open(cpuinfo).read()
-    except OSError:
+    """The CPU's model name and which of FLAGS it has (flags read as `dtype: auto` reads them)."""
+    from pathlib import Path
+
+    from megarl.runtime.cpu_dtype import read_cpu_flags
+
+    flags = read_cpu_flags(cpuinfo)
+    if flags is None:
         return {}
-    line = next((ln for ln in text.splitlines() if ln.startswith(("flags", "Features"))), "")
-    present = set(line.partition(":")[2].split())
+    present = set(flags.split())
+    text = Path(cpuinfo).read_text()
     model = next((ln.partition(":")[2].strip() for ln in text.splitlines() if ln.startswith("model name")), "")
     return {"model_name": model, **{f: f in present for f in FLAGS}}
 
