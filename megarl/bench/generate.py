@@ -12,7 +12,9 @@ One run on this machine, greedy, the same prompts on both sides, two settings:
 
 ``roofline``: this machine's decode roofline for the bench's dtype, batch and
 mean context (megarl/bench/roofline.py), measured in the same run; each
-setting reports ``engine_fraction_of_roofline``. ``--vllm-python`` also runs
+setting reports ``engine_fraction_of_roofline``, and ``engine_decode_fraction_of_roofline``
+is equal_work's decode alone (the steps after the one that prefills its prompts): the
+roofline counts decode FLOPs, not the prompts'. ``--vllm-python`` also runs
 vLLM's CPU build (its own interpreter, megarl/bench/vllm_cpu_runner.py) on the
 equal_work prompts from the same HF directory.
 """
@@ -81,11 +83,18 @@ def _transformers_run(model, prompts, max_new: int, batch: int, stops) -> tuple:
 
 
 def _engine_run(engine, prompts, max_new: int, stops) -> tuple:
+    """(seconds, tokens, decode seconds, decode tokens): the decode part is every step after
+    the first, which prefills the prompts it admits -- all of them when they fit in one batch,
+    so then the rest is pure decode, the work the decode roofline describes."""
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new, stop_token_ids=tuple(stops))
     engine.submit([GenerationRequest(str(i), p, params) for i, p in enumerate(prompts)])
+    before = engine.stats()["generated_tokens"]
     start = time.perf_counter()
-    done = engine.run_until_idle()
-    return time.perf_counter() - start, sum(len(c.output_ids) for c in done)
+    done = engine.step()
+    first_s, first_tokens = time.perf_counter() - start, engine.stats()["generated_tokens"] - before
+    done += engine.run_until_idle()
+    seconds, tokens = time.perf_counter() - start, sum(len(c.output_ids) for c in done)
+    return seconds, tokens, seconds - first_s, tokens - first_tokens
 
 
 def run(b: GenerateBench) -> dict:
@@ -118,12 +127,14 @@ def run(b: GenerateBench) -> dict:
                              max_seq_len=max(len(p) for p in prompts) + b.max_new_tokens + 1)
         for name, chunk, stop in (("equal_work", prompts[: b.batch], ()), ("rollouts", prompts, stops)):
             hf_s, hf_tokens = _transformers_run(model, chunk, b.max_new_tokens, b.batch, stop)
-            engine_s, engine_tokens = _engine_run(engine, chunk, b.max_new_tokens, stop)
+            engine_s, engine_tokens, decode_s, decode_tokens = _engine_run(engine, chunk, b.max_new_tokens, stop)
             result[name] = {
                 "prompts": len(chunk), "transformers_tokens": hf_tokens, "engine_tokens": engine_tokens,
                 "transformers_tokens_per_s": hf_tokens / hf_s, "engine_tokens_per_s": engine_tokens / engine_s,
                 "engine_over_transformers": (engine_tokens / engine_s) / (hf_tokens / hf_s),
             }
+            if name == "equal_work":  # one batch: after the first (prefill) step, decode alone
+                result[name]["engine_decode_tokens_per_s"] = decode_tokens / decode_s
         if b.roofline:
             _add_roofline(result, hf.spec, b, prompts[: b.batch])
         if b.vllm_python:
@@ -147,6 +158,9 @@ def _add_roofline(result: dict, spec, b: GenerateBench, prompts) -> None:
         result[name]["transformers_fraction_of_roofline"] = (result[name]["transformers_tokens_per_s"]
                                                              / roof["tokens_per_s"])
     result["engine_fraction_of_roofline"] = result["equal_work"]["engine_fraction_of_roofline"]
+    # The decode roofline counts decode FLOPs only; the runs above also prefill their prompts.
+    result["engine_decode_fraction_of_roofline"] = (result["equal_work"]["engine_decode_tokens_per_s"]
+                                                    / roof["tokens_per_s"])
 
 
 def _vllm_run(b: GenerateBench, model_dir, prompts, job_path: str) -> dict:
