@@ -176,6 +176,19 @@ def smollm2_hf(tmp_path_factory) -> Path:
     return materialize_gguf(gguf.parent, gguf.name, tmp_path_factory.mktemp("smollm2_hf") / "hf")
 
 
+@pytest.fixture(scope="session")
+def smollm2_megatron(smollm2_hf) -> tuple:
+    """SmolLM2 converted from its GGUF file at TP3: (checkpoint dir, the converter's stdout).
+    Written beside smollm2_hf, where the weight-sync workers look for the HF tensors it came from."""
+    from megarl.models.hf_checkpoint import smollm2_gguf_path
+
+    gguf = smollm2_gguf_path()
+    out = smollm2_hf.parent / "megatron"
+    proc = run_tool("convert_hf_to_megatron.py", "--hf-model", gguf.parent, "--gguf-file", gguf.name,
+                    "--output", out, "--tp", 3)
+    return out, proc.stdout
+
+
 CHAT_PROMPTS = [
     "What is 12 + 30?",
     "Write a haiku about the sea.",

@@ -8,19 +8,15 @@ import pytest
 import torch
 
 from megarl.models.hf_checkpoint import smollm2_gguf_path
-from tests.conftest import run_ranks, run_tool
+from tests.conftest import run_ranks
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    gguf = smollm2_gguf_path()
-    out = tmp_path_factory.mktemp("smollm2") / "ckpt"
-    proc = run_tool("convert_hf_to_megatron.py", "--hf-model", gguf.parent, "--gguf-file", gguf.name,
-                    "--output", out, "--tp", 3)
-    print(proc.stdout.strip().splitlines()[-1])
-    return out, proc.stdout
+def converted(smollm2_megatron):
+    print(smollm2_megatron[1].strip().splitlines()[-1])
+    return smollm2_megatron
 
 
 def test_conversion_reports_time_and_peak_memory(converted):

@@ -97,14 +97,9 @@ def test_colocated_pairs_go_through_shared_memory(models, tmp_path):
     assert all(not r["mismatches"] and not r["scale_mismatches"] for r in fp8)
 
 
-def test_smollm2_tp3_to_tp1_and_tp1_to_tp3(tmp_path_factory, tmp_path):
-    from megarl.models.hf_checkpoint import materialize_gguf, smollm2_gguf_path
-
-    base = tmp_path_factory.mktemp("smollm2")
-    gguf = smollm2_gguf_path()
-    materialize_gguf(gguf.parent, gguf.name, base / "hf")
-    run_tool("convert_hf_to_megatron.py", "--hf-model", base / "hf", "--output", base / "megatron", "--tp", 3)
-    results = run_sync([base / "megatron"], tmp_path, extra=["--dtypes", "bf16"], layouts=["3x1", "1x1"],
+def test_smollm2_tp3_to_tp1_and_tp1_to_tp3(smollm2_megatron, tmp_path):
+    # converted from the GGUF file at TP3; the reference is the HF tensors transformers read from it
+    results = run_sync([smollm2_megatron[0]], tmp_path, extra=["--dtypes", "bf16"], layouts=["3x1", "1x1"],
                        dst_tps=["1", "3"], trainers=3, generators=3)
     assert {r["case"].split(":")[1] for r in results} == {"3x1->tp1", "3x1->tp3", "1x1->tp1", "1x1->tp3"}
     for r in results:
