@@ -47,9 +47,29 @@ def math_verify_verdict(gold: str, response: str) -> float:
     return 1.0 if verify(parse(gold if "$" in gold else f"${gold}$"), parse(response)) else 0.0
 
 
+# A numeric gold answer needs a number: restating the sum is not answering it, although
+# math-verify alone finds "9 + 45" equal to 54 (the CPU demo's policy learned to write that).
+# (gold, response, math-verify's own verdict, the math reward's)
+NUMERIC_CASES = [
+    ("54", "9 + 45 represents your final answer.", 1.0, 0.0),
+    ("54", "\\boxed{9+45}", 1.0, 0.0),
+    ("1472", "16 × 92 equals 16 * 92.", 1.0, 0.0),
+    ("54", "The answer is $\\frac{108}{2}$", 1.0, 1.0),  # latex that evaluates to a number is one
+    ("3.5", "\\boxed{\\frac{7}{2}}", 1.0, 1.0),
+    ("54", "\\boxed{53}", 0.0, 0.0),
+    ("2\\sqrt{2}", "\\boxed{\\sqrt{8}}", 1.0, 1.0),  # a symbolic gold answer: equivalence as before
+]
+
+
 @pytest.mark.parametrize("gold,response,expected", MATH_CASES)
 def test_math_reward_matches_math_verify(gold, response, expected):
     assert math_verify_verdict(gold, response) == expected
+    assert math_reward(response, gold) == expected
+
+
+@pytest.mark.parametrize("gold,response,verdict,expected", NUMERIC_CASES)
+def test_a_numeric_answer_must_be_stated_as_a_number(gold, response, verdict, expected):
+    assert math_verify_verdict(gold, response) == verdict
     assert math_reward(response, gold) == expected
 
 
