@@ -37,7 +37,7 @@ $(TEST_STAMP): $(STAMP)
 # of the training set) before, and after from the newest checkpoint. Both evaluations decode in
 # --dtype auto, the dtype the demo's `auto` trains and generates in on this machine, so they compare.
 # A second `make demo` on the same runs/demo_cpu trains nothing more (the budget is the run's).
-DEMO_EVAL = --data arithmetic:64:99:heldout:2000:1 --max-new-tokens 128 --dtype auto
+DEMO_EVAL = --data arithmetic:256:99:heldout:2000:1 --max-new-tokens 128 --dtype auto
 demo: setup
 	$(VENV)/bin/megarl eval --checkpoint smollm2 $(DEMO_EVAL)
 	$(VENV)/bin/megarl train --config configs/demo_cpu.yaml

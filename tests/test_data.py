@@ -233,8 +233,8 @@ def test_arithmetic_held_out_set_shares_no_problem_with_the_training_set():
         return out
 
     train = pairs(generate_arithmetic(2000, 1))
-    held_out = arithmetic_records("arithmetic:64:99:heldout:2000:1")  # the demo's
-    assert len(held_out) == 64 and len(pairs(held_out)) == 64
+    held_out = arithmetic_records("arithmetic:256:99:heldout:2000:1")  # the demo's
+    assert len(held_out) == 256 and len(pairs(held_out)) == 256
     assert not pairs(held_out) & train
     # the demo's earlier held-out set (another seed only) shared problems with its training set
     assert len(pairs(generate_arithmetic(64, 99)) & train) > 0

@@ -118,7 +118,7 @@ def generate_heldout(n: int, seed: int, exclude: List[Dict], digits: int = 2) ->
 def arithmetic_records(spec: str) -> List[Dict]:
     """A data spec's problems: ``arithmetic:<n>:<seed>``, or ``arithmetic:<n>:<seed>:heldout:<n>:<seed>``
     -- n problems from seed, none of whose (operator, operands) pairs is in ``arithmetic:<n>:<seed>``
-    (the training set: the demo evaluates on ``arithmetic:64:99:heldout:2000:1``)."""
+    (the training set: the demo evaluates on ``arithmetic:256:99:heldout:2000:1``)."""
     parts = spec.split(":")
     try:
         if len(parts) == 3:
