@@ -65,7 +65,7 @@ def init_megatron(layout: ParallelLayout, seed: int = 1234) -> None:
         mpu.destroy_model_parallel()
     # destroy_model_parallel only forgets Megatron's groups; torch keeps every one alive.
     # A process that re-initialises for layout after layout (tests, tools) would pile them
-    # up: measured, 8 gloo ranks slowed ~50x per weight-sync round after 12 layouts.
+    # up: measured, 8 gloo ranks slowed up to ~50x per weight-sync round after 12 layouts.
     _destroy_groups(_MEGATRON_GROUPS)
     before = set(_c10d._world.pg_map)
     mpu.initialize_model_parallel(
