@@ -53,6 +53,17 @@ def init_distributed(timeout_minutes: float = 10.0) -> int:
     return dist.get_rank()
 
 
+# The process groups the last init_megatron created (destroyed by the next one and at shutdown).
+_MEGATRON_GROUPS: list = []
+
+
+def _destroy_groups(groups: list) -> None:
+    for group in groups:
+        if group in _c10d._world.pg_map:
+            dist.destroy_process_group(group)
+    groups.clear()
+
+
 def init_megatron(layout: ParallelLayout, seed: int = 1234) -> None:
     """(Re)initialise Megatron's parallel state for ``layout`` over the whole world."""
     from megatron.core import parallel_state as mpu
@@ -75,17 +86,6 @@ def init_megatron(layout: ParallelLayout, seed: int = 1234) -> None:
     )
     _MEGATRON_GROUPS[:] = [g for g in _c10d._world.pg_map if g not in before]
     model_parallel_cuda_manual_seed(seed)
-
-
-# The process groups the last init_megatron created (destroyed by the next one and at shutdown).
-_MEGATRON_GROUPS: list = []
-
-
-def _destroy_groups(groups: list) -> None:
-    for group in groups:
-        if group in _c10d._world.pg_map:
-            dist.destroy_process_group(group)
-    groups.clear()
 
 
 def shutdown() -> None:

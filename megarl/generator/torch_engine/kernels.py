@@ -18,6 +18,7 @@ engine's ``update_weights``).
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Dict, Iterable, Tuple
 
@@ -32,21 +33,22 @@ PROBE_ROUNDS = 3
 def onednn_linear_available(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and weight.dim() == 2
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and _packs(weight.dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _packs(dtype: torch.dtype) -> bool:
+    """oneDNN refuses some dtypes on some CPUs (bf16 packing needs avx_ne_convert or AVX-512 BW/VL/DQ):
+    weights of those stay on F.linear. A property of the dtype and the CPU, so asked once."""
+    try:
+        _pack(torch.zeros(1, 8, dtype=dtype), 1)
+        return True
+    except RuntimeError:
+        return False
 
 
 def _pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, rows)
-
-
-def _packable(weight: torch.Tensor, rows: int) -> bool:
-    """oneDNN refuses some dtypes on some CPUs (bf16 packing needs avx_ne_convert or AVX-512 BW/VL/DQ):
-    those weights stay on F.linear."""
-    try:
-        _pack(weight[:1], rows)
-        return True
-    except RuntimeError:
-        return False
 
 
 def _onednn(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
@@ -73,7 +75,7 @@ class LinearKernels:
         self.packed: Dict[str, torch.Tensor] = {}
         self.choice: Dict[Tuple[int, int], str] = {}  # (out, in) -> "mkl" | "onednn"
         self.timings: Dict[Tuple[int, int], Tuple[float, float]] = {}  # (out, in) -> (mkl s, onednn s)
-        names = [n for n in names if onednn_linear_available(params[n]) and _packable(params[n], self.rows)]
+        names = [n for n in names if onednn_linear_available(params[n])]
         if path == "auto":
             self._probe(names)
         elif path == "onednn":
