@@ -189,7 +189,9 @@ class Controller:
             (self.out).mkdir(parents=True, exist_ok=True)
             (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
             writer = MetricsWriter(self.out, cfg.run.steps, self.resume.steps_done, progress=cfg.run.progress,
-                                   wandb=cfg.run.wandb, run_config=cfg.to_dict())
+                                   wandb=cfg.run.wandb, run_config=cfg.to_dict(),
+                                   time_budget_s=cfg.run.time_budget_min * 60.0,
+                                   budget_spent_s=self.resume.train_seconds)
         collector = None
         if writer is not None and cfg.data.eval:
             from megarl.executors.evaluator import EvalCollector

@@ -20,6 +20,7 @@ import importlib.util
 import json
 import math
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any, Dict, Optional
@@ -88,7 +89,8 @@ class WandbLogger:
 
 class MetricsWriter:
     def __init__(self, out_dir: Path, total_steps: int, start_step: int = 0, progress: bool = True,
-                 wandb: Optional[Dict[str, Any]] = None, run_config: Optional[dict] = None):
+                 wandb: Optional[Dict[str, Any]] = None, run_config: Optional[dict] = None,
+                 time_budget_s: float = 0.0, budget_spent_s: float = 0.0):
         out_dir.mkdir(parents=True, exist_ok=True)
         # first: a W&B run that cannot start stops the job before anything is written
         self.wandb = WandbLogger(wandb, out_dir, run_config) if wandb and wandb.get("mode") != "disabled" else None
@@ -102,6 +104,9 @@ class MetricsWriter:
                   file=sys.stderr, flush=True)
             self.tb = None
         self.bar = None
+        # run.time_budget_min: with a budget, the run ends on it rather than at run.steps (the bar's
+        # total), so the bar also shows the budget's minutes left (from this launch's start)
+        self.budget_end = time.monotonic() + time_budget_s - budget_spent_s if time_budget_s else None
         if progress:
             from tqdm import tqdm
 
@@ -118,8 +123,14 @@ class MetricsWriter:
         if self.wandb is not None:
             self.wandb.log(record)
         if self.bar is not None and not record.get("eval"):  # evaluation records are not steps
-            self.bar.set_postfix({k: f"{record[k]:.3g}" for k in PROGRESS_KEYS if k in record}, refresh=False)
+            self.bar.set_postfix(self.progress_fields(record), refresh=False)
             self.bar.update(1)
+
+    def progress_fields(self, record: dict) -> Dict[str, str]:
+        fields = {k: f"{record[k]:.3g}" for k in PROGRESS_KEYS if k in record}
+        if self.budget_end is not None:
+            fields["budget_left"] = f"{max(0.0, self.budget_end - time.monotonic()) / 60:.1f}min"
+        return fields
 
     def close(self) -> None:
         if self.bar is not None:
