@@ -8,6 +8,7 @@ optimizer a config builds carry its values.
 """
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -131,3 +132,13 @@ def test_recompute_settings_reach_megatron():
     cfg = load_config(TINY, ["trainer.recompute_granularity=selective", "trainer.recompute_modules=[core_attn,mlp]"])
     config = transformer_config(preset_spec("tiny"), **megatron_model_settings(cfg.trainer))
     assert config.recompute_granularity == "selective" and config.recompute_modules == ["core_attn", "mlp"]
+
+
+CONFIGS = sorted(Path(__file__).resolve().parents[1].glob("configs/*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_every_shipped_config_loads(path):
+    # strict loading: a misspelt field or a value a section refuses (e.g. an overlong_buffer above
+    # max_new_tokens) in a shipped config would otherwise surface only when a user launches it
+    assert load_config(str(path)).run.output_dir
