@@ -31,7 +31,7 @@ $(TEST_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet --no-deps sglang==0.5.23
 	touch $(TEST_STAMP)
 
-# The main job: SmolLM2 learns arithmetic with the asynchronous loop for 30 minutes of
+# The main job: SmolLM2 is trained on arithmetic with the asynchronous loop for 30 minutes of
 # training (configs/demo_cpu.yaml: run.time_budget_min: 30 stops it at the first step boundary
 # after them, checkpoint saved, on any machine), evaluated greedily on a held-out set (no problem
 # of the training set) before, and after from the newest checkpoint. Both evaluations decode in
