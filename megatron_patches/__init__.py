@@ -14,8 +14,11 @@ that is wrong on any device and never change a value that is right.
     jit_fuser         on CPU, Megatron-Core's import does not load torch.compile's
                       stack for fusions that never run there (installed by
                       ``import megarl``: ~3 s of CPU per rank process)
+    lazy_wandb        Megatron-Core's import does not run wandb's (~1 s per rank
+                      where wandb is installed); it runs on first use (installed
+                      by ``import megarl``)
 
-The names below are imported lazily: ``import megarl`` installs the jit_fuser hook
+The names below are imported lazily: ``import megarl`` installs the two import hooks
 through this package and must not pay for importing torch.
 """
 

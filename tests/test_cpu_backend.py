@@ -53,3 +53,35 @@ def test_megatron_import_skips_torch_compile_on_cpu_only():
     # load TorchDynamo (seconds per rank process); with CUDA, Megatron's fuser stays.
     assert _jit_fuser_after_import(fake_cuda=False) == {"compile": False, "noop": True, "dynamo": False}
     assert _jit_fuser_after_import(fake_cuda=True) == {"compile": True, "noop": False, "dynamo": True}
+
+
+def _wandb_after_import(installed: bool) -> dict:
+    code = (
+        "import importlib.machinery, json, sys\n"
+        + ("" if installed else
+           # wandb as if not installed: the path finder (ours defers to it) finds nothing
+           "real = importlib.machinery.PathFinder.find_spec\n"
+           "importlib.machinery.PathFinder.find_spec = classmethod(\n"
+           "    lambda cls, name, path=None, target=None: None if name == 'wandb' else real(name, path, target))\n")
+        + "import megarl, megatron.core, megatron.core.timers\n"
+        "from megatron.core.inference.contexts import dynamic_context as dc\n"
+        "from megatron_patches.lazy_wandb import is_deferred\n"
+        "out = {'have_wandb': dc.HAVE_WANDB, 'deferred': is_deferred(), 'ran': 'wandb.sdk' in sys.modules}\n"
+        "if dc.HAVE_WANDB:\n"
+        "    import wandb\n"
+        "    out.update(init=callable(wandb.init), ran_after_use='wandb.sdk' in sys.modules,\n"
+        "               same=wandb is dc.wandb is megatron.core.timers.wandb, deferred_after_use=is_deferred())\n"
+        "print(json.dumps(out))\n"
+    )
+    return json.loads(run_command([sys.executable, "-c", code]).stdout.strip().splitlines()[-1])
+
+
+def test_megatron_import_defers_wandb_until_it_is_used():
+    # megatron_patches/lazy_wandb.py: Megatron-Core's import runs `import wandb` (twice: its
+    # inference context and its timers) for logging megarl never does -- ~1 s per rank process.
+    # The module is bound (HAVE_WANDB stays True) but its body runs only at first use.
+    assert _wandb_after_import(installed=True) == {
+        "have_wandb": True, "deferred": True, "ran": False,
+        "init": True, "ran_after_use": True, "same": True, "deferred_after_use": False}
+    # not installed: Megatron's ImportError fallback, as without the patch
+    assert _wandb_after_import(installed=False) == {"have_wandb": False, "deferred": False, "ran": False}
