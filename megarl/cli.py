@@ -90,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     ws.add_argument("--src-tp", type=int, default=None, help="trainer TP (default 4)")
     ws.add_argument("--src-pp", type=int, default=None, help="trainer PP (default 1)")
     ws.add_argument("--src-dp", type=int, default=None, help="trainer DP (default 1)")
+    ws.add_argument("--src-vpp", type=int, default=None,
+                    help="trainer virtual pipeline stages per PP rank (default 1; --plan-only)")
     ws.add_argument("--dst-tp", type=int, default=None, help="generator TP (default 2)")
     ws.add_argument("--dst-replicas", type=int, default=None, help="generator replicas (default 2)")
     ws.add_argument("--fp8", action="store_true", help="generators serve block fp8 (senders quantise)")
@@ -169,7 +171,8 @@ def dispatch(args: argparse.Namespace) -> None:
         from megarl.bench.weight_sync import WeightSyncBench, run
 
         run(WeightSyncBench(
-            model=args.model, src_tp=args.src_tp, src_pp=args.src_pp, src_dp=args.src_dp, dst_tp=args.dst_tp,
+            model=args.model, src_tp=args.src_tp, src_pp=args.src_pp, src_dp=args.src_dp, src_vpp=args.src_vpp,
+            dst_tp=args.dst_tp,
             dst_replicas=args.dst_replicas, fp8=args.fp8, verify=args.verify, iters=args.iters,
             plan_only=args.plan_only, config=args.config, gpus_per_node=args.gpus_per_node,
             nvlink_gb_s=args.nvlink_gb_s, network_gb_s=args.network_gb_s, message_latency_us=args.latency_us,

@@ -2,6 +2,7 @@
 `megarl bench weight-sync --plan-only --config` (no processes started)."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -75,3 +76,24 @@ def test_plan_only_reads_a_run_config(capsys):
     out = capsys.readouterr().out.strip().splitlines()
     assert "not a measurement" in out[1] and "assumptions" in out[2]
     assert json.loads(out[-1])["predicted_seconds"] == result["predicted_seconds"]
+
+
+def test_plan_only_plans_the_configs_virtual_stages(tmp_path, monkeypatch):
+    # trainer.vpp interleaves layers over the PP ranks (rank 0 of PP2 x VPP2 holds layers 0 and 2
+    # of the tiny model's 4), so the plan must be built with it, not with one chunk per rank.
+    import megarl.weight_sync.planner as planner
+    from megarl.bench.weight_sync import WeightSyncBench, run
+    from megarl.errors import ConfigError
+
+    text = Path("configs/tiny_cpu.yaml").read_text().replace("trainer:\n  tp: 2\n", "trainer:\n  tp: 1\n  pp: 2\n  vpp: 2\n")
+    config = tmp_path / "vpp.yaml"
+    config.write_text(text)
+    seen = []
+    real = planner.build_plan
+    monkeypatch.setattr(planner, "build_plan", lambda spec, t, g: seen.append(t) or real(spec, t, g))
+    result = run(WeightSyncBench(plan_only=True, config=str(config)))
+    assert result["trainer"] == "TP1 x PP2 (VPP2) x DP1 = 2 GPUs"
+    assert [(t.pp, t.vp) for t in seen] == [(2, 2)]
+    # the measured run builds one chunk per PP rank: refused, naming the flag, before any process starts
+    with pytest.raises(ConfigError, match="--src-vpp 2"):
+        run(WeightSyncBench(model="tiny", src_tp=1, src_pp=2, src_vpp=2))

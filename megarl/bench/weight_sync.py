@@ -37,6 +37,7 @@ class WeightSyncBench:
     src_tp: Optional[int] = None  # None: 4, or the config's trainer.tp
     src_pp: Optional[int] = None
     src_dp: Optional[int] = None
+    src_vpp: Optional[int] = None  # virtual pipeline stages per PP rank (--plan-only); None: 1, or trainer.vpp
     dst_tp: Optional[int] = None
     dst_replicas: Optional[int] = None
     fp8: bool = False
@@ -56,7 +57,7 @@ class WeightSyncBench:
         return self.bucket_mb << 20
 
 
-DEFAULTS = dict(model="llama-mini", src_tp=4, src_pp=1, src_dp=1, dst_tp=2, dst_replicas=2)
+DEFAULTS = dict(model="llama-mini", src_tp=4, src_pp=1, src_dp=1, src_vpp=1, dst_tp=2, dst_replicas=2)
 
 
 def resolved(b: WeightSyncBench) -> WeightSyncBench:
@@ -71,7 +72,7 @@ def resolved(b: WeightSyncBench) -> WeightSyncBench:
         cfg = load_config(b.config)
         section = plan_section(cfg)
         values.update(model=model_preset(cfg, section), src_tp=cfg.trainer.tp, src_pp=cfg.trainer.pp,
-                      src_dp=cfg.trainer.dp, dst_tp=cfg.generator.tp, dst_replicas=cfg.generator.replicas)
+                      src_dp=cfg.trainer.dp, src_vpp=cfg.trainer.vpp, dst_tp=cfg.generator.tp, dst_replicas=cfg.generator.replicas)
         if not b.fp8:
             b = replace(b, fp8=bool(cfg.generator.fp8))
     return replace(b, **{k: getattr(b, k) if getattr(b, k) is not None else v for k, v in values.items()})
@@ -118,7 +119,8 @@ def plan_only(b: WeightSyncBench) -> dict:
 
     b = resolved(b)
     spec = model_spec(b.model)
-    trainer = TrainerTopology(b.src_tp, b.src_pp, b.src_dp)
+    # interleaved stages change which PP rank holds (and sends) which layers: the job's own plan
+    trainer = TrainerTopology(b.src_tp, b.src_pp, b.src_dp, vp=b.src_vpp if b.src_vpp > 1 else None)
     generator = GeneratorTopology(b.dst_tp, b.dst_replicas, first_rank=trainer.size)
     start = time.perf_counter()
     plan = build_plan(spec, trainer, generator)
@@ -131,7 +133,8 @@ def plan_only(b: WeightSyncBench) -> dict:
     busy = p.busiest
     result = {
         "model": b.model, "config": b.config, "parameters_B": spec.num_parameters() / 1e9,
-        "trainer": f"TP{b.src_tp} x PP{b.src_pp} x DP{b.src_dp} = {trainer.size} GPUs",
+        "trainer": f"TP{b.src_tp} x PP{b.src_pp}{f' (VPP{b.src_vpp})' if b.src_vpp > 1 else ''} x DP{b.src_dp} "
+                   f"= {trainer.size} GPUs",
         "generator": f"{b.dst_replicas} x TP{b.dst_tp} = {generator.size} GPUs", "fp8": b.fp8,
         "plan_seconds": round(plan_s, 2),
         "transfers": sum(len(v) for v in plan.transfers.values()),
@@ -298,6 +301,11 @@ def run(b: WeightSyncBench) -> dict:
 
         raise ConfigError("--config goes with --plan-only (the measured run takes --model and the layout flags)")
     b = resolved(b)
+    if b.src_vpp > 1:
+        from megarl.errors import ConfigError
+
+        raise ConfigError(f"--src-vpp {b.src_vpp}: the measured run builds one model chunk per PP rank; "
+                          "virtual stages go with --plan-only")
     from megarl.runtime.distributed import free_port
     from megarl.runtime.launch import run_worlds
     from megarl.weight_sync.planner import GeneratorTopology, TrainerTopology, build_plan
