@@ -6,6 +6,7 @@ Takes the trainer worker's arguments plus --trainers N and --out DIR; TP rank r 
 replica q is sync rank N + q * tp + r. Writes OUT/results_rank<r>.json.
 """
 
+import functools
 import json
 import os
 import sys
@@ -30,8 +31,9 @@ from megarl.weight_sync.transport import SyncStats, WeightReceiver  # noqa: E402
 from tests.sglang_reference import block_fp8, sglang_shard  # noqa: E402
 
 
+@functools.lru_cache(maxsize=None)  # read once per model, not once per case (SmolLM2: 0.5 GB per read)
 def hf_tensors(model_dir):
-    """The HF model the Megatron checkpoint was converted from (its sibling 'hf' directory)."""
+    """The HF model the Megatron checkpoint was converted from (its sibling 'hf' directory); read-only."""
     hf = os.path.join(os.path.dirname(model_dir.rstrip("/")), "hf")
     full = {}
     for f in sorted(os.listdir(hf)):
