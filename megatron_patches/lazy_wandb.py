@@ -4,8 +4,9 @@ Why this exists: ``import megatron.core`` reaches
 ``megatron.core.inference.contexts.dynamic_context`` (through ``inference_params``),
 which runs ``import wandb`` at module level when the package is installed, only to
 log from the inference engine megarl never starts. Measured with torch 2.13 /
-megatron-core 0.16.1 / wandb 0.23 on a 2-core AMD EPYC: ~0.9-1.6 s of a rank's ~5 s
-of imports. Every trainer and generator rank pays it wherever wandb is installed
+megatron-core 0.16.1 / wandb 0.31 on a 2-core AMD EPYC: ~1 s of a rank's ~6-7 s
+of imports (`import megarl, megatron.core`: median 7.0 s of CPU before, 5.9 s after).
+Every trainer and generator rank pays it wherever wandb is installed
 (a user logging to W&B, the test environment), and a CPU test suite starts hundreds
 of rank processes.
 
