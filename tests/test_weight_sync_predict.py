@@ -85,7 +85,8 @@ def test_plan_only_plans_the_configs_virtual_stages(tmp_path, monkeypatch):
     from megarl.bench.weight_sync import WeightSyncBench, run
     from megarl.errors import ConfigError
 
-    text = Path("configs/tiny_cpu.yaml").read_text().replace("trainer:\n  tp: 2\n", "trainer:\n  tp: 1\n  pp: 2\n  vpp: 2\n")
+    text = Path("configs/tiny_cpu.yaml").read_text()
+    text = text.replace("trainer:\n  tp: 2\n", "trainer:\n  tp: 1\n  pp: 2\n  vpp: 2\n")
     config = tmp_path / "vpp.yaml"
     config.write_text(text)
     seen = []

@@ -72,7 +72,8 @@ def resolved(b: WeightSyncBench) -> WeightSyncBench:
         cfg = load_config(b.config)
         section = plan_section(cfg)
         values.update(model=model_preset(cfg, section), src_tp=cfg.trainer.tp, src_pp=cfg.trainer.pp,
-                      src_dp=cfg.trainer.dp, src_vpp=cfg.trainer.vpp, dst_tp=cfg.generator.tp, dst_replicas=cfg.generator.replicas)
+                      src_dp=cfg.trainer.dp, src_vpp=cfg.trainer.vpp, dst_tp=cfg.generator.tp,
+                      dst_replicas=cfg.generator.replicas)
         if not b.fp8:
             b = replace(b, fp8=bool(cfg.generator.fp8))
     return replace(b, **{k: getattr(b, k) if getattr(b, k) is not None else v for k, v in values.items()})
@@ -296,14 +297,12 @@ def _generator_rank(b: WeightSyncBench, port: int, out_dir: str, trainer_size: i
 def run(b: WeightSyncBench) -> dict:
     if b.plan_only:
         return plan_only(b)
-    if b.config is not None:
-        from megarl.errors import ConfigError
+    from megarl.errors import ConfigError
 
+    if b.config is not None:
         raise ConfigError("--config goes with --plan-only (the measured run takes --model and the layout flags)")
     b = resolved(b)
     if b.src_vpp > 1:
-        from megarl.errors import ConfigError
-
         raise ConfigError(f"--src-vpp {b.src_vpp}: the measured run builds one model chunk per PP rank; "
                           "virtual stages go with --plan-only")
     from megarl.runtime.distributed import free_port
