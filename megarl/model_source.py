@@ -44,6 +44,20 @@ def _smollm2_tokenizer(cache: Path) -> Path:
     return out
 
 
+def tokenizer_vocab_size(tokenizer_dir: Path) -> int:
+    """len(AutoTokenizer.from_pretrained(tokenizer_dir)): the vocabulary with added tokens. Read with the
+    `tokenizers` library where the directory has a tokenizer.json (what a fast tokenizer's len() returns),
+    because transformers' import brings in torch, which `megarl train`'s launcher otherwise never needs."""
+    path = Path(tokenizer_dir) / "tokenizer.json"
+    if path.exists():
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)
+    from transformers import AutoTokenizer
+
+    return len(AutoTokenizer.from_pretrained(tokenizer_dir))
+
+
 def _converted(source: str, cache: Path, gguf_file: Optional[str] = None, convert_now: bool = True) -> Path:
     from megarl.convert.hf_to_megatron import HfToMegatron, convert
 
@@ -72,10 +86,7 @@ def prepare_model(model_cfg, convert: bool = True) -> PreparedModel:
             hf = preset_config(source.split(":", 1)[1])
             return PreparedModel(None, NO_TOKENIZER, LlamaSpec.from_hf_config(hf, source=f"model.source={source}").to_dict())
         tok = Path(model_cfg.tokenizer) if model_cfg.tokenizer not in (None, "smollm2") else _smollm2_tokenizer(cache)
-        from transformers import AutoTokenizer
-
-        vocab = len(AutoTokenizer.from_pretrained(tok))
-        hf = dict(preset_config(source.split(":", 1)[1]), vocab_size=vocab)
+        hf = dict(preset_config(source.split(":", 1)[1]), vocab_size=tokenizer_vocab_size(tok))
         return PreparedModel(None, str(tok), LlamaSpec.from_hf_config(hf, source=f"model.source={source}").to_dict())
     if source == "smollm2":
         from megarl.models.hf_checkpoint import smollm2_gguf_path

@@ -17,7 +17,6 @@ from typing import Optional, Sequence
 def train(config_path: str, overrides: Sequence[str] = (), prepare_only: bool = False,
           replay: Optional[str] = None) -> dict:
     from megarl.config import load_config
-    from megarl.controller import run_rank
     from megarl.model_source import prepare_model
     from megarl.runtime.launch import run_world, running_under_torchrun
 
@@ -35,6 +34,8 @@ def train(config_path: str, overrides: Sequence[str] = (), prepare_only: bool = 
         # every rank resolves the model; converting is a job of its own, done before the launch
         # (scripts/launch.sh runs `megarl train --prepare-only` first)
         prepared = prepare_model(cfg.model, convert=False)
+        from megarl.controller import run_rank
+
         if replay:
             from megarl.replay import replay_rank
 
@@ -57,11 +58,10 @@ def train(config_path: str, overrides: Sequence[str] = (), prepare_only: bool = 
         if cfg.run.time_budget_min:
             print(f"megarl: --replay trains every recorded step: run.time_budget_min={cfg.run.time_budget_min:g} "
                   f"does not apply", file=sys.stderr, flush=True)
-        from megarl.replay import replay_rank
-
-        run_world(replay_rank, cfg.trainer_size(), cfg.to_dict(), prepared, replay)
+        run_world("megarl.replay:replay_rank", cfg.trainer_size(), cfg.to_dict(), prepared, replay)
     else:
-        run_world(run_rank, cfg.world_size(), cfg.to_dict(), prepared)
+        # by path: this launcher never imports the controller, nor torch (runtime/launch.py)
+        run_world("megarl.controller:run_rank", cfg.world_size(), cfg.to_dict(), prepared)
     summary = json.loads((Path(cfg.run.output_dir) / "summary.json").read_text())
     print(json.dumps(summary), flush=True)
     return summary

@@ -7,7 +7,9 @@ import pytest
 
 from megarl.errors import MegarlError
 from megarl.runtime.launch import run_world
-from tests.conftest import WORKERS
+from tests.conftest import ROOT, WORKERS
+
+SUITE_CACHE = ROOT / "runs" / "cache"  # model.cache_dir's default: the suite's `megarl train` runs share it
 
 sys.path.insert(0, str(WORKERS))
 import failing_rank  # noqa: E402
@@ -36,3 +38,54 @@ def test_killed_rank_is_named_with_the_role_it_announced():
     pid = int(str(err.value).split("pid ", 1)[1].split(")", 1)[0])
     assert str(err.value) == f"rank 1 (generator replica 0, TP rank 0, pid {pid}) was killed by SIGKILL; the job stopped"
     assert time.monotonic() - start < 45
+
+
+def test_a_rank_function_given_by_path_runs_and_its_failure_is_named():
+    """run_world("module:function", ...): the launcher need not import what its ranks run."""
+    with pytest.raises(MegarlError, match=r"rank 1 failed first:(.|\n)*boom on rank one"):
+        run_world("failing_rank:crash_on_rank_one", 2)
+
+
+def test_megarl_trains_launcher_imports_neither_torch_nor_the_controller(tmp_path):
+    """`megarl train` on one machine: its launching process only reads the config and starts the ranks,
+    which import torch themselves; importing it there too cost ~4 s of CPU per launch on 2 cores."""
+    import json
+    import subprocess
+
+    probe = (
+        "import json, sys\n"
+        "import megarl.runtime.launch as launch\n"
+        "def record(fn, n, *args):\n"
+        "    print(json.dumps({'fn': fn, 'n': n, 'loaded': sorted(m for m in ('torch', 'transformers', "
+        "'megatron.core', 'megarl.controller') if m in sys.modules)}))\n"
+        "    raise SystemExit(0)\n"
+        "launch.run_world = record\n"
+        "from megarl.train import train\n"
+        f"train('configs/tiny_cpu.yaml', ['run.output_dir={tmp_path / 'run'}'])\n"
+    )
+    from megarl.model_source import _smollm2_tokenizer
+    from tests.conftest import ROOT, _env
+
+    _smollm2_tokenizer(SUITE_CACHE)  # written once per cache (by transformers, which imports torch)
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"fn": "megarl.controller:run_rank", "n": 3,
+                                                               "loaded": []}
+
+
+def test_the_launchers_vocabulary_size_is_transformers_len_of_the_tokenizer(tmp_path):
+    """model_source reads a random model's vocabulary size without transformers (which imports torch):
+    it must equal len(AutoTokenizer), the added tokens included."""
+    from transformers import AutoTokenizer
+
+    from megarl.model_source import _smollm2_tokenizer, tokenizer_vocab_size
+
+    base = _smollm2_tokenizer(SUITE_CACHE)
+    extended = AutoTokenizer.from_pretrained(base)
+    extended.add_tokens(["<tool_call_x>", "<tool_result_x>"])
+    extended.add_special_tokens({"additional_special_tokens": ["<|megarl_test|>"]})
+    extended.save_pretrained(tmp_path / "extended")
+    for path in (base, tmp_path / "extended"):
+        assert tokenizer_vocab_size(path) == len(AutoTokenizer.from_pretrained(path))
+    assert tokenizer_vocab_size(tmp_path / "extended") == tokenizer_vocab_size(base) + 3

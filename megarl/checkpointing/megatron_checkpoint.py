@@ -24,14 +24,14 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Sequence
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING, Dict, Iterator, List, Optional, Sequence
 
 from megarl.checkpointing import manifest
 from megarl.errors import CheckpointError
 from megarl.models.spec import LlamaSpec
+
+if TYPE_CHECKING:  # torch is imported where a checkpoint is saved or loaded: `megarl train`'s launcher
+    import torch  # reads only the names and the spec (model_source.prepare_model)
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 SPEC_FILE = "megarl_model.json"
@@ -139,6 +139,7 @@ def save_state(
     ``tokenizer_files`` (rank 0's list counts) are copied into ``tokenizer/``. ``keep`` > 0:
     then delete all but the ``keep`` newest complete iteration checkpoints (resume.prune_checkpoints).
     """
+    import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
     from megatron_patches import checkpoint_writer

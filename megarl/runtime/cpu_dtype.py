@@ -107,10 +107,6 @@ def resolve_auto_dtypes(cfg, cuda: Optional[bool] = None, flags: Optional[str] =
     """Replace ``auto`` in cfg.model.dtype / cfg.generator.dtype by a concrete dtype (in place);
     returns one line per resolved field saying what and why. ``recorded``: an earlier launch's
     concrete dtypes (recorded_dtypes), which a resumed run keeps."""
-    if cuda is None:
-        import torch
-
-        cuda = torch.cuda.is_available()
     lines = []
     for name in DTYPE_FIELDS:
         section, _, key = name.partition(".")
@@ -121,6 +117,10 @@ def resolve_auto_dtypes(cfg, cuda: Optional[bool] = None, flags: Optional[str] =
             value = recorded[name]
             why = f"{name}: auto -> {value} (the dtype this run started in, from its config.json: a resume keeps it)"
         else:
+            if cuda is None:  # asked only here: a config without `auto` never imports torch in the launcher
+                import torch
+
+                cuda = torch.cuda.is_available()
             value, why = resolve_dtype(name, "auto", cuda, flags, machine)
         setattr(owner, key, value)
         lines.append(why)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
-import socket
 from dataclasses import dataclass
 from typing import Optional
 
@@ -19,18 +18,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as _c10d
 
+from megarl.runtime.ports import free_port  # noqa: F401  (re-exported: tests and tools import it here)
+
 
 @dataclass(frozen=True)
 class ParallelLayout:
     tp: int = 1
     pp: int = 1
     vp: Optional[int] = None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_distributed(timeout_minutes: float = 10.0) -> int:

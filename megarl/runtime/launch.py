@@ -2,7 +2,11 @@
 
 ``run_world(fn, n, *args)`` spawns n processes (spawn, not fork: each child
 imports cleanly), gives each the RANK/WORLD_SIZE/MASTER_* variables torchrun
-would, and runs ``fn(*args)`` in it. If any rank fails, the others are
+would, and runs ``fn(*args)`` in it. ``fn`` is a function or its path,
+``"package.module:function"``: by path, the launching process never imports
+what the ranks run -- ``megarl train``'s launcher then never imports torch
+(~3 s of CPU before any rank could start, on a 2-core machine; the ranks import it
+anyway). The launcher uses the standard library's multiprocessing for the same reason. If any rank fails, the others are
 terminated and a MegarlError names the rank at fault: for a user error
 (MegarlError) its one-line message, otherwise the traceback of the rank that
 failed first -- not a peer that merely saw its connection drop. A crashed rank
@@ -21,12 +25,10 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, List, Tuple
-
-import torch.multiprocessing as mp
+from typing import Any, Callable, List, Tuple, Union
 
 from megarl.errors import MegarlError
-from megarl.runtime.distributed import free_port
+from megarl.runtime.ports import free_port
 from megarl.runtime.failure import REPORT_ENV, ROLE_SUFFIX, USER_ERROR_EXIT_CODE
 
 
@@ -42,6 +44,22 @@ def _die_with_parent() -> None:
         import signal
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+RankFunction = Union[Callable[..., Any], str]  # a function, or "package.module:function"
+
+# Ranks still running when one has failed get SIGTERM (a rank saves at its step boundary on it,
+# runtime/preemption.py), then SIGKILL after this long -- as torch.multiprocessing's spawn does.
+TERMINATE_GRACE_S = 30.0
+
+
+def _resolve(fn: RankFunction) -> Callable[..., Any]:
+    if callable(fn):
+        return fn
+    import importlib
+
+    module, _, name = fn.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def _child(index: int, worlds: list, error_dir: str) -> None:
@@ -64,13 +82,19 @@ def _child(index: int, worlds: list, error_dir: str) -> None:
     report = Path(error_dir) / f"rank{index}"
     os.environ[REPORT_ENV] = str(report.with_suffix(".user"))  # runtime.failure.fail_rank writes it
     try:
-        fn(*args)
+        _resolve(fn)(*args)
     except MegarlError as err:
         report.with_suffix(".user").write_text(f"{time.time()}\n{err}")
         sys.exit(USER_ERROR_EXIT_CODE)
-    except BaseException:
-        report.with_suffix(".crash").write_text(f"{time.time()}\n{traceback.format_exc()}")
+    except KeyboardInterrupt:  # Ctrl-C reaches the whole process group; the launcher reports it
+        sys.exit(130)
+    except SystemExit:
         raise
+    except BaseException:
+        # the launcher prints this traceback in its error; exiting rather than re-raising keeps
+        # multiprocessing from printing it a second time
+        report.with_suffix(".crash").write_text(f"{time.time()}\n{traceback.format_exc()}")
+        sys.exit(1)
 
 
 def _named(error_dir: Path, index: int) -> str:
@@ -127,38 +151,77 @@ def _forwarding_preemption(pids: List[int]):
             signal.signal(sig, handler)
 
 
-def run_world(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
+def run_world(fn: RankFunction, world_size: int, *args: Any) -> None:
     """Run ``fn(*args)`` on ``world_size`` local ranks; raise if any rank fails."""
     if world_size == 1 and not running_under_torchrun():
-        fn(*args)
+        _resolve(fn)(*args)
         return
     run_worlds([(fn, world_size, args)])
 
 
-def run_worlds(worlds: List[Tuple[Callable[..., Any], int, tuple]]) -> None:
+def run_worlds(worlds: List[Tuple[RankFunction, int, tuple]]) -> None:
     """Run several independent worlds at once, e.g. trainer ranks and generator workers
     that meet through their own sync group. Process numbers (as named in errors) run
     through all worlds in order; each process sees only its own world's RANK/WORLD_SIZE."""
+    import multiprocessing
+
     total = sum(size for _, size, _ in worlds)
     # Ranks share this machine's cores: split them rather than oversubscribe
     # (children read this when torch starts, before any of our code runs).
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // total)))
     spec = [(fn, size, free_port(), args) for fn, size, args in worlds]
+    ctx = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="megarl_ranks_") as error_dir:
+        processes = [ctx.Process(target=_child, args=(index, spec, error_dir), name=f"megarl-rank{index}")
+                     for index in range(total)]
         try:
-            context = mp.start_processes(_child, args=(spec, error_dir), nprocs=total, join=False,
-                                         start_method="spawn")
-            with _forwarding_preemption([p.pid for p in context.processes]):
-                while not context.join():
-                    pass
-        except mp.ProcessRaisedException as err:
-            raise MegarlError(_failure_message(Path(error_dir), f"rank {err.error_index} failed:\n{err}")) from None
-        except mp.ProcessExitedException as err:
-            if err.signal_name:  # killed (OOM killer, scheduler, a user): it wrote no report, and its
-                # peers' reports only say that it vanished -- name it first
-                others = _failure_message(Path(error_dir), "")
-                raise MegarlError(f"{_named(Path(error_dir), err.error_index)} was killed by {err.signal_name}; "
-                                  f"the job stopped"
-                                  + (f" (then {others.splitlines()[0]})" if others else "")) from None
-            fallback = f"{_named(Path(error_dir), err.error_index)} exited with code {err.exit_code}"
-            raise MegarlError(_failure_message(Path(error_dir), fallback)) from None
+            for process in processes:
+                process.start()
+            with _forwarding_preemption([p.pid for p in processes]):
+                failed = _wait_for_first_failure(processes)
+        finally:
+            _end_all(processes)
+        if failed is None:
+            return
+        exit_code = processes[failed].exitcode
+        if exit_code < 0:  # killed (OOM killer, scheduler, a user): it wrote no report, and its
+            # peers' reports only say that it vanished -- name it first
+            import signal
+
+            try:
+                signal_name = signal.Signals(-exit_code).name
+            except ValueError:
+                signal_name = f"signal {-exit_code}"
+            others = _failure_message(Path(error_dir), "")
+            raise MegarlError(f"{_named(Path(error_dir), failed)} was killed by {signal_name}; the job stopped"
+                              + (f" (then {others.splitlines()[0]})" if others else ""))
+        fallback = f"{_named(Path(error_dir), failed)} exited with code {exit_code}"
+        raise MegarlError(_failure_message(Path(error_dir), fallback))
+
+
+def _wait_for_first_failure(processes: list):
+    """Block until every process has exited 0 (-> None) or one has not (-> its index)."""
+    from multiprocessing.connection import wait
+
+    pending = {p.sentinel: i for i, p in enumerate(processes)}
+    while pending:
+        for sentinel in wait(list(pending)):
+            index = pending.pop(sentinel)
+            processes[index].join()
+            if processes[index].exitcode != 0:
+                return index
+    return None
+
+
+def _end_all(processes: list) -> None:
+    """SIGTERM to every rank still running, SIGKILL to any left after TERMINATE_GRACE_S."""
+    alive = [p for p in processes if p.pid is not None and p.is_alive()]
+    for p in alive:
+        p.terminate()
+    deadline = time.monotonic() + TERMINATE_GRACE_S
+    for p in alive:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in alive:
+        if p.is_alive():
+            p.kill()
+            p.join()

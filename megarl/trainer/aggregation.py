@@ -33,11 +33,12 @@ in their group's baseline); ``penalty`` adds DAPO's soft overlong penalty
 
 from __future__ import annotations
 
-from typing import Optional
-
-import torch
+from typing import TYPE_CHECKING, Optional
 
 from megarl.errors import ConfigError
+
+if TYPE_CHECKING:  # imported where the weights are made: config checks need no torch
+    import torch
 
 AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
 OVERLONG_MODES = ("none", "mask", "penalty")
@@ -58,6 +59,8 @@ def resolve_agg(loss_fn, configured: Optional[str]) -> str:
 def aggregation_weights(agg: str, sample_index: torch.Tensor, response_lengths: torch.Tensor, step_sequences: int,
                         step_tokens: int, max_new_tokens: int) -> Optional[torch.Tensor]:
     """Per-token weights w_t in float64 (None for token_mean: the plain sum, bitwise as before)."""
+    import torch
+
     if agg == "token_mean":
         return None
     scale = step_tokens / max(step_sequences, 1)

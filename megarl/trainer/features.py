@@ -12,25 +12,30 @@ from __future__ import annotations
 
 import importlib.util
 
-import torch
-
 from megarl.errors import ConfigError
 
 
+def _cuda_available() -> bool:
+    # imported here: `megarl train`'s launcher calls check_trainer_runs_here and otherwise never
+    # imports torch (runtime/launch.py); only the settings below that need a GPU ask
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def transformer_engine_available() -> bool:
-    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+    return _cuda_available() and importlib.util.find_spec("transformer_engine") is not None
 
 
 def check_trainer_runs_here(cfg) -> None:
     t = cfg.trainer
-    te = transformer_engine_available()
-    if t.sequence_parallel and not te:
+    if t.sequence_parallel and not transformer_engine_available():
         raise ConfigError("trainer.sequence_parallel: needs Transformer Engine on GPUs (its layer spec carries the "
                           "sequence-parallel norms and the reduce-scatters); this machine has "
-                          + ("no CUDA device" if not torch.cuda.is_available() else "no transformer_engine package")
+                          + ("no CUDA device" if not _cuda_available() else "no transformer_engine package")
                           + ": set trainer.sequence_parallel=false here")
     if t.cp > 1:
-        if not te:
+        if not transformer_engine_available():
             raise ConfigError(f"trainer.cp={t.cp}: context parallelism runs in Transformer Engine's attention on GPUs; "
                               "this machine has none: set trainer.cp=1 here")
         # Megatron splits each sequence into 2 x cp load-balanced chunks in the data loader, and
@@ -39,7 +44,7 @@ def check_trainer_runs_here(cfg) -> None:
         raise ConfigError(f"trainer.cp={t.cp}: megarl's packed micro-batches are not yet split over context-parallel "
                           "ranks; `megarl plan` models cp, `megarl train` needs trainer.cp=1")
     o = cfg.optimizer
-    if (o.overlap_grad_reduce or o.overlap_param_gather) and not torch.cuda.is_available():
+    if (o.overlap_grad_reduce or o.overlap_param_gather) and not _cuda_available():
         name = "overlap_grad_reduce" if o.overlap_grad_reduce else "overlap_param_gather"
         raise ConfigError(f"optimizer.{name}: overlaps NCCL collectives with compute on GPUs; on CPU (gloo) "
                           f"there is nothing to overlap with: set it false here")

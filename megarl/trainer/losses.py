@@ -55,11 +55,12 @@ import inspect
 import math
 import typing
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional
 
 from megarl.errors import ConfigError
+
+if TYPE_CHECKING:  # only tensor methods at run time: a config is checked (losses bound, by `megarl train`'s
+    import torch  # launcher too) without importing torch
 
 
 @dataclass
@@ -86,15 +87,15 @@ class LossInputs:
     def segments(self):
         """(each token's sample, number of samples)."""
         if self.sample_index is None:
-            return torch.zeros_like(self.logprobs, dtype=torch.long), 1
+            return self.logprobs.new_zeros(self.logprobs.shape).long(), 1
         n = len(self.response_lengths) if self.response_lengths is not None else int(self.sample_index.max()) + 1
         return self.sample_index, n
 
     def sequence_mean(self, values: torch.Tensor) -> torch.Tensor:
         """[n] mean of ``values`` over each sample's tokens (differentiable)."""
         index, n = self.segments()
-        sums = torch.zeros(n, dtype=values.dtype, device=values.device).index_add(0, index, values)
-        counts = torch.zeros(n, dtype=values.dtype, device=values.device).index_add(0, index, torch.ones_like(values))
+        sums = values.new_zeros(n).index_add(0, index, values)
+        counts = values.new_zeros(n).index_add(0, index, values.new_ones(values.shape))
         return sums / counts.clamp(min=1)
 
     def to_tokens(self, per_sample: torch.Tensor) -> torch.Tensor:
@@ -176,7 +177,7 @@ def _clipped_objective(ratio: torch.Tensor, adv: torch.Tensor, eps: float, eps_h
     eps_high = eps if eps_high is None else eps_high
     unclipped = ratio * adv
     clipped = ratio.clamp(1.0 - eps, 1.0 + eps_high) * adv
-    return -torch.minimum(unclipped, clipped), (clipped < unclipped).detach()
+    return -unclipped.minimum(clipped), (clipped < unclipped).detach()
 
 
 def ppo_clip(inputs: LossInputs, *, eps: float = 0.2, eps_high: Optional[float] = None,
