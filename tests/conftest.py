@@ -1,7 +1,7 @@
 """Shared fixtures: tiny random Llamas, converted checkpoints, and multi-rank launches.
 
-Multi-rank work runs in separate torchrun worlds (tests/workers/*.py): the
-pytest process itself never initialises torch.distributed or the CPU backend,
+Multi-rank work runs in separate worlds of worker processes (tests/workers/*.py,
+started as torchrun starts its workers: tests/local_world.py): the pytest process itself never initialises torch.distributed or the CPU backend,
 so the Hugging Face references it computes are independent of megarl's
 runtime. Each process spends ~6 s importing torch and Megatron, so each world
 runs a whole group of cases.
@@ -22,7 +22,8 @@ WORKERS = ROOT / "tests" / "workers"
 sys.path.insert(0, str(ROOT))
 
 from megarl.cli_common import EXPECTED_UPSTREAM_WARNINGS  # noqa: E402
-from megarl.runtime.distributed import free_port  # noqa: E402
+from megarl.runtime.ports import free_port  # noqa: E402
+from tests.local_world import LocalWorld  # noqa: E402
 
 RANK_TIMEOUT_S = 900
 
@@ -52,6 +53,10 @@ def server_port() -> int:
     raise RuntimeError("no free port in 20000-32000")
 
 
+def start_world(nproc: int, worker: str, *args) -> LocalWorld:
+    return LocalWorld(nproc, WORKERS / worker, args, env=_env(), cwd=ROOT, port=free_port())
+
+
 def run_command(args, expect_rc: int = 0, timeout: int = RANK_TIMEOUT_S) -> subprocess.CompletedProcess:
     proc = subprocess.run(
         [str(a) for a in args], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout
@@ -65,12 +70,17 @@ def run_command(args, expect_rc: int = 0, timeout: int = RANK_TIMEOUT_S) -> subp
 
 
 def run_ranks(nproc: int, worker: str, *args, timeout: int = RANK_TIMEOUT_S) -> subprocess.CompletedProcess:
-    """Run tests/workers/<worker> on ``nproc`` ranks under torchrun; fail with its output."""
-    return run_command(
-        [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-         f"--master-port={free_port()}", WORKERS / worker, *args],
-        timeout=timeout,
-    )
+    """Run tests/workers/<worker> on ``nproc`` ranks; fail with their output."""
+    world = start_world(nproc, worker, *args)
+    try:
+        code = world.wait(timeout)
+        stdout, stderr = world.output()
+    finally:
+        world.close()
+    if code != 0:
+        raise AssertionError(f"{world.command}\nexit {code}\n--- stdout ---\n{stdout[-4000:]}\n"
+                             f"--- stderr ---\n{stderr[-8000:]}")
+    return subprocess.CompletedProcess(world.command, code, stdout, stderr)
 
 
 def run_tool(tool: str, *args, expect_rc: int = 0) -> subprocess.CompletedProcess:
@@ -137,34 +147,27 @@ def hf_logits(model_dir: Path, tokens: torch.Tensor, **load_kwargs) -> torch.Ten
 
 
 def run_two_worlds(first: tuple, second: tuple, timeout: int = RANK_TIMEOUT_S):
-    """Run two torchrun worlds at once (e.g. trainer and generator workers meeting at a
-    TCP store). Each tuple is (nproc, worker, *args). If either fails, the other is killed."""
-    procs = []
-    for nproc, worker, *args in (first, second):
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-               f"--master-port={free_port()}", str(WORKERS / worker), *map(str, args)]
-        procs.append((cmd, subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
-                                            stderr=subprocess.STDOUT, text=True)))
+    """Run two worlds at once (e.g. trainer and generator workers meeting at a TCP store).
+    Each tuple is (nproc, worker, *args). If either fails, the other is killed. Returns
+    each world's output (stdout then stderr)."""
     import time
 
+    worlds = [start_world(nproc, worker, *args) for nproc, worker, *args in (first, second)]
     deadline = time.monotonic() + timeout
-    outputs = {}
     try:
-        while len(outputs) < len(procs):
-            for cmd, proc in procs:
-                if id(proc) not in outputs and proc.poll() is not None:
-                    outputs[id(proc)] = proc.stdout.read()
-                    if proc.returncode != 0:
-                        raise AssertionError(f"{' '.join(cmd)}\nexit {proc.returncode}\n{outputs[id(proc)][-8000:]}")
+        while True:
+            codes = [w.poll() for w in worlds]
+            for world, code in zip(worlds, codes):
+                if code not in (None, 0):
+                    raise AssertionError(f"{world.command}\nexit {code}\n{''.join(world.output())[-8000:]}")
+            if all(code == 0 for code in codes):
+                return ["".join(w.output()) for w in worlds]
             if time.monotonic() > deadline:
                 raise AssertionError(f"two-world run timed out after {timeout} s")
             time.sleep(0.2)
     finally:
-        for _, proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return [outputs[id(p)] for _, p in procs]
+        for world in worlds:
+            world.close()
 
 
 @pytest.fixture(scope="session")
