@@ -2,7 +2,8 @@
 
 Each iteration: set the step, let the local executors work, run the channels,
 sync the weights, checkpoint. What runs concurrently is decided only by which
-ranks the executors own (topology.py):
+ranks the executors own (topology.py) and, in time, by run.mode's schedule
+(schedule.py: the loop asks it, never the mode):
 
     async   iteration i: generators make batch i  ||  trainer trains batch i-1
             rollouts (GATHER) + batch (BROADCAST): batch i -> every trainer rank
@@ -31,6 +32,7 @@ from megarl.executors.evaluator import eval_steps
 from megarl.loop_state import checkpoint_loop_state, generator_states, resume_point
 from megarl.runtime import preemption
 from megarl.config import Config, config_from_dict
+from megarl.schedule import make_schedule
 from megarl.topology import Topology
 
 CHECKPOINTS = "checkpoints"
@@ -79,7 +81,7 @@ class Controller:
         from megarl.runtime.heartbeat import Heartbeat
 
         role = "trainer" if job.has("trainer") else "generator"
-        if job.has("generator") and self.topo.mode == "async":
+        if job.has("generator") and not job.has("trainer"):  # a generator rank of its own (async)
             replica, tp_rank = self.topo.replica_of(job.rank)
             role = f"generator replica {replica}, TP rank {tp_rank}"
         self.heartbeat = Heartbeat(job.store, job.rank, job.world_size, role, cfg.run.hang_timeout_s)
@@ -107,6 +109,8 @@ class Controller:
             if self.generator is not None and self.resume.generators:
                 replica, _ = self.topo.replica_of(job.rank)
                 self.generator.load_state_dict(self.resume.generators[replica])
+        self.schedule = make_schedule(cfg.run.mode)  # when to generate, train and sync (schedule.py)
+        self.per_replica = cfg.rollout.prompts_per_step // self.topo.generator_replicas  # groups per step
         self.channels = {c.name: Channel(c, job.rank, job.control) for c in self.topo.channels if c.kind != "WEIGHTS"}
         from megarl.weight_sync.factory import make_weight_synchronizer
 
@@ -134,7 +138,7 @@ class Controller:
         cfg, job = self.cfg, self.job
         replica, tp_rank = self.topo.replica_of(job.rank)
         engine_tp = self.topo.generator_tp if self.topo.generator_backend == "torch" else 1
-        if cfg.run.mode == "async" and engine_tp > 1:
+        if engine_tp > 1:  # (sync mode's engines are TP1, one per rank: topology.py)
             first = self.topo.executors["generator"][0]
             for ranks in self.topo.generator_tp_groups():  # every generator rank creates every group
                 group = dist.new_group([r - first for r in ranks])
@@ -200,10 +204,9 @@ class Controller:
         self.sync_weights()  # the generators start from the trainer's policy
         if job.rank in (0, job.world_size - 1):  # two watchers: one stuck watcher hides no hang
             self.heartbeat.watch()
-        asynchronous = cfg.run.mode == "async"
-        per_replica = cfg.rollout.prompts_per_step // self.topo.generator_replicas
-        iterations = range(self.start, cfg.run.steps + (1 if asynchronous else 0))
-        # async: the batch the trainer trains next (trainer ranks); has_pending: whether there is
+        schedule = self.schedule
+        iterations = schedule.iterations(self.start, cfg.run.steps)
+        # the batch the trainer trains next (async; trainer ranks); has_pending: whether there is
         # one, known on every rank (a resumed run may start with the checkpoint's)
         pending: Optional[dict] = self.trainer.restored_pending() if self.trainer is not None else None
         has_pending = self.resume.has_pending
@@ -221,61 +224,33 @@ class Controller:
                       f"trained. Raise run.time_budget_min to train further, or use another run.output_dir "
                       f"to start over", file=sys.stderr, flush=True)
         checkpoint_s = 0.0  # time spent saving: reported apart from the loop's wall time
-        # held-out evaluations (executors/evaluator.py): step k's policy is in the generators at the
-        # top of iteration k (sync) or k + 1 (async, k > 0); the last step's after the loop
+        # held-out evaluations (executors/evaluator.py) at the top of the iteration where step k's
+        # policy is in the generators; the last step's after the loop
         evals = [k for k in eval_steps(cfg.data.eval_every, cfg.run.steps) if k > self.resume.steps_done
                  or k == 0 == self.resume.steps_done] if cfg.data.eval else []
-        eval_at = {(k + 1 if asynchronous and k > 0 else k): k for k in evals if k < cfg.run.steps}
+        eval_at = {schedule.eval_iteration(k): k for k in evals if k < cfg.run.steps}
         for it in iterations:
             if it in eval_at:
                 self._evaluate(eval_at[it], collector)
             t0 = time.perf_counter()
-            gen_out, train_metrics = None, None
             make_batch = it < cfg.run.steps
-            trains_now = has_pending or not asynchronous
-            if asynchronous:
-                trained_key = f"megarl/trained/{it}"
-                if self.generator is not None and make_batch:
-                    self.heartbeat.beat(f"iteration {it}: generating batch {it}", force=True)
-                    gen_out = self._generate(train_version=it, n_groups=per_replica, drain=False)
-                    if cfg.generator.generate_while_waiting:
-                        ahead = time.perf_counter()
-                        self.generator.generate_until(lambda: self.job.store.check([trained_key]), it + 1)
-                        if gen_out is not None:
-                            gen_out["time_generate"] += time.perf_counter() - ahead
-                if self.trainer is not None and pending is not None:
-                    self.heartbeat.beat(f"iteration {it}: training step {it}", force=True)
-                    train_metrics = self.trainer.step(pending["samples"])
-                if job.rank == self.topo.executors["trainer"][0]:
-                    job.store.set(trained_key, "1")  # the generators may stop generating ahead
-            else:
-                self.heartbeat.beat(f"iteration {it}: generating batch {it}", force=True)
-                gen_out = self._generate(train_version=it, n_groups=per_replica, drain=True)
-            batch = None
-            if make_batch:
-                self.heartbeat.beat(f"iteration {it}: gathering and broadcasting batch {it}", force=True, waiting=True)
-                gathered = self.channels["rollouts"].transfer(gen_out if self.reward is not None else None)
-                batch = self.channels["batch"].transfer(self._merge(gathered) if gathered is not None else None)
-            if not asynchronous and self.trainer is not None:
-                self.heartbeat.beat(f"iteration {it}: training step {it + 1}", force=True)
-                train_metrics = self.trainer.step(batch["samples"])
+            trains_now = schedule.trains(has_pending)
+            work = schedule.work(self, it, make_batch, pending)
+            train_metrics = work.train_metrics
             sync_s = 0.0
-            # async: after the trainer's step of iteration i (on batch i-1) the generators take
-            # policy i, unless no batch follows; sync: after every step
-            if trains_now and (not asynchronous or it < cfg.run.steps):
+            if schedule.syncs_after(it, cfg.run.steps, trains_now):
                 self.heartbeat.beat(f"iteration {it}: weight sync", force=True, waiting=True)
                 sync_s = self.sync_weights()
             wall = time.perf_counter() - t0
-            step_done = it + (0 if asynchronous else 1)
+            step_done = schedule.step_of(it)
             # stop here? a signal on any rank, or rank 0's budget clock; a step must have been trained in
             # this iteration (async iteration 0 only generates), and the last step ends the run anyway
             over_budget = (job.rank == 0 and budget_s > 0 and trains_now and step_done < cfg.run.steps
                            and spent_before + time.perf_counter() - wall_start >= budget_s)
             stop = preemption.agree_stop(self.job.control, over_budget)
-            trained_batch = batch if not asynchronous else pending
             if writer is not None and train_metrics is not None:
-                trained += len(trained_batch["samples"])
-                record = self._record(it, train_metrics, trained_batch, batch, wall, sync_s)
+                trained += len(work.trained["samples"])
+                record = self._record(step_done, train_metrics, work.trained, work.batch, wall, sync_s)
                 if stop is not None or step_done == cfg.run.steps:  # the launch's last step says why
                     record["stop_reason"] = stop or "steps"
                 writer.write(record)
@@ -283,15 +258,13 @@ class Controller:
                 if collector is not None:
                     collector.collect(writer)
                 if cfg.run.log_rollouts:
-                    self._log_rollouts(record["step"], train_metrics["trained_version"], trained_batch["samples"])
-            if asynchronous:
-                pending = batch if self.trainer is not None else None
-                has_pending = make_batch
+                    self._log_rollouts(record["step"], train_metrics["trained_version"], work.trained["samples"])
+            pending, has_pending = schedule.carry(work, make_batch, self.trainer is not None)
             if stop is not None or (trains_now and self._should_save(step_done)):
                 self.heartbeat.beat(f"iteration {it}: saving the checkpoint of step {step_done}", force=True, waiting=True)
                 save_start = time.perf_counter()
                 spent = spent_before + save_start - wall_start
-                saved = self._save(step_done, it + 1, pending if asynchronous else None, spent)
+                saved = self._save(step_done, it + 1, pending, spent)
                 checkpoint_s += time.perf_counter() - save_start
                 if stop is not None:
                     if job.rank == 0:
@@ -299,8 +272,7 @@ class Controller:
                     break
         stopped_early = stop is not None
         if not stopped_early and cfg.run.steps in evals:
-            if asynchronous:  # the last step's policy has not reached the generators yet
-                self.sync_weights()
+            schedule.before_final_eval(self)
             self._evaluate(cfg.run.steps, collector)
         summary = None
         if writer is not None:
@@ -382,8 +354,11 @@ class Controller:
         every = self.cfg.run.save_every
         return step == self.cfg.run.steps or (every > 0 and step % every == 0)
 
-    def _generate(self, train_version: int, n_groups: int, drain: bool) -> Optional[dict]:
-        return self.batch_maker.make(train_version, n_groups, drain)
+    def transfer_batch(self, it: int, gen_out: Optional[dict]) -> Optional[dict]:
+        """The replicas' rollouts (GATHER) -> one batch on every trainer rank (BROADCAST)."""
+        self.heartbeat.beat(f"iteration {it}: gathering and broadcasting batch {it}", force=True, waiting=True)
+        gathered = self.channels["rollouts"].transfer(gen_out if self.reward is not None else None)
+        return self.channels["batch"].transfer(self._merge(gathered) if gathered is not None else None)
 
     @staticmethod
     def _merge(parts: List[dict]) -> dict:
@@ -400,13 +375,12 @@ class Controller:
                 "generated_tokens": sum(len(s.response_tokens) for s in samples),
                 "in_flight": sum(p["in_flight"] for p in parts)}
 
-    def _record(self, it: int, m: dict, trained: dict, current: Optional[dict], wall: float, sync_s: float) -> dict:
-        """Training step ``it`` (its batch: ``trained``) and what the generators did meanwhile (``current``)."""
+    def _record(self, step: int, m: dict, trained: dict, current: Optional[dict], wall: float, sync_s: float) -> dict:
+        """Training step ``step`` (its batch: ``trained``) and what the generators did meanwhile (``current``)."""
         samples = trained["samples"]
         gen_s = current["time_generate"] if current else 0.0
         reward_s = current["time_reward"] if current else 0.0
         rewards = [s.reward for s in samples]
-        step = it if self.cfg.run.mode == "async" else it + 1
         time_train = m.get("time_train", 0.0)
         record = {
             "step": step, "mode": self.cfg.run.mode, "policy_version": self.trainer.version,
@@ -425,7 +399,7 @@ class Controller:
             "filtered_groups": trained.get("filtered_groups", 0),
             "filter_extra_samples": trained.get("filter_extra_samples", 0),
             "in_flight": current["in_flight"] if current else 0,
-            "weight_sync_verified": self.cfg.generator.verify_sync and self.cfg.run.mode == "async",
+            "weight_sync_verified": self.cfg.generator.verify_sync and self.schedule.verifies_sync,
             # the trainer's own rate (its step's tokens / its step's time), the generators' while generating
             "train_tokens_per_s": m.get("tokens_per_s", 0.0),
             "generator_tokens_per_s": (current["generated_tokens"] / gen_s) if current and gen_s else 0.0,
