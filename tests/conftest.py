@@ -1,10 +1,10 @@
 """Shared fixtures: tiny random Llamas, converted checkpoints, and multi-rank launches.
 
 Multi-rank work runs in separate worlds of worker processes (tests/workers/*.py,
-started as torchrun starts its workers: tests/local_world.py): the pytest process itself never initialises torch.distributed or the CPU backend,
-so the Hugging Face references it computes are independent of megarl's
-runtime. Each process spends ~6 s importing torch and Megatron, so each world
-runs a whole group of cases.
+started as torchrun starts its workers: tests/local_world.py): the pytest process
+itself never initialises torch.distributed or the CPU backend, so the Hugging Face
+references it computes are independent of megarl's runtime. Each process spends
+~6 s importing torch and Megatron, so each world runs a whole group of cases.
 """
 
 from __future__ import annotations

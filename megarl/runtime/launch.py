@@ -5,12 +5,12 @@ imports cleanly), gives each the RANK/WORLD_SIZE/MASTER_* variables torchrun
 would, and runs ``fn(*args)`` in it. ``fn`` is a function or its path,
 ``"package.module:function"``: by path, the launching process never imports
 what the ranks run -- ``megarl train``'s launcher then never imports torch
-(~3 s of CPU before any rank could start, on a 2-core machine; the ranks import it
-anyway). The launcher uses the standard library's multiprocessing for the same reason. If any rank fails, the others are
-terminated and a MegarlError names the rank at fault: for a user error
-(MegarlError) its one-line message, otherwise the traceback of the rank that
-failed first -- not a peer that merely saw its connection drop. A crashed rank
-ends the job with a message, never a hang.
+(~4 s of CPU before any rank could start, on a 2-core machine; the ranks import
+it anyway), and it spawns through the standard library's multiprocessing for
+the same reason. If any rank fails, the others are terminated and a MegarlError
+names the rank at fault: for a user error (MegarlError) its one-line message,
+otherwise the traceback of the rank that failed first -- not a peer that merely
+saw its connection drop. A crashed rank ends the job with a message, never a hang.
 
 Because children are spawned, the calling script is re-imported in each of
 them: guard its entry point with ``if __name__ == "__main__":``.
@@ -48,8 +48,8 @@ def _die_with_parent() -> None:
 
 RankFunction = Union[Callable[..., Any], str]  # a function, or "package.module:function"
 
-# Ranks still running when one has failed get SIGTERM (a rank saves at its step boundary on it,
-# runtime/preemption.py), then SIGKILL after this long -- as torch.multiprocessing's spawn does.
+# Ranks still running when one has failed get SIGTERM (which ends a rank we spawned: it handles
+# only SIGUSR1, runtime/preemption.py), then SIGKILL after this long, as torch.multiprocessing's spawn does.
 TERMINATE_GRACE_S = 30.0
 
 
