@@ -193,6 +193,8 @@ class SglangBackend(GeneratorBackend):
                     continue
                 problem = f"{self.name} did not answer /health within {self.health_timeout_s:.0f} s"
             if problem:
+                if self.closed.is_set():  # close() stopped the server while this check waited on it
+                    return
                 if self.server is not None:
                     problem += f"; its log: {self.server.log_path}"
                 self.failure = problem
