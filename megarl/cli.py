@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     train_step.add_argument("--samples", type=int, default=8)
     train_step.add_argument("--steps", type=int, default=3, help="timed steps per side (after one warm-up)")
     train_step.add_argument("--max-tokens", type=int, default=256, help="Megatron micro-batch row length")
+    train_step.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
+                            help="bf16: mixed precision on both sides (fp32 master weights)")
     train_step.add_argument("--no-roofline", action="store_true", help="skip measuring this machine's roofline")
 
     gen = bench_sub.add_parser("generate", help="generation tokens/s: megarl's engine vs transformers' generate")
@@ -151,7 +153,7 @@ def dispatch(args: argparse.Namespace) -> None:
 
         train_step.run(train_step.BenchSettings(
             workdir=args.workdir, samples=args.samples, steps=args.steps, max_tokens=args.max_tokens,
-            roofline=not args.no_roofline,
+            dtype=args.dtype, roofline=not args.no_roofline,
         ))
     elif args.command == "bench" and args.benchmark == "generate":
         from megarl.bench import generate

@@ -1,7 +1,10 @@
 """`megarl bench train-step`: RL train-step throughput, Megatron path vs plain transformers.
 
-Both sides take the same AIPO optimizer step (Adam, fp32) on the same batch of
-synthetic rollouts of the same model, on this machine, in one run:
+Both sides take the same AIPO optimizer step (Adam, fp32 master weights) on the
+same batch of synthetic rollouts of the same model, on this machine, in one run,
+in --dtype: fp32, or bf16 mixed precision (Megatron's bf16 model with fp32 main
+parameters in its optimizer; transformers' fp32 model under CPU autocast to bf16,
+what the HF Trainer's ``bf16=True`` does):
 
 - transformers: LlamaForCausalLM, micro-batches of samples padded to their
   longest, log_softmax over the full vocabulary, loss, backward, AdamW step --
@@ -13,7 +16,7 @@ synthetic rollouts of the same model, on this machine, in one run:
 The transformers side runs first: on CPU the Megatron side activates the CPU
 backend's TorchFunctionMode for the rest of the process. Reports tokens/s of
 each (real tokens, prompt + response) and their ratio, and each as a fraction
-of this machine's fp32 training roofline at --max-tokens rows
+of this machine's training roofline in --dtype at --max-tokens rows
 (megarl/bench/roofline.py), measured first in the same run.
 """
 
@@ -39,6 +42,7 @@ class BenchSettings:
     max_response: int = 160
     micro_batch_samples: int = 4
     max_tokens: int = 256
+    dtype: str = "fp32"  # or bf16: mixed precision on both sides
     steps: int = 3
     roofline: bool = True
     lr: float = 1e-6
@@ -71,7 +75,10 @@ def _transformers_step(model, optimizer, batch, advantages, s: BenchSettings) ->
             tokens = x.prompt_tokens + x.response_tokens
             ids[row, : len(tokens)] = torch.tensor(tokens)
             attn[row, : len(tokens)] = 1
-        logp_all = torch.log_softmax(model(ids, attention_mask=attn).logits[:, :-1].float() / s.temperature, -1)
+        # bf16: the forward under autocast, as the HF Trainer's bf16=True runs it (backward follows its dtypes)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=s.dtype == "bf16"):
+            logits = model(ids, attention_mask=attn).logits
+        logp_all = torch.log_softmax(logits[:, :-1].float() / s.temperature, -1)
         loss = torch.zeros(())
         for row, (x, adv) in enumerate(group):
             p, r = len(x.prompt_tokens), len(x.response_tokens)
@@ -106,7 +113,7 @@ def run(s: BenchSettings) -> dict:
     if s.roofline:  # before either side: the Megatron side's CPU TorchFunctionMode stays on afterwards
         from megarl.bench.roofline import train_roofline
 
-        roof = train_roofline(spec, "fp32", s.max_tokens)
+        roof = train_roofline(spec, s.dtype, s.max_tokens)
     batch = synthetic_samples(s, vocab)
     real_tokens = sum(len(x.prompt_tokens) + len(x.response_tokens) for x in batch)
     hf_s = _transformers_step_time(gguf, batch, compute_advantages(batch), s)
@@ -117,6 +124,7 @@ def run(s: BenchSettings) -> dict:
     mg_s, plan_efficiency = _megatron_step_time(ckpt, batch, s)
     result = {
         "model": "SmolLM2-135M-Instruct",
+        "dtype": s.dtype,
         "samples": len(batch),
         "real_tokens": real_tokens,
         "transformers_tokens_per_s": real_tokens / hf_s,
@@ -131,7 +139,7 @@ def run(s: BenchSettings) -> dict:
         result["megatron_fraction_of_roofline"] = result["megatron_tokens_per_s"] / roof["tokens_per_s"]
         result["transformers_fraction_of_roofline"] = result["transformers_tokens_per_s"] / roof["tokens_per_s"]
     print(
-        f"train step, {len(batch)} samples, {real_tokens} tokens, median of {s.steps}:\n"
+        f"train step ({s.dtype}), {len(batch)} samples, {real_tokens} tokens, median of {s.steps}:\n"
         f"  transformers      {result['transformers_tokens_per_s']:8.1f} tokens/s\n"
         f"  megarl (Megatron) {result['megatron_tokens_per_s']:8.1f} tokens/s   "
         f"ratio {result['megatron_over_transformers']:.2f}x",
@@ -167,7 +175,7 @@ def _megatron_step_time(ckpt: Path, batch, s: BenchSettings):
     init_distributed()
     layout = ParallelLayout(1, 1)
     init_megatron(layout)
-    spec, chunks = load_llama(ckpt, layout)
+    spec, chunks = load_llama(ckpt, layout, params_dtype=torch.bfloat16 if s.dtype == "bf16" else torch.float32)
     ddp = wrap_ddp(chunks)
     optimizer = build_optimizer(ddp, OptimizerSettings(lr=s.lr, clip_grad=1.0))
     loss = LossConfig(params={"rho": s.rho}, temperature=s.temperature)
