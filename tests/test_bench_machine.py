@@ -64,6 +64,19 @@ def test_attention_and_bandwidth_counts(monkeypatch):
     assert rl.bandwidth_gb_s(megabytes=8, repeats=2) == pytest.approx(8 * 2 ** 20 / 1e-3 / 1e9)
 
 
+def test_decode_attention_forms_compute_the_same_product():
+    # the roofline takes the faster form; both must be the one product, against a float64 softmax
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 4, 1, 16, generator=g)
+    k, v = torch.randn(3, 2, 10, 16, generator=g), torch.randn(3, 2, 10, 16, generator=g)
+    kk, vv = k.double().repeat_interleave(2, dim=1), v.double().repeat_interleave(2, dim=1)  # query head h -> h // 2
+    want = torch.softmax(q.double() @ kk.transpose(-1, -2) / 4.0, -1) @ vv
+    forms = rl.decode_attention_forms(TINY, q, k, v)
+    assert set(forms) == {"sdpa_gqa", "engine_grouped"}
+    for name, form in forms.items():
+        torch.testing.assert_close(form().double(), want, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_decode_and_train_roofline_by_hand():
     rates = {"qkv": 11.0, "o": 13.0, "gate_up": 17.0, "down": 19.0, "lm_head": 23.0}
     batch, ctx, bw, att = 8, 20, 0.001, 5.0  # a tiny bandwidth: memory-bound
