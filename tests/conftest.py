@@ -22,7 +22,6 @@ WORKERS = ROOT / "tests" / "workers"
 sys.path.insert(0, str(ROOT))
 
 from megarl.cli_common import EXPECTED_UPSTREAM_WARNINGS  # noqa: E402
-from megarl.runtime.ports import free_port  # noqa: E402
 from tests.local_world import LocalWorld  # noqa: E402
 
 RANK_TIMEOUT_S = 900
@@ -38,12 +37,21 @@ def _env() -> dict:
     return env
 
 
+_HANDED_OUT: set = set()
+
+
 def server_port() -> int:
-    """A free port below the ephemeral range (32768+), where gloo's own connections never land."""
+    """A free port below the ephemeral range (32768+), where gloo's own connections never land,
+    and never one handed out before in this session: two ports asked for in a row (a world's
+    MASTER_PORT and a sync group's store) are distinct, where binding port 0 twice may return the
+    same port (a weight-sync test failed so: EADDRINUSE)."""
     import random
     import socket
 
     for port in random.sample(range(20000, 32000), 200):
+        if port in _HANDED_OUT:
+            continue
+        _HANDED_OUT.add(port)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
@@ -54,7 +62,7 @@ def server_port() -> int:
 
 
 def start_world(nproc: int, worker: str, *args) -> LocalWorld:
-    return LocalWorld(nproc, WORKERS / worker, args, env=_env(), cwd=ROOT, port=free_port())
+    return LocalWorld(nproc, WORKERS / worker, args, env=_env(), cwd=ROOT, port=server_port())
 
 
 def run_command(args, expect_rc: int = 0, timeout: int = RANK_TIMEOUT_S) -> subprocess.CompletedProcess:

@@ -11,8 +11,7 @@ import json
 
 import pytest
 
-from megarl.runtime.distributed import free_port
-from tests.conftest import make_tiny_llama, run_tool, run_two_worlds
+from tests.conftest import make_tiny_llama, run_tool, run_two_worlds, server_port
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +35,7 @@ def models(tmp_path_factory):
 
 def run_sync(models, out, extra=(), layouts=LAYOUTS, dst_tps=DST_TPS, trainers=8, generators=4):
     out.mkdir(parents=True, exist_ok=True)
-    common = ["--port", free_port(), "--generators", generators, "--models", *models,
+    common = ["--port", server_port(), "--generators", generators, "--models", *models,
               "--layouts", *layouts, "--dst-tps", *dst_tps, *extra]
     run_two_worlds((trainers, "weight_sync_trainer.py", *common),
                    (generators, "weight_sync_generator.py", *common, "--trainers", trainers, "--out", out))

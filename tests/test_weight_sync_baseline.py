@@ -12,8 +12,7 @@ import json
 
 import pytest
 
-from megarl.runtime.distributed import free_port
-from tests.conftest import make_tiny_llama, run_tool, run_two_worlds
+from tests.conftest import make_tiny_llama, run_tool, run_two_worlds, server_port
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +27,7 @@ def converted(base, **overrides):
 def run_baseline(models, out, layouts, dst_tps, extra=()):
     out.mkdir(parents=True, exist_ok=True)
     # a 16 KiB bucket: several buckets per stage, tensors of several params in one bucket
-    common = ["--port", free_port(), "--generators", 4, "--models", *models, "--layouts", *layouts,
+    common = ["--port", server_port(), "--generators", 4, "--models", *models, "--layouts", *layouts,
               "--dst-tps", *dst_tps, "--baseline", "--bucket-bytes", 16384, *extra]
     run_two_worlds((4, "weight_sync_trainer.py", *common),
                    (4, "weight_sync_generator.py", *common, "--trainers", 4, "--out", out))
