@@ -111,29 +111,42 @@ def test_a_stopped_rank_ends_the_job_naming_it(tmp_path):
     """SIGSTOP the generator rank (no crash, no exit: it just stops moving): the hang watchers end the
     job within run.hang_timeout_s + 30 s with a message naming that rank."""
     hang_timeout = 15
+    out, scratch = tmp_path / "run", tmp_path / "tmp"
+    scratch.mkdir()
     cmd = [sys.executable, "-m", "megarl.cli", "train", "--config", str(ROOT / "configs" / "tiny_cpu.yaml"),
            "run.steps=200", f"run.hang_timeout_s={hang_timeout}", "model.tokenizer=none",
-           "data.train=random:64:1:12", "reward.function=synthetic_parity", f"run.output_dir={tmp_path}"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = tmp_path / "metrics.jsonl"
+           "data.train=random:64:1:12", "reward.function=synthetic_parity", f"run.output_dir={out}"]
+    # TMPDIR: the launcher's rank directory (runtime/launch.py) lands where this test finds it
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TMPDIR": str(scratch)})
+    metrics = out / "metrics.jsonl"
     deadline = time.monotonic() + 600
     while not (metrics.exists() and metrics.read_text().count("\n") >= 2):  # the loop is running
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
         time.sleep(0.1)
-    # the launcher's rank processes, in rank order (spawned one after the other); trainer TP2 = ranks 0, 1
-    children = subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "multiprocessing.spawn"], capture_output=True,
-                              text=True).stdout.split()
-    ranks = sorted(int(pid) for pid in children)
-    assert len(ranks) == 3
-    stopped = ranks[2]
+    # rank 2 (trainer TP2 = ranks 0, 1) by the role file it wrote for the launcher, not by pid order:
+    # pids wrap (pid_max is 32768 on many machines) and the suite starts thousands of processes
+    (role,) = scratch.glob("megarl_ranks_*/rank2.role")
+    assert role.read_text().startswith("generator replica 0, TP rank 0, pid ")
+    stopped = int(role.read_text().rsplit(" ", 1)[1])
     os.kill(stopped, signal.SIGSTOP)
     start = time.monotonic()
     try:
         _, err = proc.communicate(timeout=hang_timeout + 30)
+    except subprocess.TimeoutExpired:
+        tree = subprocess.run(["ps", "-eo", "pid,ppid,stat,etimes,args"], capture_output=True, text=True).stdout
+        proc.kill()
+        err = proc.communicate()[1]
+        raise AssertionError(f"the job did not end; stopped pid {stopped}; its stderr:\n{err[-4000:]}\n"
+                             + "\n".join(line[:160] for line in tree.splitlines() if "python" in line))
     finally:
         if proc.poll() is None:
-            os.kill(stopped, signal.SIGKILL)
             proc.kill()
+        try:
+            os.kill(stopped, signal.SIGKILL)
+        except OSError:
+            pass
     assert time.monotonic() - start <= hang_timeout + 30
     assert proc.returncode != 0
     assert f"rank 2 (generator replica 0, TP rank 0, pid {stopped}" in err and "made no progress for" in err, err[-3000:]
+    assert "its process stopped running too" in err, err[-3000:]

@@ -15,6 +15,13 @@ Ranks about to wait for others in a collective say so (``beat(..., waiting=True)
 a waiting rank is quiet by design, so only a rank that is *not* waiting is judged
 stuck -- the one quiet longest if several -- unless every quiet rank is waiting
 (a deadlock), when the one waiting longest is named.
+
+Progress alone cannot tell a rank that waits for its peers from a rank whose
+*process* stopped while it waited (SIGSTOP, a debugger, a node swapping hard):
+both are quiet and flagged waiting, and the longest waiting may be a healthy peer.
+So every rank also pulses (``megarl/pulse/<rank>``) from a thread of its own every
+watch interval, whatever its main thread does; a quiet rank whose pulse stopped too
+(for three intervals: a live one misses at most one read) is named before any other.
 """
 
 from __future__ import annotations
@@ -24,9 +31,10 @@ import signal
 import socket
 import threading
 import time
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Set, Tuple
 
 KEY = "megarl/heartbeat/{}"
+PULSE_KEY = "megarl/pulse/{}"
 
 
 class Heartbeat:
@@ -40,11 +48,24 @@ class Heartbeat:
 
         announce_role(role)  # the local launcher names a rank killed outright by this
         self._stop = threading.Event()
+        self.interval_s = max(0.5, min(10.0, timeout_s / 4))
+        self.store.set(PULSE_KEY.format(rank), "0")
+        threading.Thread(target=self._pulse, name="megarl-pulse", daemon=True).start()
 
     def watch(self) -> None:
         """Start this rank's watcher thread. Called once the job's start-up is over: loading a
         405B checkpoint or starting SGLang servers has its own timeouts and may take longer."""
         threading.Thread(target=self._watch, name="megarl-hang-watch", daemon=True).start()
+
+    def _pulse(self) -> None:
+        """This process still runs (not: still makes progress); see the module's docstring."""
+        count = 0
+        while not self._stop.wait(self.interval_s):
+            count += 1
+            try:
+                self.store.set(PULSE_KEY.format(self.rank), str(count))
+            except Exception:  # the store's host went away: the launcher reports that failure
+                return
 
     def beat(self, what: str, force: bool = False, waiting: bool = False) -> None:
         """Record progress; ``waiting``: about to wait for other ranks (quiet until they come)."""
@@ -68,20 +89,22 @@ class Heartbeat:
     def _watch(self) -> None:
         from megarl.runtime.failure import fail_rank
 
-        keys = [KEY.format(r) for r in range(self.world_size)]
-        seen: Dict[int, Tuple[str, float]] = {}  # rank -> (its entry, when it last changed, our clock)
-        interval = max(0.5, min(10.0, self.timeout_s / 4))
-        while not self._stop.wait(interval):
+        n = self.world_size
+        keys = [KEY.format(r) for r in range(n)] + [PULSE_KEY.format(r) for r in range(n)]
+        # key index -> (its value, when it last changed, by our clock)
+        seen: Dict[int, Tuple[str, float]] = {}
+        while not self._stop.wait(self.interval_s):
             try:
-                values = self.store.multi_get(keys)
+                values = self.store.multi_get(keys)  # both exist from each rank's start (__init__)
             except Exception:  # the store's host went away: the launcher reports that failure
                 return
             now = time.monotonic()
-            for rank, raw in enumerate(values):
+            for index, raw in enumerate(values):
                 value = raw.decode() if isinstance(raw, bytes) else str(raw)
-                if rank not in seen or seen[rank][0] != value:
-                    seen[rank] = (value, now)
-            stuck = self._stuck(seen, now)
+                if index not in seen or seen[index][0] != value:
+                    seen[index] = (value, now)
+            frozen = {rank for rank in range(n) if now - seen[n + rank][1] > 3 * self.interval_s}
+            stuck = self._stuck({rank: seen[rank] for rank in range(n)}, now, frozen)
             if stuck is not None and not self._stop.is_set():
                 message, host, pid = stuck
                 if host == self.host and pid != os.getpid():
@@ -92,17 +115,23 @@ class Heartbeat:
                         pass
                 fail_rank(message)
 
-    def _stuck(self, seen: Dict[int, Tuple[str, float]], now: float) -> Optional[Tuple[str, str, int]]:
+    def _stuck(self, seen: Dict[int, Tuple[str, float]], now: float,
+               frozen: Set[int] = frozenset()) -> Optional[Tuple[str, str, int]]:
+        """The rank to name, if the job hangs: ``seen`` maps rank -> (its progress entry, when it last
+        changed); ``frozen``: ranks whose process stopped pulsing."""
         live = {rank: entry for rank, entry in seen.items() if entry[0].split("|", 5)[4] != "2"}  # 2: done
         quiet = [(value.split("|", 5)[4] == "1", changed, rank, value)
                  for rank, (value, changed) in live.items() if now - changed > self.timeout_s]
         working = [q for q in quiet if not q[0]]
-        if not working and len(quiet) < len(live):
+        stopped = [q for q in quiet if q[2] in frozen]
+        if not stopped and not working and len(quiet) < len(live):
             return None  # only waiting ranks are quiet: the ones they wait for are still moving
-        _, changed, rank, value = min(working or quiet)
+        _, changed, rank, value = min(stopped or working or quiet)
         _, role, host, pid, _, what = value.split("|", 5)
         others = len(quiet) - 1
         message = (f"rank {rank} ({role}, pid {pid} on {host}) made no progress for {now - changed:.0f} s "
                    f"(run.hang_timeout_s={self.timeout_s:g}); its last activity: {what}"
+                   + ("; its process stopped running too (no pulse: stopped, e.g. SIGSTOP or a debugger, "
+                      "or starved)" if stopped else "")
                    + (f"; {others} other rank(s) quiet too, waiting" if others else ""))
         return message, host, int(pid)
