@@ -80,6 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "model's shapes and the roofline they imply (one JSON line)")
     mach.add_argument("--min-time", type=float, default=0.1, help="seconds of timed calls per measurement")
 
+    att = bench_sub.add_parser("attention", help="the trainer's core attention fwd+bwd: Megatron's unfused path "
+                                                 "vs the SDPA one the local spec uses")
+    att.add_argument("--seq", type=int, nargs="+", default=[256, 1024], help="packed row lengths")
+    att.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
+    att.add_argument("--reps", type=int, default=10, help="timed calls of each (alternated)")
+
     avs = bench_sub.add_parser("async-vs-sync", help="samples/s of the async loop vs the sync baseline, same workload")
     avs.add_argument("--config", required=True)
     avs.add_argument("--workdir", default="runs/bench_async_vs_sync")
@@ -165,6 +171,10 @@ def dispatch(args: argparse.Namespace) -> None:
         from megarl.bench import machine
 
         machine.run(machine.MachineBench(min_time=args.min_time))
+    elif args.command == "bench" and args.benchmark == "attention":
+        from megarl.bench import attention
+
+        attention.run(attention.AttentionBench(seqs=tuple(args.seq), dtype=args.dtype, reps=args.reps))
     elif args.command == "bench" and args.benchmark == "async-vs-sync":
         from megarl.bench import async_vs_sync
 

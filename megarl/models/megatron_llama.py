@@ -93,14 +93,20 @@ def transformer_config(
 
 
 def layer_spec(use_transformer_engine: Optional[bool] = None):
-    """Megatron's layer spec for a Llama block: TE on GPUs with TE, local otherwise."""
+    """Megatron's layer spec for a Llama block: TE on GPUs with TE, local otherwise (its core
+    attention through SDPA)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if use_transformer_engine is None:
         use_transformer_engine = transformer_engine_usable()
     if use_transformer_engine:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    from megarl.models.sdpa_attention import SdpaDotProductAttention
+
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    # Megatron's local core attention with its products fused by SDPA (models/sdpa_attention.py)
+    spec.submodules.self_attention.submodules.core_attention = SdpaDotProductAttention
+    return spec
 
 
 def build_model_chunks(

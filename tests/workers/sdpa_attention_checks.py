@@ -1,0 +1,73 @@
+"""Megatron's DotProductAttention against SdpaDotProductAttention (megarl/models/sdpa_attention.py),
+one process, TP1: the same q/k/v (GQA 9 query heads over 3 key/value groups, SmolLM2's), a packed
+row of three samples under megarl's segment mask, and the causal type without a mask; forward
+outputs and the gradients of q, k and v. Prints one JSON line of the largest differences."""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+import torch  # noqa: E402
+
+
+def main() -> None:
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megarl.models.megatron_llama import layer_spec
+    from megarl.models.sdpa_attention import SdpaDotProductAttention
+    from megarl.runtime.distributed import ParallelLayout, init_distributed, init_megatron, shutdown
+    from megarl.trainer.packing import _segments_mask
+
+    import types
+
+    import megarl.models.sdpa_attention as sdpa_module
+
+    calls = []  # the fused path must be the one taken (Megatron's forward is its fallback)
+    fused = torch.nn.functional.scaled_dot_product_attention
+    sdpa_module.F = types.SimpleNamespace(scaled_dot_product_attention=lambda *a, **k: calls.append(1) or fused(*a, **k))
+    init_distributed()
+    init_megatron(ParallelLayout(1, 1))
+    out = {"local_spec_uses_sdpa":
+           layer_spec(False).submodules.self_attention.submodules.core_attention is SdpaDotProductAttention}
+    heads, groups, dim, s, b = 9, 3, 64, 96, 2
+    segments = torch.tensor([0] * 40 + [1] * 33 + [2] * 15 + [3] * 8)  # 3 samples, then padding
+    for dtype in (torch.float32, torch.bfloat16):
+        config = TransformerConfig(num_layers=1, hidden_size=heads * dim, num_attention_heads=heads,
+                                   num_query_groups=groups, kv_channels=dim, bf16=dtype == torch.bfloat16,
+                                   params_dtype=dtype, attention_softmax_in_fp32=True,
+                                   masked_softmax_fusion=False, attention_dropout=0.0, hidden_dropout=0.0)
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(s, b, heads, dim, generator=g).to(dtype)
+        k = torch.randn(s, b, groups, dim, generator=g).to(dtype)
+        v = torch.randn(s, b, groups, dim, generator=g).to(dtype)
+        grad_out = torch.randn(s, b, heads * dim, generator=g).to(dtype)
+        outputs = {}
+        for case, mask in (("segments", _segments_mask(segments)), ("causal", None)):
+            results = []
+            for cls in (DotProductAttention, SdpaDotProductAttention):
+                layer = cls(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+                leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+                context = layer(*leaves, attention_mask=mask)
+                context.float().mul(grad_out.float()).sum().backward()
+                results.append([context.detach().float()] + [t.grad.float() for t in leaves])
+            name = f"{case}_{'bf16' if dtype == torch.bfloat16 else 'fp32'}"
+            outputs[case] = results[1][0]
+            out[name] = {
+                "shape": list(results[1][0].shape),
+                "max_abs": [float((a - c).abs().max()) for a, c in zip(*results)],
+                "max_ref": [float(a.abs().max()) for a in results[0]],
+            }
+        # the segment mask is more than causal: ignoring it would change the output this much
+        out[f"segments_vs_causal_{'bf16' if dtype == torch.bfloat16 else 'fp32'}"] = float(
+            (outputs["segments"] - outputs["causal"]).abs().max())
+    out["sdpa_calls"] = len(calls)
+    print(json.dumps(out))
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()
