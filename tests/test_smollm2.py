@@ -43,4 +43,8 @@ def test_logits_match_transformers_at_tp1_and_tp3(converted, smollm2_hf, tmp_pat
         ours = torch.load(tmp_path / f"logits_{layout}.pt")
         diff = (ours - reference).abs().max().item()
         print(f"SmolLM2 TP x PP = {layout}: max |logit diff| = {diff:.3e} (max |logit| {reference.abs().max():.1f})")
-        assert ours.shape == reference.shape and diff <= 1e-4
+        # fp32 rounding only: at TP3 the row-parallel products (o_proj, down_proj) sum three partial
+        # sums, in another order than one GEMM does, through 30 layers. Seen (max |logit| 35): TP1 0.0
+        # (bitwise transformers' own: both attend through SDPA), TP3 1.1e-4; with Megatron's unfused
+        # attention 7.1e-5 and 5.9e-5. A wrong tensor mapping moves logits by O(1).
+        assert ours.shape == reference.shape and diff <= 5e-6 * reference.abs().max().item()
