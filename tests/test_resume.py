@@ -135,8 +135,15 @@ def test_a_stopped_rank_ends_the_job_naming_it(tmp_path):
         _, err = proc.communicate(timeout=hang_timeout + 30)
     except subprocess.TimeoutExpired:
         tree = subprocess.run(["ps", "-eo", "pid,ppid,stat,etimes,args"], capture_output=True, text=True).stdout
-        proc.kill()
-        err = proc.communicate()[1]
+        for pid in (stopped, proc.pid):  # the stopped rank holds the job's stderr open too
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        try:
+            err = proc.communicate(timeout=60)[1]
+        except subprocess.TimeoutExpired as late:  # (its output so far comes as bytes)
+            err = late.stderr.decode(errors="replace") if isinstance(late.stderr, bytes) else (late.stderr or "")
         raise AssertionError(f"the job did not end; stopped pid {stopped}; its stderr:\n{err[-4000:]}\n"
                              + "\n".join(line[:160] for line in tree.splitlines() if "python" in line))
     finally:
