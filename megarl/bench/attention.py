@@ -32,28 +32,35 @@ class AttentionBench:
     head_dim: int = 64
 
 
+def core_attention_pair(dtype: torch.dtype, heads: int = 9, groups: int = 3, head_dim: int = 64) -> dict:
+    """Megatron's DotProductAttention and SdpaDotProductAttention built alike (one layer's core attention,
+    causal, no dropout) -- also what tests/test_sdpa_attention.py compares. Needs Megatron's parallel state."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megarl.models.sdpa_attention import SdpaDotProductAttention
+
+    config = TransformerConfig(num_layers=1, hidden_size=heads * head_dim, num_attention_heads=heads,
+                               num_query_groups=groups, kv_channels=head_dim, bf16=dtype == torch.bfloat16,
+                               params_dtype=dtype, attention_dropout=0.0, hidden_dropout=0.0)
+    return {name: cls(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+            for name, cls in (("megatron", DotProductAttention), ("sdpa", SdpaDotProductAttention))}
+
+
 def _call(layer, q, k, v, mask, grad):
     leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
     layer(*leaves, attention_mask=mask).backward(grad)
 
 
 def run(b: AttentionBench) -> dict:
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-    from megatron.core.transformer.enums import AttnMaskType
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from megarl.models.sdpa_attention import SdpaDotProductAttention
     from megarl.runtime.distributed import ParallelLayout, init_distributed, init_megatron, shutdown
     from megarl.trainer.packing import _segments_mask
 
     init_distributed()
     init_megatron(ParallelLayout(1, 1))
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[b.dtype]
-    config = TransformerConfig(num_layers=1, hidden_size=b.heads * b.head_dim, num_attention_heads=b.heads,
-                               num_query_groups=b.groups, kv_channels=b.head_dim, bf16=dtype == torch.bfloat16,
-                               params_dtype=dtype, attention_dropout=0.0, hidden_dropout=0.0)
-    layers = {name: cls(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
-              for name, cls in (("megatron", DotProductAttention), ("sdpa", SdpaDotProductAttention))}
+    layers = core_attention_pair(dtype, b.heads, b.groups, b.head_dim)
     result = {"dtype": b.dtype, "threads": torch.get_num_threads(), "heads": b.heads, "groups": b.groups,
               "head_dim": b.head_dim, "sample_len": b.sample_len}
     for seq in b.seqs:

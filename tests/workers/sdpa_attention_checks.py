@@ -13,10 +13,7 @@ import torch  # noqa: E402
 
 
 def main() -> None:
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-    from megatron.core.transformer.enums import AttnMaskType
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
+    from megarl.bench.attention import core_attention_pair
     from megarl.models.megatron_llama import layer_spec
     from megarl.models.sdpa_attention import SdpaDotProductAttention
     from megarl.runtime.distributed import ParallelLayout, init_distributed, init_megatron, shutdown
@@ -36,10 +33,8 @@ def main() -> None:
     heads, groups, dim, s, b = 9, 3, 64, 96, 2
     segments = torch.tensor([0] * 40 + [1] * 33 + [2] * 15 + [3] * 8)  # 3 samples, then padding
     for dtype in (torch.float32, torch.bfloat16):
-        config = TransformerConfig(num_layers=1, hidden_size=heads * dim, num_attention_heads=heads,
-                                   num_query_groups=groups, kv_channels=dim, bf16=dtype == torch.bfloat16,
-                                   params_dtype=dtype, attention_softmax_in_fp32=True,
-                                   masked_softmax_fusion=False, attention_dropout=0.0, hidden_dropout=0.0)
+        layers = core_attention_pair(dtype, heads, groups, dim)  # Megatron's and megarl's, built alike
+        tag = "bf16" if dtype == torch.bfloat16 else "fp32"
         g = torch.Generator().manual_seed(0)
         q = torch.randn(s, b, heads, dim, generator=g).to(dtype)
         k = torch.randn(s, b, groups, dim, generator=g).to(dtype)
@@ -48,21 +43,19 @@ def main() -> None:
         outputs = {}
         for case, mask in (("segments", _segments_mask(segments)), ("causal", None)):
             results = []
-            for cls in (DotProductAttention, SdpaDotProductAttention):
-                layer = cls(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+            for layer in (layers["megatron"], layers["sdpa"]):
                 leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
                 context = layer(*leaves, attention_mask=mask)
                 context.float().mul(grad_out.float()).sum().backward()
                 results.append([context.detach().float()] + [t.grad.float() for t in leaves])
-            name = f"{case}_{'bf16' if dtype == torch.bfloat16 else 'fp32'}"
             outputs[case] = results[1][0]
-            out[name] = {
+            out[f"{case}_{tag}"] = {
                 "shape": list(results[1][0].shape),
                 "max_abs": [float((a - c).abs().max()) for a, c in zip(*results)],
                 "max_ref": [float(a.abs().max()) for a in results[0]],
             }
         # the segment mask is more than causal: ignoring it would change the output this much
-        out[f"segments_vs_causal_{'bf16' if dtype == torch.bfloat16 else 'fp32'}"] = float(
+        out[f"segments_vs_causal_{tag}"] = float(
             (outputs["segments"] - outputs["causal"]).abs().max())
     out["sdpa_calls"] = len(calls)
     print(json.dumps(out))
