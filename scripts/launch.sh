@@ -19,8 +19,8 @@
 #    the world size. No GPU (no nvidia-smi): the whole world on this one node (gloo).
 #
 # Environment: NNODES (or NUM_NODES) 1, NODE_RANK 0, MASTER_ADDR 127.0.0.1,
-# MASTER_PORT a free pair on one node / 6000 on many (megarl's own store takes
-# MASTER_PORT + 1), GPUS_PER_NODE (default: the GPUs nvidia-smi lists),
+# MASTER_PORT the first of three free ports on one node / 6000 on many (megarl's own store takes
+# MASTER_PORT + 1, SGLang weight sync + 2), GPUS_PER_NODE (default: the GPUs nvidia-smi lists),
 # PYTHON (default python), MEGARL_DEVICE=gpu|cpu to skip detection,
 # MEGARL_PREPARE_WAIT_S (how long other nodes wait for node 0's conversion,
 # default 21600), MEGARL_LAUNCH_DRY_RUN=1 to print the commands and exit.
@@ -138,13 +138,14 @@ if [[ -z "${MASTER_PORT:-}" ]]; then
     if (( NNODES > 1 )); then
         MASTER_PORT=6000  # every node must agree on it: set it explicitly (scripts/slurm.sbatch does)
     else
-        # a free pair: torchrun's rendezvous takes MASTER_PORT, megarl's job store MASTER_PORT + 1
+        # three free ports: torchrun's rendezvous takes MASTER_PORT, megarl's job store MASTER_PORT + 1,
+        # the SGLang weight-sync rendezvous MASTER_PORT + 2
         MASTER_PORT=$("$PYTHON" - <<'EOF'
 import socket
-for port in range(29500, 30500, 2):
+for port in range(29500, 30500, 3):
     try:
-        with socket.socket() as a, socket.socket() as b:
-            a.bind(("", port)); b.bind(("", port + 1))
+        with socket.socket() as a, socket.socket() as b, socket.socket() as c:
+            a.bind(("", port)); b.bind(("", port + 1)); c.bind(("", port + 2))
         print(port)
         break
     except OSError:

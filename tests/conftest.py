@@ -37,28 +37,12 @@ def _env() -> dict:
     return env
 
 
-_HANDED_OUT: set = set()
-
-
 def server_port() -> int:
-    """A free port below the ephemeral range (32768+), where gloo's own connections never land,
-    and never one handed out before in this session: two ports asked for in a row (a world's
-    MASTER_PORT and a sync group's store) are distinct, where binding port 0 twice may return the
-    same port (a weight-sync test failed so: EADDRINUSE)."""
-    import random
-    import socket
+    """A free port for a world's MASTER_PORT, with MASTER_PORT + 1 and + 2 free too (megarl.runtime.ports:
+    below the ephemeral range, never the same port twice in one session)."""
+    from megarl.runtime.ports import free_port
 
-    for port in random.sample(range(20000, 32000), 200):
-        if port in _HANDED_OUT:
-            continue
-        _HANDED_OUT.add(port)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-                return port
-            except OSError:
-                continue
-    raise RuntimeError("no free port in 20000-32000")
+    return free_port()
 
 
 def start_world(nproc: int, worker: str, *args) -> LocalWorld:
