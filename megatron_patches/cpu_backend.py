@@ -15,6 +15,9 @@ requests to CPU at the torch boundary:
   replaced by CPU stand-ins. The "CUDA" RNG *is* the CPU default generator: on a
   CPU build every "cuda" random op runs on the CPU generator anyway, so
   Megatron's RNG tracker forks and restores that one.
+* DDP's collectives over a one-rank data-parallel group, identities that gloo
+  would run as a full copy of the grad buffer, are skipped
+  (``single_rank_grad_sync``).
 
 What it never does: activate when CUDA is usable, fake
 ``torch.cuda.is_available()`` (True would send Megatron into TE-only code), or
@@ -280,6 +283,9 @@ def _install_patches() -> None:
             _patch_torch_cuda()
             _patch_autograd_entry()
             _patch_megatron_rng()
+            from megatron_patches import single_rank_grad_sync
+
+            single_rank_grad_sync.apply()
             _applied = True
 
 
