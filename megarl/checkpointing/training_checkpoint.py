@@ -79,4 +79,7 @@ def load_training_state(chunks: List[torch.nn.Module], optimizer, path: os.PathL
     load_model_state(chunks, loaded, ckpt_dir)
     optimizer.load_state_dict(loaded["optimizer"])
     optimizer_state.untie_adam_step_state(optimizer)
+    from megarl.trainer.setup import fuse_torch_adam_on_cpu
+
+    fuse_torch_adam_on_cpu(optimizer)  # the loaded param groups carry the saving run's setting
     return dict(loaded.get("loop_state", {}), iteration=loaded.get("iteration", 0))
