@@ -64,15 +64,17 @@ def test_recompute_lowers_each_ranks_peak_activations(runs):
     full_uniform, full_block = peaks(runs, "full-uniform"), peaks(runs, "full-block")
     print(f"peak activation bytes per rank: none {none}, selective {selective}, full-uniform {full_uniform}, "
           f"full-block {full_block}")
-    # Selective recomputation drops core attention's saved tensors. The core attention is SDPA
-    # (megarl/models/sdpa_attention.py): it saves its output and the keys and values expanded to the
-    # query heads, [heads/TP = 2, 64 positions, head dim 16] fp32 = 8 KiB each, where the checkpoint
-    # keeps the un-expanded keys and values instead (1 group: 4 KiB each): >= 16 KiB for each of
-    # the stage's 2 layers and each micro-batch the 1F1B schedule holds: 2 on the first stage (one
-    # warm-up forward), 1 on the last. (Megatron's unfused attention saved more: the s x s softmax.)
+    # Selective recomputation drops core attention's saved tensors. The core attention is SDPA, one
+    # causal call per packed sample (megarl/models/sdpa_attention.py): it saves its output and the
+    # keys and values expanded to the query heads, [heads/TP = 2, 64 positions, head dim 16] fp32 =
+    # 8 KiB each (and the queries, which the checkpoint keeps too), where the checkpoint keeps the
+    # un-expanded keys and values (1 group: 4 KiB each) and the [64, 64] bool mask (4 KiB): >= 12 KiB
+    # for each of the stage's 2 layers and each micro-batch the 1F1B schedule holds: 2 on the first
+    # stage (one warm-up forward), 1 on the last. (A masked SDPA call also saved the mask as fp32,
+    # 16 KiB more; Megatron's unfused attention the s x s softmax.)
     in_flight = [2, 2, 1, 1]  # ranks 0, 1: stage 0 (TP ranks 0, 1); ranks 2, 3: stage 1
     for n, s, k in zip(none, selective, in_flight):
-        assert n - s >= 2 * k * (3 * 8192 - 2 * 4096)
+        assert n - s >= 2 * k * (3 * 8192 - 3 * 4096)
     # Full recomputation of every layer keeps least; block (1 of the stage's 2 layers) sits between.
     for n, s, u, b in zip(none, selective, full_uniform, full_block):
         assert u < b < n and u < s
