@@ -19,6 +19,7 @@ reduce-scatter stops copying its input.
 from __future__ import annotations
 
 _applied = False
+megatron_methods: dict = {}  # Megatron's own start_grad_sync / start_param_sync, once replaced (tests compare)
 
 
 class _Finished:
@@ -44,6 +45,7 @@ def apply() -> None:
     from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup as BucketGroup
 
     original_grad_sync, original_param_sync = BucketGroup.start_grad_sync, BucketGroup.start_param_sync
+    megatron_methods.update(start_grad_sync=original_grad_sync, start_param_sync=original_param_sync)
 
     def start_grad_sync(self, force_all_reduce=False):
         if not _single_rank(self, self.ddp_config.use_distributed_optimizer):
