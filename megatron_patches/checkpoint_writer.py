@@ -25,15 +25,19 @@ import sys
 EXPECTED_MEGATRON = "0.16"
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(parent_pid: int) -> None:
     if sys.platform.startswith("linux"):
         import ctypes
+        import os
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent_pid:  # the rank died while this process started: no signal will come
+            os._exit(1)
 
 
 def apply() -> None:
     import multiprocessing as mp
+    import os
     from multiprocessing.managers import SyncManager
 
     import megatron.core
@@ -47,5 +51,5 @@ def apply() -> None:
                            "filesystem_async._results_queue; this patch can probably be deleted")
     if filesystem_async._results_queue is None:
         manager = SyncManager(ctx=mp.get_context("spawn"))
-        manager.start(initializer=_die_with_parent)
+        manager.start(initializer=_die_with_parent, initargs=(os.getpid(),))
         filesystem_async._results_queue = manager.Queue()

@@ -36,14 +36,32 @@ def running_under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _die_with_parent() -> None:
-    """Linux: this rank gets SIGKILL if the launching process dies (killed, Ctrl-C'd), so no rank
-    outlives the job holding cores and ports."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-        import signal
+_forking_pid = 0  # set just before this process forks (os.register_at_fork), read in the child
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Linux: this rank gets SIGKILL when the launching process dies (killed, Ctrl-C'd), so no rank
+    outlives the job holding cores, ports and the job's stdout/stderr -- and so does every process the
+    rank forks: a fork does not inherit the setting, and Megatron's checkpoint writer forks its
+    write workers (one left behind by a rank killed mid-save held a test's pipes open)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+
+    def arm(expected_parent: int) -> None:
+        prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != expected_parent:  # it died before the line above: no signal will come
+            os._exit(1)
+
+    def before_fork() -> None:
+        global _forking_pid
+        _forking_pid = os.getpid()
+
+    arm(parent_pid)
+    os.register_at_fork(before=before_fork, after_in_child=lambda: arm(_forking_pid))
 
 
 RankFunction = Union[Callable[..., Any], str]  # a function, or "package.module:function"
@@ -62,8 +80,8 @@ def _resolve(fn: RankFunction) -> Callable[..., Any]:
     return getattr(importlib.import_module(module), name)
 
 
-def _child(index: int, worlds: list, error_dir: str) -> None:
-    _die_with_parent()
+def _child(index: int, worlds: list, error_dir: str, launcher_pid: int) -> None:
+    _die_with_parent(launcher_pid)
     # worlds: [(fn, size, port, args)]; process ``index`` is rank index - offset of its world.
     offset = 0
     for fn, world_size, port, args in worlds:
@@ -172,7 +190,7 @@ def run_worlds(worlds: List[Tuple[RankFunction, int, tuple]]) -> None:
     spec = [(fn, size, free_port(), args) for fn, size, args in worlds]
     ctx = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="megarl_ranks_") as error_dir:
-        processes = [ctx.Process(target=_child, args=(index, spec, error_dir), name=f"megarl-rank{index}")
+        processes = [ctx.Process(target=_child, args=(index, spec, error_dir, os.getpid()), name=f"megarl-rank{index}")
                      for index in range(total)]
         try:
             for process in processes:
