@@ -1,10 +1,17 @@
 """Small, version-checked runtime patches to Megatron-Core.
 
 Each patch module says why it exists and when it can be deleted. cpu_backend
-never activates where CUDA is usable; the other two correct upstream behaviour
-that is wrong on any device and never change a value that is right.
+and the two CPU speed patches never activate where CUDA is usable; tp_attributes
+and optimizer_state correct upstream behaviour that is wrong on any device and
+never change a value that is right.
 
     cpu_backend       run the unmodified Megatron-Core code on CPU + gloo
+    single_rank_grad_sync  (installed by cpu_backend) DDP's reduce-scatter and
+                      all-gather over a one-rank group are skipped: identities
+                      gloo would run as a full copy of the grad buffer
+    cpu_wgrad_accumulation  on CPU, weight gradients (linear layers and the word
+                      embedding) accumulate into main_grad, as Megatron's
+                      gradient_accumulation_fusion does on GPUs (trainer.setup.wrap_ddp)
     tp_attributes     mark TP-sharded weights of models built without
                       initialisation (else grad-norm clipping is wrong at TP>1)
     optimizer_state   give each parameter its own Adam 'step' after a

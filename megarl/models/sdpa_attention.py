@@ -9,10 +9,9 @@ many backward, plus the GQA key/value copies; its memory grows with s^2 in fp32.
 with a fused kernel (PyTorch's flash attention for CPU: blockwise, fp32
 accumulation, masks supported, forward and backward), as TE's fused attention does
 on GPUs. ``megarl bench attention`` (2-core AMD EPYC, AVX-512, SmolLM2's 9/3 heads,
-fwd+bwd of one layer): bf16 1.19x at a 256-position row (9.2 -> 7.7 ms), 2.12x at
-1024 (136 -> 64 ms); fp32 2.03x and 2.66x. At the demo's 256-position rows that is
-~0.2 s of a ~7 s train step -- inside that machine's run-to-run noise; the gain
-grows with the row.
+fwd+bwd of one layer, a packed row of ~100-token samples): with the two CPU changes
+below, bf16 1.52x at a 256-position row (8.6 -> 5.7 ms), 6.86x at 1024 (142 -> 21 ms);
+fp32 2.14x and 8.24x (one masked SDPA call before them: bf16 1.19x and 2.12x).
 
 ``SdpaDotProductAttention`` is Megatron's class (same constructor, state, checks),
 with ``forward`` replaced where SDPA expresses the same math: no attention bias,
