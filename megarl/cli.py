@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     train_step.add_argument("--workdir", default="runs/bench")
     train_step.add_argument("--samples", type=int, default=8)
     train_step.add_argument("--steps", type=int, default=3, help="timed steps per side (after one warm-up)")
-    train_step.add_argument("--max-tokens", type=int, default=256, help="Megatron micro-batch row length")
+    train_step.add_argument("--max-tokens", type=int, default=512,
+                            help="Megatron micro-batch row length (configs/demo_cpu.yaml's)")
     train_step.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
                             help="bf16: mixed precision on both sides (fp32 master weights)")
     train_step.add_argument("--no-roofline", action="store_true", help="skip measuring this machine's roofline")

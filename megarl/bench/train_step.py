@@ -41,7 +41,7 @@ class BenchSettings:
     min_response: int = 32
     max_response: int = 160
     micro_batch_samples: int = 4
-    max_tokens: int = 256
+    max_tokens: int = 512  # configs/demo_cpu.yaml's trainer.max_tokens_per_microbatch
     dtype: str = "fp32"  # or bf16: mixed precision on both sides
     steps: int = 3
     roofline: bool = True
