@@ -16,8 +16,8 @@ what the HF Trainer's ``bf16=True`` does):
 The transformers side runs first: on CPU the Megatron side activates the CPU
 backend's TorchFunctionMode for the rest of the process. Reports tokens/s of
 each (real tokens, prompt + response) and their ratio, and each as a fraction
-of this machine's training roofline in --dtype at --max-tokens rows
-(megarl/bench/roofline.py), measured first in the same run.
+of this machine's training roofline in --dtype, its attention as long as the
+samples' mean length (megarl/bench/roofline.py), measured first in the same run.
 """
 
 from __future__ import annotations
@@ -110,12 +110,14 @@ def run(s: BenchSettings) -> dict:
     spec = gguf_spec(gguf.parent, gguf.name)
     vocab = spec.vocab_size
     roof = None
+    batch = synthetic_samples(s, vocab)
+    real_tokens = sum(len(x.prompt_tokens) + len(x.response_tokens) for x in batch)
     if s.roofline:  # before either side: the Megatron side's CPU TorchFunctionMode stays on afterwards
         from megarl.bench.roofline import train_roofline
 
-        roof = train_roofline(spec, s.dtype, s.max_tokens)
-    batch = synthetic_samples(s, vocab)
-    real_tokens = sum(len(x.prompt_tokens) + len(x.response_tokens) for x in batch)
+        # attention as long as the samples, not the rows: megarl's packed samples attend per sample
+        # (a row-long causal attention would charge the roofline for blocks nobody computes)
+        roof = train_roofline(spec, s.dtype, max(1, round(real_tokens / len(batch))))
     hf_s = _transformers_step_time(gguf, batch, compute_advantages(batch), s)
 
     ckpt = Path(s.workdir) / "smollm2_tp1"
