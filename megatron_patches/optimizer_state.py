@@ -29,7 +29,8 @@ a loading state dict and clones the step per parameter.
 from __future__ import annotations
 
 
-def _inner_torch_optimizers(optimizer):
+def inner_torch_optimizers(optimizer):
+    """The torch optimizers inside a Megatron optimizer (one, or one per chained optimizer)."""
     chained = getattr(optimizer, "chained_optimizers", None)
     for opt in chained if chained is not None else [optimizer]:
         inner = getattr(opt, "optimizer", None)
@@ -96,7 +97,7 @@ def init_adam_state_for_loading(optimizer) -> int:
 def untie_adam_step_state(optimizer) -> int:
     """De-alias shared 'step' tensors in the torch optimizer(s) inside ``optimizer``."""
     untied = 0
-    for inner in _inner_torch_optimizers(optimizer):
+    for inner in inner_torch_optimizers(optimizer):
         seen = set()
         for state in inner.state.values():
             step = state.get("step")

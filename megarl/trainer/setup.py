@@ -107,13 +107,12 @@ def fuse_torch_adam_on_cpu(optimizer) -> int:
     Also called after a checkpoint load, whose param groups replace these. Returns the groups changed.
     """
     import megatron_patches
+    from megatron_patches.optimizer_state import inner_torch_optimizers
 
     if not megatron_patches.is_active():
         return 0
     changed = 0
-    chained = getattr(optimizer, "chained_optimizers", None)
-    for opt in chained if chained is not None else [optimizer]:
-        inner = getattr(opt, "optimizer", None)
+    for inner in inner_torch_optimizers(optimizer):
         if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
             continue
         for group in inner.param_groups:
