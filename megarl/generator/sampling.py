@@ -45,18 +45,34 @@ def sample(logits: torch.Tensor, params: List[SamplingParams], generators: List[
             plain.setdefault(p.temperature, []).append(row)
             continue
         logp = _filtered_log_probs(logits[row], p)
-        tokens[row] = int(torch.multinomial(logp.exp(), 1, generator=generators[row]))
+        tokens[row] = int(draw(logp.exp()[None], [generators[row]])[0])
         logprobs[row] = float(logp[tokens[row]])
     for temperature, rows in plain.items():
-        x = logits[rows].float()
+        # every row (the common case: one request's settings): the logits themselves, no copy
+        x = logits if len(rows) == logits.shape[0] else logits[rows]
+        logp = torch.log_softmax(x.float() if temperature == 0 else x.float() / temperature, dim=-1)
         if temperature == 0:
             chosen = torch.argmax(x, dim=-1)
-            logp = torch.log_softmax(x, dim=-1)
         else:
-            logp = torch.log_softmax(x / temperature, dim=-1)
-            probs = logp.exp()
-            chosen = torch.cat([torch.multinomial(probs[j], 1, generator=generators[row]) for j, row in enumerate(rows)])
+            chosen = draw(logp.exp(), [generators[row] for row in rows])
         picked = logp.gather(1, chosen[:, None])[:, 0]
         for row, token, lp in zip(rows, chosen.tolist(), picked.tolist()):
             tokens[row], logprobs[row] = token, lp
     return tokens, logprobs
+
+
+def draw(probs: torch.Tensor, generators: List[Optional[torch.Generator]]) -> torch.Tensor:
+    """One index per row of ``probs`` [B, V] (rows need not sum to 1), drawn with probability
+    proportional to its entry: the inverse of the row's cumulative distribution at one uniform
+    number from the row's own generator (None: torch's default one).
+
+    Why not ``torch.multinomial``: for one sample it draws an exponential for every entry of the
+    row (the exponential-race trick): 49152 random numbers per token, ~1 ms a row on the CPU,
+    more than a decode step's forward at batch 64. This draws one number per row."""
+    cdf = probs.cumsum(dim=-1)
+    u = torch.cat([torch.rand(1, generator=g, device=probs.device) for g in generators])
+    chosen = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+    for row in (chosen >= probs.shape[-1]).nonzero()[:, 0].tolist():
+        # u * total rounded up to the total: the last entry with any mass, never a zero one
+        chosen[row] = int(probs[row].nonzero()[-1])
+    return chosen
