@@ -8,6 +8,8 @@ setup(
     description="Megatron-Core trainer + SGLang fp8 generators for asynchronous RL of Llama-family LLMs",
     python_requires=">=3.10",
     packages=find_packages(include=["megarl", "megarl.*", "megatron_patches", "megatron_patches.*"]),
+    # the engine's C kernel is built from its source on the machine that runs it (torch_engine/native.py)
+    package_data={"megarl.generator.torch_engine": ["*.c"]},
     install_requires=[
         # Pinned: an unpinned torch pulls a multi-GB CUDA build onto CPU machines,
         # and megatron_patches is validated against exactly this pair.

@@ -112,7 +112,8 @@ def attention_gflops(spec, dtype: str, batch: int, queries: int, keys: int, caus
 
     At decode (one query per sequence) the faster of two forms of the same product: SDPA's
     ``enable_gqa`` with one query per head, and the torch engine's (generator/torch_engine/model.py),
-    each KV head's query heads as that head's queries, with its key mask. On a CPU with native
+    each KV head's query heads as that head's queries, with its key mask, and the engine's own C kernel
+    where it builds (torch_engine/native.py). On a CPU with native
     bf16 (torch 2.13, AVX512-BF16) the first ran at ~4 GFLOP/s in bf16 against ~30 in fp32, while
     the engine's form did not slow down: a roofline from the first alone was no bound on the engine."""
     g = torch.Generator().manual_seed(1)
@@ -141,10 +142,17 @@ def decode_attention_forms(spec, q, k, v) -> dict:
     batch, keys, d = q.shape[0], k.shape[2], spec.head_dim
     grouped = q.reshape(batch, spec.num_kv_heads, spec.num_attention_heads // spec.num_kv_heads, d)
     mask = torch.ones(batch, 1, 1, keys, dtype=torch.bool)
-    return {
+    forms = {
         "sdpa_gqa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
         "engine_grouped": lambda: F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask).reshape(q.shape),
     }
+    from megarl.generator.torch_engine import native
+
+    if native.load() is not None and d % 16 == 0 and k.is_contiguous() and v.is_contiguous():
+        slots, lengths = torch.arange(batch), torch.full((batch,), keys)
+        forms["engine_native"] = lambda: native.decode_attention(grouped, k, v, slots, lengths,
+                                                                 1.0 / d ** 0.5).reshape(q.shape)
+    return forms
 
 
 def bandwidth_gb_s(threads=None, megabytes: int = 256, repeats: int = 5) -> float:

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megarl.generator.torch_engine import native
 from megarl.generator.torch_engine.kernels import LinearKernels
 from megarl.models.spec import LlamaSpec
 from megarl.weight_sync import fp8 as fp8_format
@@ -81,9 +82,12 @@ class KVCache:
 
 class SglangLayoutLlama:
     def __init__(self, spec: LlamaSpec, params: Dict[str, torch.Tensor], tp: int = 1, tp_rank: int = 0,
-                 group=None, fp8: bool = False, decode_rows: int = 0, linear_path: str = "mkl"):
+                 group=None, fp8: bool = False, decode_rows: int = 0, linear_path: str = "mkl",
+                 decode_attention: str = "auto"):
         """``linear_path`` "auto": time MKL against oneDNN at ``decode_rows`` rows per weight shape
-        and use the faster (kernels.py); "mkl": plain ``F.linear``; "onednn": oneDNN wherever it runs."""
+        and use the faster (kernels.py); "mkl": plain ``F.linear``; "onednn": oneDNN wherever it runs.
+        ``decode_attention`` "auto": megarl's C kernel (decode_attention.c) on CPU where it builds
+        and head_dim is a multiple of 16, else torch's SDPA; "sdpa": SDPA always."""
         self.spec, self.params, self.tp, self.tp_rank, self.group, self.fp8 = spec, params, tp, tp_rank, group, fp8
         self.heads = spec.num_attention_heads // tp
         kv0, kv1 = sglang_kv_head_of(spec, tp, tp_rank)
@@ -96,6 +100,10 @@ class SglangLayoutLlama:
         linears = [n for n in params if n.endswith("_proj.weight")]
         linears.append("model.embed_tokens.weight" if spec.tie_embeddings else "lm_head.weight")
         self.kernels = LinearKernels(params, linears, decode_rows, linear_path)
+        if decode_attention not in ("auto", "sdpa"):
+            raise ValueError(f"decode_attention {decode_attention!r}: 'auto' or 'sdpa'")
+        self.native_decode = (decode_attention == "auto" and self.device.type == "cpu" and spec.head_dim % 16 == 0
+                              and self.dtype in (torch.float32, torch.bfloat16) and native.load() is not None)
 
     # -- building blocks -----------------------------------------------------------------------
 
@@ -224,7 +232,7 @@ class SglangLayoutLlama:
         else:
             read = slots
         mask = (torch.arange(longest, device=device)[None, :] <= starts[:, None])[:, None, None, :]
-        return _DecodePlan(write_rows, read, longest, mask)
+        return _DecodePlan(write_rows, read, longest, mask, slots, starts + 1)
 
     def _attend_decode(self, q, k, v, plan: "_DecodePlan", cache: KVCache, layer: int) -> torch.Tensor:
         """One new token per sequence (rows of q, k, v in segment order): one batched attention
@@ -233,9 +241,13 @@ class SglangLayoutLlama:
         d = self.spec.head_dim
         cache.k[layer].view(-1, d).index_copy_(0, plan.write_rows, k.reshape(-1, d))
         cache.v[layer].view(-1, d).index_copy_(0, plan.write_rows, v.reshape(-1, d))
+        grouped = q.reshape(q.shape[0], self.kv_heads, self.heads // self.kv_heads, d)
+        if self.native_decode:
+            o = native.decode_attention(grouped, cache.k[layer], cache.v[layer], plan.slots, plan.lengths,
+                                        1.0 / math.sqrt(d))
+            return o.reshape(q.shape[0], self.heads, d)
         keys = cache.k[layer][plan.read, :, : plan.longest]
         values = cache.v[layer][plan.read, :, : plan.longest]
-        grouped = q.reshape(q.shape[0], self.kv_heads, self.heads // self.kv_heads, d)
         o = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=plan.mask, scale=1.0 / math.sqrt(d))
         return o.reshape(q.shape[0], self.heads, d)
 
@@ -246,3 +258,5 @@ class _DecodePlan:
     read: object  # slice or index tensor of cache slots
     longest: int
     mask: torch.Tensor  # [B, 1, 1, longest]: key j visible to sequence b
+    slots: torch.Tensor  # [B] cache slot of each sequence
+    lengths: torch.Tensor  # [B] keys each sequence sees (its new one included)

@@ -1,0 +1,122 @@
+"""The engine's C kernels (decode_attention.c): built once per machine, loaded through ctypes.
+
+Built with the machine's C compiler (``$CC`` or cc / gcc) at ``-O3 -march=native
+-fopenmp`` into ``$MEGARL_CACHE_DIR/native`` (default ``~/.cache/megarl/native``), under a
+name that hashes the source, the flags, the compiler's version and this CPU's flags -- so a
+cache shared between machine kinds never hands one CPU another's build. No torch or Python
+headers are compiled: a build takes about a second. Where no compiler works, ``load()``
+returns None with the reason in ``why_not()`` and the engine keeps torch's SDPA.
+
+The .so links OpenMP by soname (libgomp.so.1); torch has already loaded its own copy by
+that name, so the kernel runs on torch's thread pool rather than a second one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+SOURCE = Path(__file__).with_name("decode_attention.c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+_why_not = ""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MEGARL_CACHE_DIR", Path.home() / ".cache" / "megarl")) / "native"
+
+
+def _compiler() -> Optional[str]:
+    for name in (os.environ.get("CC"), "cc", "gcc"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _build(cc: str) -> Path:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_flags()]).encode())
+    target = cache_dir() / f"decode_attention-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, renamed: concurrent builders are safe
+        built = Path(tmp) / target.name
+        proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], capture_output=True, text=True,
+                              timeout=300)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} exited {proc.returncode}: {proc.stderr.strip()[-400:]}")
+        os.replace(built, target)
+    return target
+
+
+@functools.lru_cache(maxsize=None)
+def load() -> Optional[ctypes.CDLL]:
+    """The built library, or None (and why_not() says why)."""
+    global _why_not
+    if os.environ.get("MEGARL_NATIVE_KERNELS", "1") == "0":
+        _why_not = "MEGARL_NATIVE_KERNELS=0"
+        return None
+    cc = _compiler()
+    if cc is None:
+        _why_not = "no C compiler (set CC, or install gcc)"
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(cc)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+        _why_not = f"building {SOURCE.name}: {err}"
+        return None
+    fn = lib.megarl_decode_attention
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return lib
+
+
+def why_not() -> str:
+    return _why_not
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                     lengths: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of q [batch, kv_heads, group, d] against cache slots ``slots`` (int64 [batch]),
+    keys [0, lengths[b]) of k_cache / v_cache [slots, kv_heads, max_len, d]. Returns
+    [batch, kv_heads, group, d] in the cache dtype. Call only when load() is not None."""
+    lib = load()
+    if q.dtype != k_cache.dtype or q.dtype not in (torch.bfloat16, torch.float32) or q.device.type != "cpu":
+        raise ValueError(f"decode_attention: bf16 or fp32 CPU tensors of one dtype, got {q.dtype} / {k_cache.dtype}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not t.is_contiguous() or t.shape != v_cache.shape:
+            raise ValueError(f"decode_attention: {name} must be contiguous, [slots, kv_heads, max_len, d]")
+    q = q.contiguous()
+    slots, lengths = slots.to(torch.int64).contiguous(), lengths.to(torch.int64).contiguous()
+    batch, kv_heads, group, d = q.shape
+    if k_cache.shape[1] != kv_heads or k_cache.shape[3] != d or slots.numel() != batch or lengths.numel() != batch:
+        raise ValueError(f"decode_attention: q {tuple(q.shape)} does not match the cache {tuple(k_cache.shape)}")
+    out = torch.empty_like(q)
+    rc = lib.megarl_decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
+                                     lengths.data_ptr(), out.data_ptr(), batch, kv_heads, group, d,
+                                     k_cache.shape[2], scale, int(q.dtype == torch.bfloat16), torch.get_num_threads())
+    if rc == -2:
+        raise ValueError(f"decode_attention: head_dim {d} is not a multiple of 16")
+    if rc != 0:
+        raise ValueError(f"decode_attention: a length outside [1, {k_cache.shape[2]}]: {lengths.tolist()}")
+    return out
