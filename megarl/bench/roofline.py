@@ -150,7 +150,8 @@ def decode_attention_forms(spec, q, k, v) -> dict:
 
     if native.load() is not None and d % 16 == 0 and k.is_contiguous() and v.is_contiguous():
         slots, lengths = torch.arange(batch), torch.full((batch,), keys)
-        forms["engine_native"] = lambda: native.decode_attention(grouped, k, v, slots, lengths,
+        flat = q.reshape(batch, spec.num_attention_heads, d)
+        forms["engine_native"] = lambda: native.decode_attention(flat, k, v, slots, lengths,
                                                                  1.0 / d ** 0.5).reshape(q.shape)
     return forms
 

@@ -137,11 +137,21 @@ static void attend_any(const vf16 *qv, const void *k_cache, const void *v_cache,
     ATTEND_BODY(chunks)
 }
 
-/* q, out: [batch, kv_heads, group, d]; k_cache, v_cache: [slots, kv_heads, max_len, d], all
- * contiguous and of one dtype (bf16 != 0: bfloat16, else float32). Sequence b reads slot
- * slots[b], keys [0, lengths[b]). Returns 0; -1 when a length is out of range; -2 when d is not a
- * multiple of 16. */
-int megarl_decode_attention(const void *q, const void *k_cache, const void *v_cache, const int64_t *slots,
+static inline void store_row(void *cache, int bf16, int64_t row, const void *src, int64_t d) {
+    const size_t bytes = (size_t)d * (bf16 ? 2 : 4);
+    memcpy((char *)cache + (size_t)row * bytes, src, bytes);
+}
+
+/* Sequence b, KV head h, query head h * group + g (GQA: a KV head serves `group` adjacent
+ * query heads): q[b * q_stride + (h * group + g) * d + i], out the same contiguously
+ * ([batch, kv_heads * group, d]); k_cache, v_cache: [slots, kv_heads, max_len, d], contiguous,
+ * all of one dtype (bf16 != 0: bfloat16, else float32). Sequence b reads slot slots[b], keys
+ * [0, lengths[b]). new_k / new_v (or NULL): the new token's key and value, rows
+ * new_k[b * k_stride + h * d + i], written to position lengths[b] - 1 of the slot first --
+ * each (b, h) writes only the row it then reads, so the write is part of the same pass.
+ * Returns 0; -1 when a length is out of range; -2 when d is not a multiple of 16. */
+int megarl_decode_attention(const void *q, int64_t q_stride, const void *new_k, int64_t k_stride, const void *new_v,
+                            int64_t v_stride, void *k_cache, void *v_cache, const int64_t *slots,
                             const int64_t *lengths, void *out, int64_t batch, int64_t kv_heads, int64_t group,
                             int64_t d, int64_t max_len, float scale, int bf16, int threads) {
     if (d % 16 != 0) return -2;
@@ -149,6 +159,7 @@ int megarl_decode_attention(const void *q, const void *k_cache, const void *v_ca
         if (lengths[b] < 1 || lengths[b] > max_len) return -1;
     int64_t longest = 0;
     for (int64_t b = 0; b < batch; b++) longest = lengths[b] > longest ? lengths[b] : longest;
+    const int64_t elem = bf16 ? 2 : 4;
 
 #pragma omp parallel num_threads(threads)
     {
@@ -159,7 +170,10 @@ int megarl_decode_attention(const void *q, const void *k_cache, const void *v_ca
         for (int64_t bh = 0; bh < batch * kv_heads; bh++) {
             const int64_t b = bh / kv_heads, h = bh % kv_heads, n = lengths[b];
             const int64_t first_row = (slots[b] * kv_heads + h) * max_len; /* cache row of key 0 */
-            for (int64_t i = 0; i < group * d / 16; i++) qv[i] = scale * load16(q, bf16, bh * group * d + 16 * i);
+            if (new_k) store_row(k_cache, bf16, first_row + n - 1, (const char *)new_k + (b * k_stride + h * d) * elem, d);
+            if (new_v) store_row(v_cache, bf16, first_row + n - 1, (const char *)new_v + (b * v_stride + h * d) * elem, d);
+            const int64_t q_first = b * q_stride + h * group * d;
+            for (int64_t i = 0; i < group * d / 16; i++) qv[i] = scale * load16(q, bf16, q_first + 16 * i);
             if (d == 64)
                 attend_4(qv, k_cache, v_cache, bf16, first_row, n, group, d, scores, acc);
             else if (d == 128)

@@ -239,13 +239,12 @@ class SglangLayoutLlama:
         over the slots' cached prefixes. The query heads sharing a KV head attend as that head's
         queries ([B, kv_heads, group, d]): no copy of the keys per query head (GQA)."""
         d = self.spec.head_dim
+        if self.native_decode:  # writes the new keys and values itself, reads q, k, v in place
+            return native.decode_attention(q, cache.k[layer], cache.v[layer], plan.slots, plan.lengths,
+                                           1.0 / math.sqrt(d), new_k=k, new_v=v)
         cache.k[layer].view(-1, d).index_copy_(0, plan.write_rows, k.reshape(-1, d))
         cache.v[layer].view(-1, d).index_copy_(0, plan.write_rows, v.reshape(-1, d))
         grouped = q.reshape(q.shape[0], self.kv_heads, self.heads // self.kv_heads, d)
-        if self.native_decode:
-            o = native.decode_attention(grouped, cache.k[layer], cache.v[layer], plan.slots, plan.lengths,
-                                        1.0 / math.sqrt(d))
-            return o.reshape(q.shape[0], self.heads, d)
         keys = cache.k[layer][plan.read, :, : plan.longest]
         values = cache.v[layer][plan.read, :, : plan.longest]
         o = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=plan.mask, scale=1.0 / math.sqrt(d))

@@ -86,7 +86,8 @@ def load() -> Optional[ctypes.CDLL]:
         return None
     fn = lib.megarl_decode_attention
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float,
+                   ctypes.c_int, ctypes.c_int]
     fn.restype = ctypes.c_int
     return lib
 
@@ -95,26 +96,48 @@ def why_not() -> str:
     return _why_not
 
 
+def _rows(name: str, t: torch.Tensor, batch: int, heads: int, d: int) -> int:
+    """The stride between tokens of a [batch, heads, d] tensor whose heads lie contiguously in each token."""
+    if t.shape != (batch, heads, d) or t.stride(2) != 1 or t.stride(1) != d:
+        raise ValueError(f"decode_attention: {name} must be [{batch}, {heads}, {d}] with each token's heads "
+                         f"contiguous, got shape {tuple(t.shape)} strides {t.stride()}")
+    return t.stride(0)
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                     lengths: torch.Tensor, scale: float) -> torch.Tensor:
-    """Attention of q [batch, kv_heads, group, d] against cache slots ``slots`` (int64 [batch]),
-    keys [0, lengths[b]) of k_cache / v_cache [slots, kv_heads, max_len, d]. Returns
-    [batch, kv_heads, group, d] in the cache dtype. Call only when load() is not None."""
+                     lengths: torch.Tensor, scale: float, new_k: Optional[torch.Tensor] = None,
+                     new_v: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Attention of one new token per sequence, q [batch, heads, d], against cache slot slots[b]
+    (int64 [batch]), keys [0, lengths[b]) of k_cache / v_cache [slots, kv_heads, max_len, d];
+    query head j reads KV head j // (heads / kv_heads). ``new_k`` / ``new_v`` [batch, kv_heads, d]
+    (optional): this token's key and value, written to position lengths[b] - 1 in the same pass.
+    q, new_k and new_v may be row views of a wider tensor (the fused qkv output): no copy. Returns
+    [batch, heads, d] in the cache dtype. Call only when load() is not None."""
     lib = load()
-    if q.dtype != k_cache.dtype or q.dtype not in (torch.bfloat16, torch.float32) or q.device.type != "cpu":
-        raise ValueError(f"decode_attention: bf16 or fp32 CPU tensors of one dtype, got {q.dtype} / {k_cache.dtype}")
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if not t.is_contiguous() or t.shape != v_cache.shape:
-            raise ValueError(f"decode_attention: {name} must be contiguous, [slots, kv_heads, max_len, d]")
-    q = q.contiguous()
-    slots, lengths = slots.to(torch.int64).contiguous(), lengths.to(torch.int64).contiguous()
-    batch, kv_heads, group, d = q.shape
-    if k_cache.shape[1] != kv_heads or k_cache.shape[3] != d or slots.numel() != batch or lengths.numel() != batch:
+    dtype = k_cache.dtype
+    tensors = [("q", q), ("v_cache", v_cache)] + [(n, t) for n, t in (("new_k", new_k), ("new_v", new_v)) if t is not None]
+    if dtype not in (torch.bfloat16, torch.float32) or any(t.dtype != dtype or t.device.type != "cpu"
+                                                         for _, t in tensors):
+        raise ValueError("decode_attention: bf16 or fp32 CPU tensors of one dtype, got "
+                         + ", ".join(f"{n} {t.dtype}" for n, t in [("k_cache", k_cache)] + tensors))
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.shape != v_cache.shape:
+        raise ValueError("decode_attention: k_cache and v_cache must be contiguous, [slots, kv_heads, max_len, d]")
+    batch, heads, d = q.shape
+    kv_heads = k_cache.shape[1]
+    if k_cache.shape[3] != d or heads % kv_heads:
         raise ValueError(f"decode_attention: q {tuple(q.shape)} does not match the cache {tuple(k_cache.shape)}")
-    out = torch.empty_like(q)
-    rc = lib.megarl_decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
-                                     lengths.data_ptr(), out.data_ptr(), batch, kv_heads, group, d,
-                                     k_cache.shape[2], scale, int(q.dtype == torch.bfloat16), torch.get_num_threads())
+    slots, lengths = slots.to(torch.int64).contiguous(), lengths.to(torch.int64).contiguous()
+    if slots.numel() != batch or lengths.numel() != batch:
+        raise ValueError(f"decode_attention: {batch} queries, {slots.numel()} slots, {lengths.numel()} lengths")
+    q_stride = _rows("q", q, batch, heads, d)
+    k_stride = _rows("new_k", new_k, batch, kv_heads, d) if new_k is not None else 0
+    v_stride = _rows("new_v", new_v, batch, kv_heads, d) if new_v is not None else 0
+    out = torch.empty(batch, heads, d, dtype=dtype)
+    rc = lib.megarl_decode_attention(
+        q.data_ptr(), q_stride, new_k.data_ptr() if new_k is not None else None, k_stride,
+        new_v.data_ptr() if new_v is not None else None, v_stride, k_cache.data_ptr(), v_cache.data_ptr(),
+        slots.data_ptr(), lengths.data_ptr(), out.data_ptr(), batch, kv_heads, heads // kv_heads, d,
+        k_cache.shape[2], scale, int(dtype == torch.bfloat16), torch.get_num_threads())
     if rc == -2:
         raise ValueError(f"decode_attention: head_dim {d} is not a multiple of 16")
     if rc != 0:
