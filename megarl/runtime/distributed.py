@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as _c10d
 
+from megarl.runtime.cpu_memory import keep_freed_memory
 from megarl.runtime.ports import free_port  # noqa: F401  (re-exported: tests and tools import it here)
 
 
@@ -34,6 +35,7 @@ def init_distributed(timeout_minutes: float = 10.0) -> int:
         import megatron_patches
 
         megatron_patches.apply_cpu_backend()
+        keep_freed_memory()
     if dist.is_initialized():
         return dist.get_rank()
     if "RANK" not in os.environ:

@@ -74,7 +74,10 @@ def init_job(topology: Topology, timeout_s: float = 600.0) -> Job:
     else:
         import megatron_patches
 
+        from megarl.runtime.cpu_memory import keep_freed_memory
+
         megatron_patches.apply_cpu_backend()
+        keep_freed_memory()
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
