@@ -86,6 +86,8 @@ def test_bad_input_is_refused_with_the_reason():
     q = torch.zeros(1, 1, 64)
     with pytest.raises(ValueError, match="length outside"):
         native.decode_attention(q, cache, cache, torch.tensor([0]), torch.tensor([9]), 0.125)
+    with pytest.raises(ValueError, match="slot outside"):
+        native.decode_attention(q, cache, cache, torch.tensor([2]), torch.tensor([1]), 0.125)
     with pytest.raises(ValueError, match="one dtype"):
         native.decode_attention(q.bfloat16(), cache, cache, torch.tensor([0]), torch.tensor([1]), 0.125)
     with pytest.raises(ValueError, match="multiple of 16"):

@@ -149,14 +149,17 @@ static inline void store_row(void *cache, int bf16, int64_t row, const void *src
  * [0, lengths[b]). new_k / new_v (or NULL): the new token's key and value, rows
  * new_k[b * k_stride + h * d + i], written to position lengths[b] - 1 of the slot first --
  * each (b, h) writes only the row it then reads, so the write is part of the same pass.
- * Returns 0; -1 when a length is out of range; -2 when d is not a multiple of 16. */
+ * Returns 0; -1 when a length is outside [1, max_len]; -2 when d is not a multiple of 16; -3 when a
+ * slot is outside [0, num_slots). Nothing is read or written before these checks. */
 int megarl_decode_attention(const void *q, int64_t q_stride, const void *new_k, int64_t k_stride, const void *new_v,
                             int64_t v_stride, void *k_cache, void *v_cache, const int64_t *slots,
                             const int64_t *lengths, void *out, int64_t batch, int64_t kv_heads, int64_t group,
-                            int64_t d, int64_t max_len, float scale, int bf16, int threads) {
+                            int64_t d, int64_t num_slots, int64_t max_len, float scale, int bf16, int threads) {
     if (d % 16 != 0) return -2;
-    for (int64_t b = 0; b < batch; b++)
+    for (int64_t b = 0; b < batch; b++) {
         if (lengths[b] < 1 || lengths[b] > max_len) return -1;
+        if (slots[b] < 0 || slots[b] >= num_slots) return -3;
+    }
     int64_t longest = 0;
     for (int64_t b = 0; b < batch; b++) longest = lengths[b] > longest ? lengths[b] : longest;
     const int64_t elem = bf16 ? 2 : 4;
@@ -170,8 +173,10 @@ int megarl_decode_attention(const void *q, int64_t q_stride, const void *new_k, 
         for (int64_t bh = 0; bh < batch * kv_heads; bh++) {
             const int64_t b = bh / kv_heads, h = bh % kv_heads, n = lengths[b];
             const int64_t first_row = (slots[b] * kv_heads + h) * max_len; /* cache row of key 0 */
-            if (new_k) store_row(k_cache, bf16, first_row + n - 1, (const char *)new_k + (b * k_stride + h * d) * elem, d);
-            if (new_v) store_row(v_cache, bf16, first_row + n - 1, (const char *)new_v + (b * v_stride + h * d) * elem, d);
+            if (new_k)
+                store_row(k_cache, bf16, first_row + n - 1, (const char *)new_k + (b * k_stride + h * d) * elem, d);
+            if (new_v)
+                store_row(v_cache, bf16, first_row + n - 1, (const char *)new_v + (b * v_stride + h * d) * elem, d);
             const int64_t q_first = b * q_stride + h * group * d;
             for (int64_t i = 0; i < group * d / 16; i++) qv[i] = scale * load16(q, bf16, q_first + 16 * i);
             if (d == 64)

@@ -86,8 +86,8 @@ def load() -> Optional[ctypes.CDLL]:
         return None
     fn = lib.megarl_decode_attention
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float,
-                   ctypes.c_int, ctypes.c_int]
+    fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
+                   ctypes.c_float, ctypes.c_int, ctypes.c_int]
     fn.restype = ctypes.c_int
     return lib
 
@@ -115,7 +115,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     [batch, heads, d] in the cache dtype. Call only when load() is not None."""
     lib = load()
     dtype = k_cache.dtype
-    tensors = [("q", q), ("v_cache", v_cache)] + [(n, t) for n, t in (("new_k", new_k), ("new_v", new_v)) if t is not None]
+    tensors = [("q", q), ("v_cache", v_cache)]
+    tensors += [(n, t) for n, t in (("new_k", new_k), ("new_v", new_v)) if t is not None]
     if dtype not in (torch.bfloat16, torch.float32) or any(t.dtype != dtype or t.device.type != "cpu"
                                                          for _, t in tensors):
         raise ValueError("decode_attention: bf16 or fp32 CPU tensors of one dtype, got "
@@ -137,9 +138,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.data_ptr(), q_stride, new_k.data_ptr() if new_k is not None else None, k_stride,
         new_v.data_ptr() if new_v is not None else None, v_stride, k_cache.data_ptr(), v_cache.data_ptr(),
         slots.data_ptr(), lengths.data_ptr(), out.data_ptr(), batch, kv_heads, heads // kv_heads, d,
-        k_cache.shape[2], scale, int(dtype == torch.bfloat16), torch.get_num_threads())
+        k_cache.shape[0], k_cache.shape[2], scale, int(dtype == torch.bfloat16), torch.get_num_threads())
     if rc == -2:
         raise ValueError(f"decode_attention: head_dim {d} is not a multiple of 16")
+    if rc == -3:
+        raise ValueError(f"decode_attention: a slot outside [0, {k_cache.shape[0]}): {slots.tolist()}")
     if rc != 0:
         raise ValueError(f"decode_attention: a length outside [1, {k_cache.shape[2]}]: {lengths.tolist()}")
     return out
