@@ -178,6 +178,9 @@ def save_state(
               f"in {time.perf_counter() - start:.2f} s, of which the manifest (CRC-32) {summary['seconds']:.2f} s",
               file=sys.stderr, flush=True)
     dist.barrier()
+    from megarl.runtime.cpu_memory import release_freed_memory
+
+    release_freed_memory()  # the save's buffers, kept by a CPU run's allocator, go back to the kernel
     return final
 
 
