@@ -206,12 +206,6 @@ def dispatch(args: argparse.Namespace) -> None:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    import torch
-
-    if not torch.cuda.is_available():  # CPU runs: freed tensors stay in the process (runtime/cpu_memory.py)
-        from megarl.runtime.cpu_memory import keep_freed_memory
-
-        keep_freed_memory()
     return run_tool(lambda: dispatch(args))
 
 

@@ -16,7 +16,9 @@ peaked at 12.3 GB against 9.0 GB without it, the trainer rank during its checkpo
 (training alone: 4.6 GB). A save is rare and its buffers are not reused by training, so
 ``release_freed_memory()`` hands the heap's free pages back after each one.
 
-Only glibc has mallopt; elsewhere (musl, macOS) this does nothing. Set MEGARL_MALLOC_KEEP=0
+Set once per process by init_distributed and job ranks on CPU and by a CPU torch engine
+(`megarl eval`, `megarl bench generate`); never by the process that only launches ranks,
+which stays free of torch. Only glibc has mallopt; elsewhere (musl, macOS) this does nothing. Set MEGARL_MALLOC_KEEP=0
 to leave malloc as it is.
 """
 

@@ -58,7 +58,7 @@ static inline float exp_nonpositive(float x) {
 }
 
 /* 16 floats: GCC's vector extension, lowered to whatever the CPU has (one AVX-512 register,
- * two AVX2 ones, ...). head_dim must be a multiple of 16 (native.py checks). */
+ * two AVX2 ones, ...). head_dim must be a multiple of 16 (the entry point checks). */
 typedef float vf16 __attribute__((vector_size(64)));
 typedef uint16_t vh16 __attribute__((vector_size(32)));
 typedef uint32_t vu16 __attribute__((vector_size(64)));

@@ -34,6 +34,7 @@ from megarl.generator.interface import ABORTED, Completion, GenerationRequest, G
 from megarl.generator.sampling import sample
 from megarl.generator.torch_engine.model import KVCache, Segment, SglangLayoutLlama
 from megarl.models.spec import LlamaSpec
+from megarl.runtime.cpu_memory import keep_freed_memory
 
 
 @dataclass
@@ -55,6 +56,8 @@ class TorchEngine(GeneratorBackend):
                  recompute_kv_on_update: bool = False, version: int = 0, linear_path: str = "auto",
                  decode_attention: str = "auto"):
         self.spec = spec
+        if params["model.norm.weight"].device.type == "cpu":
+            keep_freed_memory()  # a CPU engine's per-step logits reuse the heap (runtime/cpu_memory.py)
         self.model = SglangLayoutLlama(spec, params, tp, tp_rank, group, decode_rows=max_running,
                                        linear_path=linear_path, decode_attention=decode_attention)
         self.params = params
