@@ -25,6 +25,8 @@ from typing import Optional
 
 import torch
 
+from megarl.runtime.cpu_dtype import read_cpu_flags
+
 SOURCE = Path(__file__).with_name("decode_attention.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 _why_not = ""
@@ -41,19 +43,9 @@ def _compiler() -> Optional[str]:
     return None
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return ""
-
-
 def _build(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_flags()]).encode())
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(FLAGS), version, read_cpu_flags() or ""]).encode())
     target = cache_dir() / f"decode_attention-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
