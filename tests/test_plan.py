@@ -420,10 +420,10 @@ def test_torch_engine_kernel_counts_are_what_the_engine_issues():
 
     def count(layers, fp8):
         spec = replace(preset_spec("llama-mini"), num_layers=layers)
-        # SDPA decode attention: the path a GPU runs, which the planner models (on CPU the engine's
-        # C kernel replaces SDPA and the cache writes: 7 fewer kernels a layer)
+        # torch's SDPA and ops: the path a GPU runs, which the planner models (on CPU the engine's
+        # C kernels replace SDPA, the cache writes, RMSNorm, RoPE and SwiGLU)
         engine = TorchEngine(spec, allocate_generator_params(spec, 1, 0, torch.bfloat16, fp8=fp8), 8, 64,
-                             decode_attention="sdpa")
+                             cpu_kernels="torch")
         engine.submit([GenerationRequest(f"r{i}", [1, 2, 3], SamplingParams(max_new_tokens=20, seed=i))
                        for i in range(8)])
         engine.step(), engine.step()  # prefill, then decoding

@@ -54,12 +54,12 @@ class TorchEngine(GeneratorBackend):
     def __init__(self, spec: LlamaSpec, params: Dict[str, torch.Tensor], max_running: int = 64,
                  max_seq_len: int = 2048, tp: int = 1, tp_rank: int = 0, group=None,
                  recompute_kv_on_update: bool = False, version: int = 0, linear_path: str = "auto",
-                 decode_attention: str = "auto"):
+                 cpu_kernels: str = "auto"):
         self.spec = spec
         if params["model.norm.weight"].device.type == "cpu":
             keep_freed_memory()  # a CPU engine's per-step logits reuse the heap (runtime/cpu_memory.py)
         self.model = SglangLayoutLlama(spec, params, tp, tp_rank, group, decode_rows=max_running,
-                                       linear_path=linear_path, decode_attention=decode_attention)
+                                       linear_path=linear_path, cpu_kernels=cpu_kernels)
         self.params = params
         self.cache = KVCache(spec.num_layers, max_running, self.model.kv_heads, max_seq_len, spec.head_dim,
                              self.model.dtype, self.model.device)

@@ -83,11 +83,12 @@ class KVCache:
 class SglangLayoutLlama:
     def __init__(self, spec: LlamaSpec, params: Dict[str, torch.Tensor], tp: int = 1, tp_rank: int = 0,
                  group=None, fp8: bool = False, decode_rows: int = 0, linear_path: str = "mkl",
-                 decode_attention: str = "auto"):
+                 cpu_kernels: str = "auto"):
         """``linear_path`` "auto": time MKL against oneDNN at ``decode_rows`` rows per weight shape
         and use the faster (kernels.py); "mkl": plain ``F.linear``; "onednn": oneDNN wherever it runs.
-        ``decode_attention`` "auto": megarl's C kernel (decode_attention.c) on CPU where it builds
-        and head_dim is a multiple of 16, else torch's SDPA; "sdpa": SDPA always."""
+        ``cpu_kernels`` "auto": on CPU, megarl's C kernels where they build (native.py: decode
+        attention where head_dim is a multiple of 16, and the layer's residual add + RMSNorm, RoPE
+        and SwiGLU), else torch's; "torch": torch's SDPA and ops always (what a GPU runs)."""
         self.spec, self.params, self.tp, self.tp_rank, self.group, self.fp8 = spec, params, tp, tp_rank, group, fp8
         self.heads = spec.num_attention_heads // tp
         kv0, kv1 = sglang_kv_head_of(spec, tp, tp_rank)
@@ -100,10 +101,11 @@ class SglangLayoutLlama:
         linears = [n for n in params if n.endswith("_proj.weight")]
         linears.append("model.embed_tokens.weight" if spec.tie_embeddings else "lm_head.weight")
         self.kernels = LinearKernels(params, linears, decode_rows, linear_path)
-        if decode_attention not in ("auto", "sdpa"):
-            raise ValueError(f"decode_attention {decode_attention!r}: 'auto' or 'sdpa'")
-        self.native_decode = (decode_attention == "auto" and self.device.type == "cpu" and spec.head_dim % 16 == 0
-                              and self.dtype in (torch.float32, torch.bfloat16) and native.load() is not None)
+        if cpu_kernels not in ("auto", "torch"):
+            raise ValueError(f"cpu_kernels {cpu_kernels!r}: 'auto' or 'torch'")
+        self.native_ops = (cpu_kernels == "auto" and self.device.type == "cpu"
+                           and self.dtype in (torch.float32, torch.bfloat16) and native.load() is not None)
+        self.native_decode = self.native_ops and spec.head_dim % 16 == 0
 
     # -- building blocks -----------------------------------------------------------------------
 
@@ -122,6 +124,15 @@ class SglangLayoutLlama:
         if self.tp > 1:
             dist.all_reduce(x, group=self.group)
         return x
+
+    def _add_norm(self, x: torch.Tensor, delta: Optional[torch.Tensor], name: str) -> torch.Tensor:
+        """``x += delta`` (the residual add, in place; none before the first layer), then the RMSNorm
+        of x: one pass in the C kernel, or torch's ops (the same roundings, native.py)."""
+        if self.native_ops:
+            return native.add_rms_norm(x, self.params[name], self.spec.rms_norm_eps, delta)
+        if delta is not None:
+            x.add_(delta)
+        return self._norm(x, name)
 
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         if x.dtype == torch.float32:  # one fused kernel, the same math
@@ -174,15 +185,20 @@ class SglangLayoutLlama:
         else:
             decode_rows = torch.tensor([s.offset for s in decode], dtype=torch.long, device=tokens.device)
         plan = self._decode_plan(decode, cache, tokens.device) if decode else None
+        delta = None  # the last sublayer's output, added to the residual x by the next norm
         for i in range(self.spec.num_layers):
             p = f"model.layers.{i}."
-            h = self._norm(x, p + "input_layernorm.weight")
+            h = self._add_norm(x, delta, p + "input_layernorm.weight")
             qkv = self._linear(h, p + "self_attn.qkv_proj.weight")
             # q and k heads are adjacent in qkv_proj: rotated in one pass
-            qk = _apply_rope(qkv[:, : (self.heads + self.kv_heads) * d].view(-1, self.heads + self.kv_heads, d),
-                             cos, sin)
+            rotated = self.heads + self.kv_heads
+            if self.native_ops:  # in place: q and k stay views of qkv
+                native.rope_(qkv, cos, sin, rotated, d)
+                qk = qkv[:, : rotated * d].view(-1, rotated, d)
+            else:
+                qk = _apply_rope(qkv[:, : rotated * d].view(-1, rotated, d), cos, sin)
             q, k = qk[:, : self.heads], qk[:, self.heads :]
-            v = qkv[:, (self.heads + self.kv_heads) * d :].view(-1, self.kv_heads, d)
+            v = qkv[:, rotated * d :].view(-1, self.kv_heads, d)
             if ragged:
                 attn = torch.empty_like(q)
                 self._attend_ragged(q, k, v, ragged, cache, i, attn)
@@ -191,11 +207,16 @@ class SglangLayoutLlama:
                                                             cache, i)
             else:  # decode only: every row
                 attn = self._attend_decode(q, k, v, plan, cache, i)
-            x = x + self._all_reduce(self._linear(attn.reshape(-1, self.heads * d), p + "self_attn.o_proj.weight"))
-            h = self._norm(x, p + "post_attention_layernorm.weight")
-            gate, up = self._linear(h, p + "mlp.gate_up_proj.weight").chunk(2, dim=-1)
-            x = x + self._all_reduce(self._linear(F.silu(gate) * up, p + "mlp.down_proj.weight"))
-        x = self._norm(x, "model.norm.weight")
+            delta = self._all_reduce(self._linear(attn.reshape(-1, self.heads * d), p + "self_attn.o_proj.weight"))
+            h = self._add_norm(x, delta, p + "post_attention_layernorm.weight")
+            gate_up = self._linear(h, p + "mlp.gate_up_proj.weight")
+            if self.native_ops:
+                act = native.silu_mul(gate_up)
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                act = F.silu(gate) * up
+            delta = self._all_reduce(self._linear(act, p + "mlp.down_proj.weight"))
+        x = self._add_norm(x, delta, "model.norm.weight")
         if logit_rows is not None:
             x = x[logit_rows]
         return self._logits(x)

@@ -1,11 +1,12 @@
-"""The engine's C kernels (decode_attention.c): built once per machine, loaded through ctypes.
+"""The engine's C kernels (decode_attention.c, decoder_ops.c): built once per machine into one
+library, loaded through ctypes.
 
 Built with the machine's C compiler (``$CC`` or cc / gcc) at ``-O3 -march=native
 -fopenmp`` into ``$MEGARL_CACHE_DIR/native`` (default ``~/.cache/megarl/native``), under a
 name that hashes the source, the flags, the compiler's version and this CPU's flags -- so a
 cache shared between machine kinds never hands one CPU another's build. No torch or Python
 headers are compiled: a build takes about a second. Where no compiler works, ``load()``
-returns None with the reason in ``why_not()`` and the engine keeps torch's SDPA.
+returns None with the reason in ``why_not()`` and the engine keeps torch's SDPA and ops.
 
 The .so links OpenMP by soname (libgomp.so.1); torch has already loaded its own copy by
 that name, so the kernel runs on torch's thread pool rather than a second one.
@@ -27,7 +28,7 @@ import torch
 
 from megarl.runtime.cpu_dtype import read_cpu_flags
 
-SOURCE = Path(__file__).with_name("decode_attention.c")
+SOURCES = [Path(__file__).with_name(name) for name in ("decode_attention.c", "decoder_ops.c")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 _why_not = ""
 
@@ -45,14 +46,15 @@ def _compiler() -> Optional[str]:
 
 def _build(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(FLAGS), version, read_cpu_flags() or ""]).encode())
-    target = cache_dir() / f"decode_attention-{key.hexdigest()[:16]}.so"
+    texts = [source.read_text() for source in SOURCES]
+    key = hashlib.sha256("\n".join([*texts, " ".join(FLAGS), version, read_cpu_flags() or ""]).encode())
+    target = cache_dir() / f"megarl_native-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, renamed: concurrent builders are safe
         built = Path(tmp) / target.name
-        proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], capture_output=True, text=True,
+        proc = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", str(built), "-lm"], capture_output=True, text=True,
                               timeout=300)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} exited {proc.returncode}: {proc.stderr.strip()[-400:]}")
@@ -74,13 +76,20 @@ def load() -> Optional[ctypes.CDLL]:
     try:
         lib = ctypes.CDLL(str(_build(cc)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as err:
-        _why_not = f"building {SOURCE.name}: {err}"
+        _why_not = f"building {' + '.join(source.name for source in SOURCES)}: {err}"
         return None
     fn = lib.megarl_decode_attention
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
                    ctypes.c_float, ctypes.c_int, ctypes.c_int]
     fn.restype = ctypes.c_int
+    f32, cint = ctypes.c_float, ctypes.c_int
+    lib.megarl_add_rms_norm.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, f32, cint, cint]
+    lib.megarl_add_rms_norm.restype = None
+    lib.megarl_rope.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, cint, cint]
+    lib.megarl_rope.restype = cint
+    lib.megarl_silu_mul.argtypes = [ptr, i64, ptr, i64, i64, cint, cint]
+    lib.megarl_silu_mul.restype = None
     return lib
 
 
@@ -137,4 +146,70 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError(f"decode_attention: a slot outside [0, {k_cache.shape[0]}): {slots.tolist()}")
     if rc != 0:
         raise ValueError(f"decode_attention: a length outside [1, {k_cache.shape[2]}]: {lengths.tolist()}")
+    return out
+
+
+# -- decoder_ops.c: the layer's elementwise steps ------------------------------------------------
+
+def _dtype_flag(op: str, named: list) -> int:
+    """1 for bf16, 0 for fp32; refuses other dtypes, mixed dtypes and non-CPU tensors, naming them."""
+    dtype = named[0][1].dtype
+    if dtype not in (torch.bfloat16, torch.float32) or any(t.dtype != dtype or t.device.type != "cpu"
+                                                         for _, t in named):
+        raise ValueError(f"{op}: bf16 or fp32 CPU tensors of one dtype, got "
+                         + ", ".join(f"{n} {t.dtype} on {t.device}" for n, t in named))
+    return int(dtype == torch.bfloat16)
+
+
+def _row_major(op: str, name: str, t: torch.Tensor, width: int) -> int:
+    """The row stride of a 2-D tensor whose rows hold at least ``width`` contiguous values."""
+    if t.dim() != 2 or t.stride(1) != 1 or t.shape[1] < width or (t.shape[0] > 1 and t.stride(0) < width):
+        raise ValueError(f"{op}: {name} must be 2-D with contiguous rows of >= {width} values, "
+                         f"got shape {tuple(t.shape)} strides {t.stride()}")
+    return t.stride(0)
+
+
+def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 delta: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x += delta`` in place (when given), then ``weight * RMSNorm(x)`` (transformers' LlamaRMSNorm,
+    rounded where its ops round). x [rows, hidden] with contiguous rows; delta [rows, hidden] contiguous."""
+    rows, hidden = x.shape if x.dim() == 2 else (-1, -1)
+    named = [("x", x), ("weight", weight)] + ([("delta", delta)] if delta is not None else [])
+    bf16 = _dtype_flag("add_rms_norm", named)
+    x_stride = _row_major("add_rms_norm", "x", x, hidden)
+    if weight.shape != (hidden,) or not weight.is_contiguous():
+        raise ValueError(f"add_rms_norm: weight must be contiguous [{hidden}], got {tuple(weight.shape)}")
+    if delta is not None and (delta.shape != x.shape or not delta.is_contiguous()):
+        raise ValueError(f"add_rms_norm: delta must be contiguous {tuple(x.shape)}, got {tuple(delta.shape)}")
+    out = torch.empty(rows, hidden, dtype=x.dtype)
+    load().megarl_add_rms_norm(x.data_ptr(), x_stride, delta.data_ptr() if delta is not None else None,
+                               weight.data_ptr(), out.data_ptr(), rows, hidden, eps, bf16, torch.get_num_threads())
+    return out
+
+
+def rope_(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, heads: int, head_dim: int) -> None:
+    """Rotates the first ``heads`` heads of each row of ``qkv`` [rows, >= heads * head_dim] in place:
+    ``x * cos + swap_halves(x) * signed_sin`` (cos, signed_sin: [rows, head_dim] contiguous, or any
+    shape of that many values per row, in qkv's dtype), rounded as those three torch ops round."""
+    bf16 = _dtype_flag("rope_", [("qkv", qkv), ("cos", cos), ("signed_sin", signed_sin)])
+    stride = _row_major("rope_", "qkv", qkv, heads * head_dim)
+    rows = qkv.shape[0]
+    for name, t in (("cos", cos), ("signed_sin", signed_sin)):
+        if t.numel() != rows * head_dim or not t.is_contiguous():
+            raise ValueError(f"rope_: {name} must be contiguous with {head_dim} values per row of qkv "
+                             f"({rows} rows), got shape {tuple(t.shape)}")
+    if load().megarl_rope(qkv.data_ptr(), stride, cos.data_ptr(), signed_sin.data_ptr(), rows, heads, head_dim,
+                          bf16, torch.get_num_threads()):
+        raise ValueError(f"rope_: head_dim {head_dim} must be even and at most 1024")
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of a fused [rows, 2 * inter] gate_up output (gate first), as [rows, inter]."""
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"silu_mul: gate_up must be [rows, 2 * inter], got {tuple(gate_up.shape)}")
+    bf16 = _dtype_flag("silu_mul", [("gate_up", gate_up)])
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    stride = _row_major("silu_mul", "gate_up", gate_up, 2 * inter)
+    out = torch.empty(rows, inter, dtype=gate_up.dtype)
+    load().megarl_silu_mul(gate_up.data_ptr(), stride, out.data_ptr(), rows, inter, bf16, torch.get_num_threads())
     return out
