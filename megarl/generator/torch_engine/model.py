@@ -244,6 +244,8 @@ class SglangLayoutLlama:
         slot_list = [s.slot for s in segments]
         slots = torch.tensor(slot_list, device=device)
         starts = torch.tensor([s.start for s in segments], device=device)
+        if self.native_decode:  # the C kernel writes the new rows and stops at each length itself
+            return _DecodePlan(None, None, 0, None, slots, starts + 1)
         heads = torch.arange(self.kv_heads, device=device)
         # cache.k[layer] is [slots, kv_heads, max_len, head_dim]: (slot, head, pos) -> one row of a [-1, head_dim] view
         write_rows = ((slots[:, None] * self.kv_heads + heads[None, :]) * cache.max_len + starts[:, None]).reshape(-1)
@@ -274,9 +276,10 @@ class SglangLayoutLlama:
 
 @dataclass
 class _DecodePlan:
-    write_rows: torch.Tensor  # [decoding sequences x kv heads] rows of the cache's [-1, head_dim] view
+    # SDPA's (None where the C kernel attends):
+    write_rows: Optional[torch.Tensor]  # [decoding sequences x kv heads] rows of the cache's [-1, head_dim] view
     read: object  # slice or index tensor of cache slots
     longest: int
-    mask: torch.Tensor  # [B, 1, 1, longest]: key j visible to sequence b
+    mask: Optional[torch.Tensor]  # [B, 1, 1, longest]: key j visible to sequence b
     slots: torch.Tensor  # [B] cache slot of each sequence
     lengths: torch.Tensor  # [B] keys each sequence sees (its new one included)
