@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     sgc.add_argument("--gpus-per-node", type=int, default=8)
     sgc.add_argument("overrides", nargs="*", help="config overrides, as for megarl train")
 
-    ev = sub.add_parser("eval", help="greedy accuracy of a checkpoint on a prompt set (one JSON line)")
+    ev = sub.add_parser("eval", help="greedy accuracy (and pass@k) of a checkpoint on a prompt set (one JSON line)")
     ev.add_argument("--checkpoint", required=True, help="a Megatron checkpoint dir, an HF dir, or smollm2")
     ev.add_argument("--data", required=True, help=".jsonl/.parquet prompts with answers, or arithmetic:<n>:<seed>")
     ev.add_argument("--max-new-tokens", type=int, default=64)
@@ -48,6 +48,14 @@ def build_parser() -> argparse.ArgumentParser:
                          "run's generator.dtype (from RUN_DIR/config.json: what its rollouts and in-training "
                          "evaluations used); any other checkpoint in fp32. auto: bf16 on CUDA and on CPUs with "
                          "native bf16 (avx512_bf16 / amx_bf16; Arm bf16), else fp32")
+    ev.add_argument("--samples", type=int, default=1,
+                    help="> 1: also this many sampled answers per prompt: reward_mean@K and pass@K")
+    ev.add_argument("--temperature", type=float, default=None,
+                    help="of the sampled answers. Default: the run's rollout.temperature, else 1.0")
+    ev.add_argument("--top-p", type=float, default=None, help="of the sampled answers. Default: the run's "
+                    "rollout.top_p, else 1.0")
+    ev.add_argument("--seed", type=int, default=None, help="of the sampled answers' per-prompt seeds (those of "
+                    "the run's in-training evaluation). Default: the run's run.seed, else 1234")
 
     data = sub.add_parser("data", help="prompt datasets")
     data_sub = data.add_subparsers(dest="dataset", required=True)
@@ -146,7 +154,7 @@ def dispatch(args: argparse.Namespace) -> None:
         from megarl.evaluate import evaluate
 
         evaluate(args.checkpoint, args.data, args.max_new_tokens, args.reward, args.batch, args.cache_dir, args.dump,
-                 args.dtype)
+                 args.dtype, args.samples, args.temperature, args.top_p, args.seed)
     elif args.command == "data":
         from megarl.data.arithmetic import run_data
 

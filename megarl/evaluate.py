@@ -13,6 +13,14 @@ runtime/cpu_dtype.py); else, for a training run's checkpoint, the run's
 evaluations during training were decoded in; else (a converted checkpoint, an HF
 dir, ``smollm2``) fp32. The checkpoint's weights are read in the dtype they were
 saved in and cast to it.
+
+``--samples K`` (K > 1) also draws K sampled answers per prompt and reports
+``reward_mean@K`` and ``pass@K`` (a prompt passes when one of its K answers is
+right): how far sharpening the policy could take its greedy accuracy. They are
+drawn at ``--temperature`` / ``--top-p`` with per-prompt seeds from ``--seed``,
+each defaulting to the training run's ``rollout.temperature`` / ``rollout.top_p``
+/ ``run.seed`` (else 1.0 / 1.0 / 1234): the draws of the run's own evaluation
+during training (``data.eval_samples``, executors/generator.py) on the same prompts.
 """
 
 from __future__ import annotations
@@ -71,8 +79,28 @@ def dtype_rule(requested: str | None, run_config: dict) -> tuple[str, str]:
     return "fp32", "default (no run config)"
 
 
+def sampling_rule(samples: int, temperature: float | None, top_p: float | None, seed: int | None,
+                  run_config: dict) -> dict:
+    """The sampled answers' settings (the module docstring's rule); refuses what cannot work, naming the flag."""
+    from megarl.errors import ConfigError
+
+    if samples < 1:
+        raise ConfigError(f"--samples: must be >= 1, got {samples}")
+    rollout, run = run_config.get("rollout") or {}, run_config.get("run") or {}
+    chosen = {"samples": samples,
+              "temperature": float(rollout.get("temperature", 1.0) if temperature is None else temperature),
+              "top_p": float(rollout.get("top_p", 1.0) if top_p is None else top_p),
+              "seed": int(run.get("seed", 1234) if seed is None else seed)}
+    if samples > 1 and chosen["temperature"] <= 0:
+        raise ConfigError(f"--temperature: {samples} sampled answers need a temperature > 0, got "
+                          f"{chosen['temperature']} (greedy answers would all be the same)")
+    if not 0 < chosen["top_p"] <= 1:
+        raise ConfigError(f"--top-p: must be in (0, 1], got {chosen['top_p']}")
+    return chosen
+
+
 def _eval_rank(ckpt_dir: str, tokenizer_dir: str, data: str, max_new_tokens: int, reward: str, batch: int,
-               out: str, dump: str | None = None, dtype: str = "fp32") -> None:
+               out: str, dump: str | None = None, dtype: str = "fp32", sampling: dict | None = None) -> None:
     from megarl.generator.interface import GenerationRequest, SamplingParams
     from megarl.generator.tokenizer import load_tokenizer, stop_ids
     from megarl.generator.torch_engine.engine import TorchEngine
@@ -94,35 +122,61 @@ def _eval_rank(ckpt_dir: str, tokenizer_dir: str, data: str, max_new_tokens: int
     prompts = tokenize_prompts(load_records(data), tokenizer, 512)
     longest = max(len(p.ids) for p in prompts)
     engine = TorchEngine(spec, params, max_running=batch, max_seq_len=longest + max_new_tokens + 1)
-    sp = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids(tokenizer))
-    engine.submit([GenerationRequest(str(i), p.ids, sp, group_id=i) for i, p in enumerate(prompts)])
+    stops = stop_ids(tokenizer)
+    sampling = sampling or {"samples": 1}
+    k = sampling["samples"]
+    sp = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=stops)
+    requests = [GenerationRequest(str(i), p.ids, sp, group_id=i) for i, p in enumerate(prompts)]
+    if k > 1:  # seeded per prompt as the run's in-training evaluation seeds them (executors/generator.py)
+        requests += [GenerationRequest(f"{i}s", p.ids, SamplingParams(
+            temperature=sampling["temperature"], top_p=sampling["top_p"], max_new_tokens=max_new_tokens,
+            stop_token_ids=stops, seed=(sampling["seed"] * 7919 + 104729 * i) % 2 ** 31), n=k, group_id=-1 - i)
+            for i, p in enumerate(prompts)]
+    engine.submit(requests)
     start = time.perf_counter()
-    done = sorted(engine.run_until_idle(), key=lambda c: c.group_id)
+    finished = engine.run_until_idle()
+    greedy = sorted((c for c in finished if c.group_id >= 0), key=lambda c: c.group_id)
+    sampled = sorted((c for c in finished if c.group_id < 0), key=lambda c: (-c.group_id, c.sample_index))
+    done = greedy + sampled  # prompt order; then each prompt's k samples in order
     texts = [tokenizer.decode(c.output_ids, skip_special_tokens=True) for c in done]
-    scores = score_batch(texts, [p.record.answer for p in prompts], reward, timeout_s=10.0)
-    result = {"checkpoint": ckpt_dir, "data": data, "n": len(done),
-              "accuracy": sum(s.score >= 1.0 for s in scores) / len(done),
-              "reward_mean": sum(s.score for s in scores) / len(done),
+    answers = [p.record.answer for p in prompts] + [prompts[-1 - c.group_id].record.answer for c in sampled]
+    scores = score_batch(texts, answers, reward, timeout_s=10.0)
+    n = len(prompts)
+    result = {"checkpoint": ckpt_dir, "data": data, "n": n,
+              "accuracy": sum(s.score >= 1.0 for s in scores[:n]) / n,
+              "reward_mean": sum(s.score for s in scores[:n]) / n,
               "generate_s": time.perf_counter() - start, "example": texts[0][:200], "dtype": dtype}
+    if k > 1:
+        per_prompt = [scores[n + i * k: n + (i + 1) * k] for i in range(n)]
+        result.update({f"reward_mean@{k}": sum(s.score for s in scores[n:]) / (n * k),
+                       f"pass@{k}": sum(any(s.score >= 1.0 for s in group) for group in per_prompt) / n,
+                       "sampling": sampling})
     Path(out).write_text(json.dumps(result))
-    if dump:
+    if dump:  # the greedy answers in prompt order, then (with --samples) each prompt's sampled ones
         with open(dump, "w") as f:
-            for p, text, score in zip(prompts, texts, scores):
-                f.write(json.dumps({"prompt": p.record.messages, "answer": p.record.answer, "response": text,
-                                    "reward": score.score, "reason": score.reason}) + "\n")
+            for c, text, score in zip(done, texts, scores):
+                i = c.group_id if c.group_id >= 0 else -1 - c.group_id
+                line = {"prompt": prompts[i].record.messages, "answer": prompts[i].record.answer,
+                        "response": text, "reward": score.score, "reason": score.reason}
+                if c.group_id < 0:
+                    line["sample"] = c.sample_index
+                f.write(json.dumps(line) + "\n")
     shutdown()
 
 
 def evaluate(checkpoint: str, data: str, max_new_tokens: int = 64, reward: str = "math", batch: int = 32,
-             cache_dir: str = "runs/cache", dump: str | None = None, dtype: str | None = None) -> dict:
+             cache_dir: str = "runs/cache", dump: str | None = None, dtype: str | None = None, samples: int = 1,
+             temperature: float | None = None, top_p: float | None = None, seed: int | None = None) -> dict:
     import tempfile
 
     from megarl.checkpointing.megatron_checkpoint import TOKENIZER_DIR
     from megarl.runtime.launch import run_world
 
+    sampling_rule(samples, 1.0 if temperature is None else temperature, top_p, seed, {})  # before any loading
     ckpt_dir = _checkpoint_dir(checkpoint, cache_dir)
     run_config = _run_config(ckpt_dir)
     decode_dtype, source = dtype_rule(dtype, run_config)
+    sampling = sampling_rule(samples, temperature, top_p, seed, run_config)
     print(f"megarl: eval decodes in {decode_dtype} ({source})", file=sys.stderr, flush=True)
     tokenizer_dir = ckpt_dir / TOKENIZER_DIR
     if not tokenizer_dir.exists():  # a training run from a random model keeps its tokenizer elsewhere
@@ -130,7 +184,7 @@ def evaluate(checkpoint: str, data: str, max_new_tokens: int = 64, reward: str =
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "result.json")
         run_world(_eval_rank, 1, str(ckpt_dir), str(tokenizer_dir), data, max_new_tokens, reward, batch, out,
-                  dump and str(Path(dump).resolve()), decode_dtype)
+                  dump and str(Path(dump).resolve()), decode_dtype, sampling)
         result = json.loads(Path(out).read_text())
     result["dtype_source"] = source
     print(json.dumps(result), flush=True)

@@ -40,6 +40,22 @@ def test_eval_records_match_megarl_eval_on_the_same_checkpoint(tmp_path):
     theirs = [json.loads(line) for line in dump.read_text().splitlines()]
     assert [o["response"] for o in ours] == [t["response"] for t in theirs]
     assert evals[1]["eval_accuracy"] == json.loads(ev.stdout.strip().splitlines()[-1])["accuracy"]
+    # --samples 2: the sampled answers of the run's own evaluation too (its temperature, top_p and
+    # seeds, read from the run's config.json), so the same mean reward and pass@2
+    sampled = subprocess.run([sys.executable, "-m", "megarl.cli", "eval", "--checkpoint",
+                              str(out / "checkpoints" / "iter_0000002"), "--data", HELD_OUT, "--max-new-tokens", "64",
+                              "--reward", "tests.rewards_for_tests:even_length", "--samples", "2"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=900)
+    assert sampled.returncode == 0, sampled.stderr[-3000:]
+    result = json.loads(sampled.stdout.strip().splitlines()[-1])
+    print({k: v for k, v in evals[1].items() if k.startswith("eval_")}, result)
+    assert result["accuracy"] == evals[1]["eval_accuracy"]
+    assert result["reward_mean@2"] == pytest.approx(evals[1]["eval_reward_mean@2"], abs=1e-12)
+    assert result["pass@2"] == evals[1]["eval_pass@2"]
+    refused = subprocess.run([sys.executable, "-m", "megarl.cli", "eval", "--checkpoint", str(out), "--data",
+                              HELD_OUT, "--samples", "2", "--temperature", "0"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=300)
+    assert refused.returncode != 0 and "--temperature" in refused.stderr
     # the policy moved between the evaluations: the answers are not one fixed model's
     step0 = [json.loads(line)["response"] for line in (out / "eval" / "step_0.jsonl").read_text().splitlines()]
     assert step0 != [o["response"] for o in ours]
