@@ -9,7 +9,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["megarl", "megarl.*", "megatron_patches", "megatron_patches.*"]),
     # the engine's C kernel is built from its source on the machine that runs it (torch_engine/native.py)
-    package_data={"megarl.generator.torch_engine": ["*.c"]},
+    package_data={"megarl.generator.torch_engine": ["*.c", "*.h"]},
     install_requires=[
         # Pinned: an unpinned torch pulls a multi-GB CUDA build onto CPU machines,
         # and megatron_patches is validated against exactly this pair.

@@ -21,41 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static inline float bf16_to_float(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as torch does */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-/* exp(x) for x <= 0 (a softmax after its max is subtracted), as a loop body the compiler
- * vectorises: Cephes' expf (2^n by the exponent bits, a degree-6 polynomial on the rest),
- * within 2 ulp of expf. libm's scalar expf cost ~20 ns a call here, 75% of the kernel; its
- * vector form needs -ffast-math, which would also switch the whole process to flush-to-zero. */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.f ? -87.f : x;
-    const float n = rintf(x * 1.44269504088896341f);
-    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.f;
-    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
-    float two_n;
-    memcpy(&two_n, &bits, sizeof two_n);
-    return p * two_n;
-}
+#include "native_scalar.h"
 
 /* 16 floats: GCC's vector extension, lowered to whatever the CPU has (one AVX-512 register,
  * two AVX2 ones, ...). head_dim must be a multiple of 16 (the entry point checks). */
@@ -108,7 +74,7 @@ static inline float sum16(vf16 v) { /* halves added as vectors: 4 dependent adds
         for (int64_t j = 1; j < n; j++) top = sg[j] > top ? sg[j] : top;                               \
         _Pragma("omp simd reduction(+ : sum)")                                                         \
         for (int64_t j = 0; j < n; j++) {                                                              \
-            sg[j] = exp_nonpositive(sg[j] - top);                                                      \
+            sg[j] = exp_clamped(sg[j] - top);                                                      \
             sum += sg[j];                                                                              \
         }                                                                                              \
         const float inv = 1.f / sum;                                                                   \

@@ -23,20 +23,7 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float bf16_load(const uint16_t *p) {
-    uint32_t u = (uint32_t)*p << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t bf16_round(float f) { /* round to nearest even, as torch does */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
+#include "native_scalar.h"
 
 /* A value of either dtype as float, and a float rounded to the dtype and back. Every kernel
  * below is written once with these and instantiated twice (bf16 = 1 / 0, a constant after
@@ -44,10 +31,10 @@ static inline uint16_t bf16_round(float f) { /* round to nearest even, as torch 
 #define INLINE static inline __attribute__((always_inline))
 
 INLINE float get(const void *base, const int bf16, int64_t i) {
-    return bf16 ? bf16_load((const uint16_t *)base + i) : ((const float *)base)[i];
+    return bf16 ? bf16_to_float(((const uint16_t *)base)[i]) : ((const float *)base)[i];
 }
 
-INLINE float rounded(float f, const int bf16) { /* bf16_round's bits, kept as a float */
+INLINE float rounded(float f, const int bf16) { /* float_to_bf16's bits, kept as a float */
     if (!bf16) return f;
     uint32_t u;
     memcpy(&u, &f, sizeof u);
@@ -59,29 +46,9 @@ INLINE float rounded(float f, const int bf16) { /* bf16_round's bits, kept as a 
 
 INLINE void put(void *base, const int bf16, int64_t i, float f) {
     if (bf16)
-        ((uint16_t *)base)[i] = bf16_round(f);
+        ((uint16_t *)base)[i] = float_to_bf16(f);
     else
         ((float *)base)[i] = f;
-}
-
-/* exp(x) for any float, as a loop body the compiler vectorises: Cephes' expf (2^n by the
- * exponent bits, a degree-6 polynomial on the rest), within 2 ulp of expf; x is clamped to
- * [-87, 88], where 2^n stays a normal float (exp(88) = 1.65e38; silu needs no more). */
-static inline float exp_clamped(float x) {
-    x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
-    const float n = rintf(x * 1.44269504088896341f);
-    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.f;
-    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
-    float two_n;
-    memcpy(&two_n, &bits, sizeof two_n);
-    return p * two_n;
 }
 
 /* One row of add_rms_norm (below). */

@@ -29,6 +29,7 @@ import torch
 from megarl.runtime.cpu_dtype import read_cpu_flags
 
 SOURCES = [Path(__file__).with_name(name) for name in ("decode_attention.c", "decoder_ops.c")]
+HEADERS = [Path(__file__).with_name("native_scalar.h")]  # included by both: part of the build's hash
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 _why_not = ""
 
@@ -46,7 +47,7 @@ def _compiler() -> Optional[str]:
 
 def _build(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    texts = [source.read_text() for source in SOURCES]
+    texts = [source.read_text() for source in SOURCES + HEADERS]
     key = hashlib.sha256("\n".join([*texts, " ".join(FLAGS), version, read_cpu_flags() or ""]).encode())
     target = cache_dir() / f"megarl_native-{key.hexdigest()[:16]}.so"
     if target.exists():
@@ -116,12 +117,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     [batch, heads, d] in the cache dtype. Call only when load() is not None."""
     lib = load()
     dtype = k_cache.dtype
-    tensors = [("q", q), ("v_cache", v_cache)]
+    tensors = [("k_cache", k_cache), ("q", q), ("v_cache", v_cache)]
     tensors += [(n, t) for n, t in (("new_k", new_k), ("new_v", new_v)) if t is not None]
-    if dtype not in (torch.bfloat16, torch.float32) or any(t.dtype != dtype or t.device.type != "cpu"
-                                                         for _, t in tensors):
-        raise ValueError("decode_attention: bf16 or fp32 CPU tensors of one dtype, got "
-                         + ", ".join(f"{n} {t.dtype}" for n, t in [("k_cache", k_cache)] + tensors))
+    bf16 = _dtype_flag("decode_attention", tensors)
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.shape != v_cache.shape:
         raise ValueError("decode_attention: k_cache and v_cache must be contiguous, [slots, kv_heads, max_len, d]")
     batch, heads, d = q.shape
@@ -139,7 +137,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.data_ptr(), q_stride, new_k.data_ptr() if new_k is not None else None, k_stride,
         new_v.data_ptr() if new_v is not None else None, v_stride, k_cache.data_ptr(), v_cache.data_ptr(),
         slots.data_ptr(), lengths.data_ptr(), out.data_ptr(), batch, kv_heads, heads // kv_heads, d,
-        k_cache.shape[0], k_cache.shape[2], scale, int(dtype == torch.bfloat16), torch.get_num_threads())
+        k_cache.shape[0], k_cache.shape[2], scale, bf16, torch.get_num_threads())
     if rc == -2:
         raise ValueError(f"decode_attention: head_dim {d} is not a multiple of 16")
     if rc == -3:
