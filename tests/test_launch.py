@@ -89,3 +89,31 @@ def test_the_launchers_vocabulary_size_is_transformers_len_of_the_tokenizer(tmp_
     for path in (base, tmp_path / "extended"):
         assert tokenizer_vocab_size(path) == len(AutoTokenizer.from_pretrained(path))
     assert tokenizer_vocab_size(tmp_path / "extended") == tokenizer_vocab_size(base) + 3
+
+
+def test_a_stopped_rank_is_killed_at_once_not_after_the_grace():
+    """Ending a job: a SIGSTOPped rank would hold the launcher's SIGTERM until the grace ran out
+    (30 s); it is killed at once, and a running one still gets SIGTERM first."""
+    import multiprocessing
+    import os
+    import signal
+
+    from megarl.runtime import launch
+
+    ctx = multiprocessing.get_context("spawn")
+    stopped, running = ctx.Process(target=time.sleep, args=(600,)), ctx.Process(target=time.sleep, args=(600,))
+    stopped.start(), running.start()
+    try:
+        os.kill(stopped.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while not launch._stopped(stopped.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert launch._stopped(stopped.pid) and not launch._stopped(running.pid)
+        start = time.monotonic()
+        launch._end_all([stopped, running])
+        assert time.monotonic() - start < launch.TERMINATE_GRACE_S / 3
+        assert stopped.exitcode == -signal.SIGKILL and running.exitcode == -signal.SIGTERM
+    finally:
+        for p in (stopped, running):
+            p.kill()
+            p.join(5)

@@ -107,9 +107,12 @@ def test_replay_reproduces_the_recorded_losses(straight, tmp_path):
     assert refused.returncode != 0 and "is the run being replayed" in refused.stderr
 
 
-def test_a_stopped_rank_ends_the_job_naming_it(tmp_path):
-    """SIGSTOP the generator rank (no crash, no exit: it just stops moving): the hang watchers end the
-    job within run.hang_timeout_s + 30 s with a message naming that rank."""
+@pytest.mark.parametrize("rank, role", [(2, "generator replica 0, TP rank 0"), (0, "trainer")])
+def test_a_stopped_rank_ends_the_job_naming_it(tmp_path, rank, role):
+    """SIGSTOP a rank (no crash, no exit: it just stops moving): the hang watchers end the job within
+    run.hang_timeout_s + 30 s with a message naming that rank. Rank 2 is the generator; rank 0 a
+    trainer rank that also hosts the job's store, which the watchers read: its peers' reads of the
+    store then never return, and the last rank's store watch names it."""
     hang_timeout = 15
     out, scratch = tmp_path / "run", tmp_path / "tmp"
     scratch.mkdir()
@@ -124,11 +127,11 @@ def test_a_stopped_rank_ends_the_job_naming_it(tmp_path):
     while not (metrics.exists() and metrics.read_text().count("\n") >= 2):  # the loop is running
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
         time.sleep(0.1)
-    # rank 2 (trainer TP2 = ranks 0, 1) by the role file it wrote for the launcher, not by pid order:
+    # the rank (trainer TP2 = ranks 0, 1) by the role file it wrote for the launcher, not by pid order:
     # pids wrap (pid_max is 32768 on many machines) and the suite starts thousands of processes
-    (role,) = scratch.glob("megarl_ranks_*/rank2.role")
-    assert role.read_text().startswith("generator replica 0, TP rank 0, pid ")
-    stopped = int(role.read_text().rsplit(" ", 1)[1])
+    (role_file,) = scratch.glob(f"megarl_ranks_*/rank{rank}.role")
+    assert role_file.read_text().startswith(f"{role}, pid ")
+    stopped = int(role_file.read_text().rsplit(" ", 1)[1])
     os.kill(stopped, signal.SIGSTOP)
     start = time.monotonic()
     try:
@@ -155,5 +158,5 @@ def test_a_stopped_rank_ends_the_job_naming_it(tmp_path):
             pass
     assert time.monotonic() - start <= hang_timeout + 30
     assert proc.returncode != 0
-    assert f"rank 2 (generator replica 0, TP rank 0, pid {stopped}" in err and "made no progress for" in err, err[-3000:]
-    assert "its process stopped running too" in err, err[-3000:]
+    assert f"rank {rank} ({role}, pid {stopped}" in err and "made no progress for" in err, err[-3000:]
+    assert ("its process stopped running too" if rank else "it hosts the job's store") in err, err[-3000:]

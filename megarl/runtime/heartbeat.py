@@ -22,6 +22,13 @@ both are quiet and flagged waiting, and the longest waiting may be a healthy pee
 So every rank also pulses (``megarl/pulse/<rank>``) from a thread of its own every
 watch interval, whatever its main thread does; a quiet rank whose pulse stopped too
 (for three intervals: a live one misses at most one read) is named before any other.
+
+The store itself lives in rank 0's process (runtime/job.py). If that process stops, the
+watchers' reads of the store never return, so they cannot judge by entries: a third thread
+times each read instead, and a read unanswered for ``run.hang_timeout_s`` names rank 0 by
+the entry it last had. The store's server answers from a thread of its own, without
+Python's lock, so a busy rank 0 still answers within milliseconds: only a stopped process
+or an unreachable host leaves a read waiting that long.
 """
 
 from __future__ import annotations
@@ -48,6 +55,8 @@ class Heartbeat:
 
         announce_role(role)  # the local launcher names a rank killed outright by this
         self._stop = threading.Event()
+        self._read_since: Optional[float] = None  # when the watcher's pending store read began
+        self._store_host_entry = ""  # rank 0's entry as last read: it hosts the store
         self.interval_s = max(0.5, min(10.0, timeout_s / 4))
         self.store.set(PULSE_KEY.format(rank), "0")
         threading.Thread(target=self._pulse, name="megarl-pulse", daemon=True).start()
@@ -56,6 +65,11 @@ class Heartbeat:
         """Start this rank's watcher thread. Called once the job's start-up is over: loading a
         405B checkpoint or starting SGLang servers has its own timeouts and may take longer."""
         threading.Thread(target=self._watch, name="megarl-hang-watch", daemon=True).start()
+        if self.rank != 0:  # rank 0's own threads stop with its process
+            # who rank 0 is (its pid, to end it), read now: it may stop before the watcher's first read
+            raw = self.store.get(KEY.format(0))
+            self._store_host_entry = raw.decode() if isinstance(raw, bytes) else str(raw)
+            threading.Thread(target=self._watch_store_host, name="megarl-store-watch", daemon=True).start()
 
     def _pulse(self) -> None:
         """This process still runs (not: still makes progress); see the module's docstring."""
@@ -94,15 +108,19 @@ class Heartbeat:
         # key index -> (its value, when it last changed, by our clock)
         seen: Dict[int, Tuple[str, float]] = {}
         while not self._stop.wait(self.interval_s):
+            self._read_since = time.monotonic()
             try:
                 values = self.store.multi_get(keys)  # both exist from each rank's start (__init__)
             except Exception:  # the store's host went away: the launcher reports that failure
+                self._read_since = None
                 return
+            self._read_since = None
             now = time.monotonic()
             for index, raw in enumerate(values):
                 value = raw.decode() if isinstance(raw, bytes) else str(raw)
                 if index not in seen or seen[index][0] != value:
                     seen[index] = (value, now)
+            self._store_host_entry = seen[0][0]
             frozen = {rank for rank in range(n) if now - seen[n + rank][1] > 3 * self.interval_s}
             stuck = self._stuck({rank: seen[rank] for rank in range(n)}, now, frozen)
             if stuck is not None and not self._stop.is_set():
@@ -114,6 +132,33 @@ class Heartbeat:
                     except OSError:
                         pass
                 fail_rank(message)
+
+    def _watch_store_host(self) -> None:
+        from megarl.runtime.failure import fail_rank
+
+        while not self._stop.wait(self.interval_s):
+            failure = self._store_host_stopped(time.monotonic())
+            if failure is not None and not self._stop.is_set():
+                message, host, pid = failure
+                if host == self.host and pid > 0 and pid != os.getpid():
+                    try:  # a stopped process ignores the launcher's SIGTERM
+                        os.kill(pid, signal.SIGKILL)
+                    except OSError:
+                        pass
+                fail_rank(message)
+
+    def _store_host_stopped(self, now: float) -> Optional[Tuple[str, str, int]]:
+        """The message naming rank 0, if the watcher's store read has waited longer than the timeout."""
+        since = self._read_since
+        if since is None or now - since <= self.timeout_s:
+            return None
+        parts = self._store_host_entry.split("|", 5)
+        role, host, pid, what = (parts[1], parts[2], parts[3], parts[5]) if len(parts) == 6 else ("?", "?", "0", "?")
+        message = (f"rank 0 ({role}, pid {pid} on {host}) made no progress for {now - since:.0f} s "
+                   f"(run.hang_timeout_s={self.timeout_s:g}): it hosts the job's store, and the store has not "
+                   f"answered since; its process stopped running (e.g. SIGSTOP or a debugger) or its host is "
+                   f"unreachable; its last activity: {what}")
+        return message, host, int(pid)
 
     def _stuck(self, seen: Dict[int, Tuple[str, float]], now: float,
                frozen: Set[int] = frozenset()) -> Optional[Tuple[str, str, int]]:

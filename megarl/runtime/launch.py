@@ -232,10 +232,12 @@ def _wait_for_first_failure(processes: list):
 
 
 def _end_all(processes: list) -> None:
-    """SIGTERM to every rank still running, SIGKILL to any left after TERMINATE_GRACE_S."""
+    """SIGTERM to every rank still running (SIGKILL to a stopped one), SIGKILL to any left after
+    TERMINATE_GRACE_S."""
     alive = [p for p in processes if p.pid is not None and p.is_alive()]
     for p in alive:
-        p.terminate()
+        # a stopped process (SIGSTOP, a debugger) holds SIGTERM until it continues: end it now
+        p.kill() if _stopped(p.pid) else p.terminate()
     deadline = time.monotonic() + TERMINATE_GRACE_S
     for p in alive:
         p.join(max(0.0, deadline - time.monotonic()))
@@ -243,3 +245,12 @@ def _end_all(processes: list) -> None:
         if p.is_alive():
             p.kill()
             p.join()
+
+
+def _stopped(pid: int) -> bool:
+    """Whether the process is stopped (state T or t in /proc; False where there is no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
