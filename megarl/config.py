@@ -46,6 +46,11 @@ class TrainerConfig:
     recompute_method: Optional[str] = None  # full: uniform | block
     recompute_num_layers: Optional[int] = None  # full: layers per group (uniform) or per stage (block)
     recompute_modules: Optional[List[str]] = None  # selective: Megatron's default ["core_attn"]
+    # Weight gradients accumulate straight into DDP's fp32 main_grad (Megatron-LM's
+    # --no-gradient-accumulation-fusion turns it off). None: wherever the kernel exists -- GPUs with
+    # Apex's fused_weight_gradient_mlp_cuda, and every CPU run (megatron_patches/cpu_wgrad_accumulation.py);
+    # true: required (refused on a GPU without Apex); false: off
+    gradient_accumulation_fusion: Optional[bool] = None
     max_tokens_per_microbatch: int = 1024
     loss: str = "aipo"  # built-in name or package.module:function
     # the loss's keyword parameters, checked against its declared ones (aipo: rho; ppo_clip: eps, eps_high)

@@ -13,6 +13,10 @@ def test_fused_accumulation_gives_megatrons_gradients_without_dense_embedding_gr
     proc = run_command([sys.executable, WORKERS / "wgrad_accumulation_checks.py"])
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert sorted(out) == ["tied_bf16", "tied_fp32", "untied_bf16", "untied_fp32"]
+    # trainer.gradient_accumulation_fusion: false: Megatron's unfused path (a dense embedding gradient per
+    # micro-batch), the same gradients
+    off = out["tied_fp32"].pop("fusion_off")
+    assert off["dense_embedding_backward"] == 3 and off["max_relative_diff"] <= 1e-6, off
     for case, got in out.items():
         assert got["zero_grads"] == [], case  # every gradient is there to compare
         # fp32: the same sums in another order; bf16: Megatron's unfused path rounds the embedding's
@@ -29,3 +33,21 @@ def test_fused_accumulation_gives_megatrons_gradients_without_dense_embedding_gr
     # the tied embedding's gradient has two parts: both arrived (untied, the output layer has its own)
     assert "embedding.word_embeddings.weight" in out["tied_fp32"]["relative_diff"]
     assert "output_layer.weight" in out["untied_fp32"]["relative_diff"]
+
+
+def test_gradient_accumulation_fusion_setting():
+    """trainer.gradient_accumulation_fusion: unset = wherever the kernel exists (every CPU run; a GPU only
+    with Apex's extension, which no CPU machine has), false = off, true on a GPU without Apex = refused."""
+    import importlib.util
+
+    import pytest
+
+    from megarl.errors import ConfigError
+    from megarl.trainer.features import gradient_accumulation_fusion
+
+    assert importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is None  # Apex is a GPU cluster's build
+    assert gradient_accumulation_fusion(None, on_gpu=False) and gradient_accumulation_fusion(True, on_gpu=False)
+    assert not gradient_accumulation_fusion(False, on_gpu=False)
+    assert not gradient_accumulation_fusion(None, on_gpu=True) and not gradient_accumulation_fusion(False, on_gpu=True)
+    with pytest.raises(ConfigError, match=r"trainer\.gradient_accumulation_fusion: true needs Apex"):
+        gradient_accumulation_fusion(True, on_gpu=True)

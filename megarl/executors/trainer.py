@@ -68,6 +68,7 @@ class TrainerExecutor:
         from megarl.models.spec import LlamaSpec
         from megarl.runtime.distributed import ParallelLayout, init_megatron
         from megarl.trainer.policy_trainer import PolicyTrainer
+        from megarl.trainer.features import gradient_accumulation_fusion
         from megarl.trainer.setup import OptimizerSettings, build_lr_scheduler, build_optimizer, wrap_ddp
 
         t = cfg.trainer
@@ -81,6 +82,9 @@ class TrainerExecutor:
         init_megatron(layout, seed=cfg.run.seed)
         dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
         model_settings = megatron_model_settings(t)
+        wgrad_fusion = gradient_accumulation_fusion(t.gradient_accumulation_fusion, on_gpu=job.device == "cuda")
+        # GPUs: Megatron's own switch; CPU: megarl's patch, turned on by wrap_ddp
+        model_settings["gradient_accumulation_fusion"] = wgrad_fusion and job.device == "cuda"
         if prepared.checkpoint:
             self.spec, chunks = load_llama(prepared.checkpoint, layout, params_dtype=dtype, **model_settings)
         else:  # random:<preset>: Megatron's own initialisation, seeded
@@ -89,7 +93,7 @@ class TrainerExecutor:
                                         perform_initialization=True, **model_settings)
             chunks = build_model_chunks(self.spec, config)
         settings = OptimizerSettings.from_config(cfg.optimizer)
-        self.ddp = wrap_ddp(chunks, settings)
+        self.ddp = wrap_ddp(chunks, settings, wgrad_fusion=wgrad_fusion)
         self.optimizer = build_optimizer(self.ddp, settings)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, settings, cfg.run.steps)
         self.version = 0

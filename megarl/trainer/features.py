@@ -11,6 +11,7 @@ are refused here with the reason, never silently dropped.
 from __future__ import annotations
 
 import importlib.util
+from typing import Optional
 
 from megarl.errors import ConfigError
 
@@ -43,8 +44,28 @@ def check_trainer_runs_here(cfg) -> None:
         # hook do neither yet, so a run would be wrong, not slow.
         raise ConfigError(f"trainer.cp={t.cp}: megarl's packed micro-batches are not yet split over context-parallel "
                           "ranks; `megarl plan` models cp, `megarl train` needs trainer.cp=1")
+    if t.gradient_accumulation_fusion:
+        gradient_accumulation_fusion(True, on_gpu=_cuda_available())  # refused on a GPU without Apex
     o = cfg.optimizer
     if (o.overlap_grad_reduce or o.overlap_param_gather) and not _cuda_available():
         name = "overlap_grad_reduce" if o.overlap_grad_reduce else "overlap_param_gather"
         raise ConfigError(f"optimizer.{name}: overlaps NCCL collectives with compute on GPUs; on CPU (gloo) "
                           f"there is nothing to overlap with: set it false here")
+
+
+def gradient_accumulation_fusion(setting: Optional[bool], on_gpu: bool) -> bool:
+    """``trainer.gradient_accumulation_fusion`` resolved on this rank: whether weight gradients accumulate
+    straight into DDP's main_grad. On GPUs Megatron's fused path (local and TE linears alike: the output
+    layer is always a local one) needs Apex's fused_weight_gradient_mlp_cuda; Megatron-LM turns it on
+    by default and fails without Apex, megarl turns it on where Apex is built. On CPU megarl's patch does
+    the same accumulation (megatron_patches/cpu_wgrad_accumulation.py)."""
+    if setting is False:
+        return False
+    if not on_gpu:
+        return True
+    available = importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+    if setting and not available:
+        raise ConfigError("trainer.gradient_accumulation_fusion: true needs Apex's fused_weight_gradient_mlp_cuda "
+                          "extension, which does not import here (build Apex from source, README 'Install'); "
+                          "set it to false, or leave it unset to use it where it is built")
+    return available

@@ -44,7 +44,10 @@ class OptimizerSettings:
         return cls(**{f.name: getattr(section, f.name) for f in dataclasses.fields(cls)})
 
 
-def wrap_ddp(chunks: List[torch.nn.Module], settings: OptimizerSettings = OptimizerSettings()) -> list:
+def wrap_ddp(chunks: List[torch.nn.Module], settings: OptimizerSettings = OptimizerSettings(),
+             wgrad_fusion: bool = True) -> list:
+    """Megatron DDP over the chunks; ``wgrad_fusion`` (CPU: megarl's accumulation into main_grad;
+    GPUs read TransformerConfig.gradient_accumulation_fusion instead, see trainer/features.py)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     for chunk in chunks:
@@ -66,7 +69,8 @@ def wrap_ddp(chunks: List[torch.nn.Module], settings: OptimizerSettings = Optimi
         for i, chunk in enumerate(chunks)
     ]
     # On CPU, weight gradients accumulate into main_grad as on GPUs (megatron_patches/cpu_wgrad_accumulation.py)
-    cpu_wgrad_accumulation.enable(ddp_chunks)
+    if wgrad_fusion:
+        cpu_wgrad_accumulation.enable(ddp_chunks)
     return ddp_chunks
 
 

@@ -114,6 +114,12 @@ def main() -> None:
                 "reduce_scatter": [sum(c for k, c in r["ops"].items() if "reduce_scatter" in k) for r in (ref, new)],
                 "sync_changed": [ref["sync_changed"], new["sync_changed"]],
             }
+            if tied and tag == "fp32":  # trainer.gradient_accumulation_fusion: false -- Megatron's unfused path
+                off = step(wrap_ddp([build(tied, dtype)], wgrad_fusion=False)[0], batches)
+                out[case]["fusion_off"] = {
+                    "max_relative_diff": max(float((off["grads"][n] - g).abs().max() / g.abs().max().clamp_min(1e-30))
+                                             for n, g in ref["grads"].items()),
+                    "dense_embedding_backward": off["ops"].get("aten::embedding_dense_backward", 0)}
     print(json.dumps(out))
     shutdown()
 
