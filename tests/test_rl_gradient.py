@@ -75,6 +75,9 @@ def check(out, run, case, reference):
     print(f"{run} {case}: {record['micro_batches']} micro-batches, relative gradient error {overall:.2e} "
           f"(worst tensor {worst:.2e}), loss {record['loss_sum'] / record['tokens']:.6f} vs {ref_loss:.6f}")
     assert overall <= 1e-5 and worst <= 2e-5
+    # the output layer computed logits for the response tokens alone (trainer/response_logits.py),
+    # not for the prompts packed with them
+    assert record["output_layer_rows"] == record["tokens"], (record["output_layer_rows"], record["tokens"])
     return record
 
 

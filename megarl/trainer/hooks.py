@@ -31,6 +31,7 @@ import torch
 
 from megarl.trainer.aggregation import aggregation_weights, resolve_agg
 from megarl.trainer.logprobs import vocab_parallel_logprobs
+from megarl.trainer.response_logits import logits_at
 from megarl.trainer.losses import LossFn, LossInputs, kl_penalty
 from megarl.trainer.stats import BASE_FIELDS, micro_batch_stats
 
@@ -59,8 +60,12 @@ def make_forward_step(loss_fn: LossFn, cfg: LossConfig, vocab_size: int):
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
-        output = model(*model_inputs(mb, model), packed_seq_params=_packed_on_device(mb, model))
-        return output, partial(_loss_func, loss_fn, cfg, vocab_size, mb)
+        # only response positions matter: the output layer computes their logits alone
+        # (trainer/response_logits.py); without it the loss selects them from every position's
+        on = (mb.loss_mask[0] > 0).to(_device_of(model))
+        with logits_at(model, on) as selected:
+            output = model(*model_inputs(mb, model), packed_seq_params=_packed_on_device(mb, model))
+        return output, partial(_loss_func, loss_fn, cfg, vocab_size, mb, on, selected)
 
     return forward_step
 
@@ -136,11 +141,11 @@ def loss_inputs(mb, on: torch.Tensor, logp: torch.Tensor, entropy: Optional[torc
     )
 
 
-def _loss_func(loss_fn: LossFn, cfg: LossConfig, vocab_size: int, mb, logits: torch.Tensor):
-    # Only response positions matter: select their logits rows before the
-    # vocabulary-sized work (prompt positions are often half of a row).
-    on = (mb.loss_mask[0] > 0).to(logits.device)
-    logp, entropy = vocab_parallel_logprobs(logits[0][on], mb.targets[0].to(logits.device)[on], vocab_size,
+def _loss_func(loss_fn: LossFn, cfg: LossConfig, vocab_size: int, mb, on: torch.Tensor, selected: bool,
+               logits: torch.Tensor):
+    # ``selected``: the logits are the response positions' already; else every position's
+    rows = logits[0] if selected else logits[0][on]
+    logp, entropy = vocab_parallel_logprobs(rows, mb.targets[0].to(logits.device)[on], vocab_size,
                                             cfg.temperature, True)
     inputs = loss_inputs(mb, on, logp, entropy)
     out, per_token, kl_ref = per_token_loss(loss_fn, cfg, inputs)

@@ -28,6 +28,7 @@ from megarl.models.loading import load_llama  # noqa: E402
 from megarl.runtime.distributed import init_distributed, init_megatron, shutdown  # noqa: E402
 from megarl.trainer.hooks import LossConfig  # noqa: E402
 from megarl.trainer.policy_trainer import PolicyTrainer  # noqa: E402
+from megarl.trainer.response_logits import _output_layer  # noqa: E402
 from megarl.trainer.setup import OptimizerSettings, build_optimizer, unwrap, wrap_ddp  # noqa: E402
 from megarl.trainer.stats import metrics_from_totals  # noqa: E402
 from tests.rl_batch import CASES, MAX_NEW_TOKENS, TEMPERATURE, VERSION, load_samples  # noqa: E402
@@ -65,16 +66,31 @@ def main():
         # Plain DDP (all-reduce), so every rank holds the whole gradient afterwards.
         ddp = wrap_ddp(chunks, OptimizerSettings(use_distributed_optimizer=False))
         optimizer = build_optimizer(ddp, OptimizerSettings(use_distributed_optimizer=False))
+        # positions the output layer computed logits for (trainer/response_logits.py: responses only)
+        rows = torch.zeros(1, dtype=torch.float64)
+
+        def count_rows(_module, args, _output):
+            rows.add_(args[0].shape[0])  # returns None: the output stays the layer's
+
+        for chunk in ddp:
+            layer = _output_layer(chunk)
+            if layer is not None:
+                layer.register_forward_hook(count_rows)
         for case in (cases[0].split(",") if cases else ["aipo"]):
             loss = LossConfig(**CASES[case], temperature=TEMPERATURE, max_new_tokens=MAX_NEW_TOKENS, max_lag=MAX_LAG)
             trainer = PolicyTrainer(ddp, optimizer, spec.vocab_size, loss, int(budget))
+            rows.zero_()
             plan, stats = trainer.forward_backward(samples, version=VERSION)
             totals = trainer._reduce_stats(stats)
+            output_layer_rows = rows.clone()
+            dist.all_reduce(output_layer_rows)  # every TP rank of the last stage computes the same rows
+            output_layer_rows /= layout.tp
             name = f"{layout_name}_{budget}_{case}"
             save_grads(ddp, spec, os.path.join(args.out, name))
             if dist.get_rank() == 0:
                 record = dict(zip(trainer.stat_fields, totals.tolist()))
                 record.update(metrics=metrics_from_totals(totals, MAX_LAG), micro_batches=len(plan.micro_batches),
+                              output_layer_rows=output_layer_rows.item(),
                               efficiency=plan.efficiency,
                               trainer_logprobs=[s.meta["trainer_logprobs"] for s in samples])
                 with open(os.path.join(args.out, name + ".json"), "w") as f:
