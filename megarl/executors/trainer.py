@@ -67,8 +67,8 @@ class TrainerExecutor:
         from megarl.models.loading import load_llama
         from megarl.models.spec import LlamaSpec
         from megarl.runtime.distributed import ParallelLayout, init_megatron
-        from megarl.trainer.policy_trainer import PolicyTrainer
         from megarl.trainer.features import gradient_accumulation_fusion
+        from megarl.trainer.policy_trainer import PolicyTrainer
         from megarl.trainer.setup import OptimizerSettings, build_lr_scheduler, build_optimizer, wrap_ddp
 
         t = cfg.trainer

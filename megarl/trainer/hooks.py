@@ -31,8 +31,8 @@ import torch
 
 from megarl.trainer.aggregation import aggregation_weights, resolve_agg
 from megarl.trainer.logprobs import vocab_parallel_logprobs
-from megarl.trainer.response_logits import logits_at
 from megarl.trainer.losses import LossFn, LossInputs, kl_penalty
+from megarl.trainer.response_logits import logits_at
 from megarl.trainer.stats import BASE_FIELDS, micro_batch_stats
 
 STAT_FIELDS = BASE_FIELDS  # without the lag buckets; stats.stat_fields(max_lag) is the whole layout
