@@ -82,9 +82,11 @@ class TrainerExecutor:
         init_megatron(layout, seed=cfg.run.seed)
         dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
         model_settings = megatron_model_settings(t)
-        wgrad_fusion = gradient_accumulation_fusion(t.gradient_accumulation_fusion, on_gpu=job.device == "cuda")
+        # the job's device; `megarl train --replay` runs without a job, on CUDA wherever it exists
+        on_gpu = job.device == "cuda" if job is not None else torch.cuda.is_available()
+        wgrad_fusion = gradient_accumulation_fusion(t.gradient_accumulation_fusion, on_gpu=on_gpu)
         # GPUs: Megatron's own switch; CPU: megarl's patch, turned on by wrap_ddp
-        model_settings["gradient_accumulation_fusion"] = wgrad_fusion and job.device == "cuda"
+        model_settings["gradient_accumulation_fusion"] = wgrad_fusion and on_gpu
         if prepared.checkpoint:
             self.spec, chunks = load_llama(prepared.checkpoint, layout, params_dtype=dtype, **model_settings)
         else:  # random:<preset>: Megatron's own initialisation, seeded
