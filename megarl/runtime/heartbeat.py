@@ -101,20 +101,18 @@ class Heartbeat:
     # -- the watcher ----------------------------------------------------------------------------
 
     def _watch(self) -> None:
-        from megarl.runtime.failure import fail_rank
-
         n = self.world_size
         keys = [KEY.format(r) for r in range(n)] + [PULSE_KEY.format(r) for r in range(n)]
         # key index -> (its value, when it last changed, by our clock)
         seen: Dict[int, Tuple[str, float]] = {}
         while not self._stop.wait(self.interval_s):
-            self._read_since = time.monotonic()
+            self._read_since = time.monotonic()  # timed by _watch_store_host
             try:
                 values = self.store.multi_get(keys)  # both exist from each rank's start (__init__)
             except Exception:  # the store's host went away: the launcher reports that failure
-                self._read_since = None
                 return
-            self._read_since = None
+            finally:
+                self._read_since = None
             now = time.monotonic()
             for index, raw in enumerate(values):
                 value = raw.decode() if isinstance(raw, bytes) else str(raw)
@@ -124,28 +122,25 @@ class Heartbeat:
             frozen = {rank for rank in range(n) if now - seen[n + rank][1] > 3 * self.interval_s}
             stuck = self._stuck({rank: seen[rank] for rank in range(n)}, now, frozen)
             if stuck is not None and not self._stop.is_set():
-                message, host, pid = stuck
-                if host == self.host and pid != os.getpid():
-                    # a stopped process ignores the launcher's SIGTERM: end it so the job ends now
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except OSError:
-                        pass
-                fail_rank(message)
+                self._end_job(*stuck)
 
     def _watch_store_host(self) -> None:
-        from megarl.runtime.failure import fail_rank
-
         while not self._stop.wait(self.interval_s):
             failure = self._store_host_stopped(time.monotonic())
             if failure is not None and not self._stop.is_set():
-                message, host, pid = failure
-                if host == self.host and pid > 0 and pid != os.getpid():
-                    try:  # a stopped process ignores the launcher's SIGTERM
-                        os.kill(pid, signal.SIGKILL)
-                    except OSError:
-                        pass
-                fail_rank(message)
+                self._end_job(*failure)
+
+    def _end_job(self, message: str, host: str, pid: int) -> None:
+        """End the job naming the hung rank; kill it first if it runs on this host (another process):
+        a stopped process ignores the launcher's SIGTERM, so the job would not end now."""
+        from megarl.runtime.failure import fail_rank
+
+        if host == self.host and pid > 0 and pid != os.getpid():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        fail_rank(message)
 
     def _store_host_stopped(self, now: float) -> Optional[Tuple[str, str, int]]:
         """The message naming rank 0, if the watcher's store read has waited longer than the timeout."""
