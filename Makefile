@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.megarl-installed
 TEST_STAMP := $(VENV)/.megarl-test-installed
 
-.PHONY: setup setup-test demo demo-convert test test-quick clean
+.PHONY: setup setup-test demo demo-convert lint test test-quick clean
 
 # What `megarl train`, `megarl eval` and `make demo` need; `make test` adds setup-test's part.
 setup: $(STAMP)
@@ -47,6 +47,11 @@ demo: setup
 # The foundation's check: SmolLM2 at TP3 through Megatron vs transformers.
 demo-convert: setup
 	$(VENV)/bin/megarl demo
+
+# What CI checks besides the tests: lint and formatting (ruff; settings in pyproject.toml).
+lint: setup-test
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 test: setup-test
 	$(PY) -m pytest -q

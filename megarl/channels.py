@@ -54,8 +54,9 @@ class Channel:
             if s.kind == SCATTER:
                 return self._scatter(value)
         except RuntimeError as e:  # gloo: a peer's connection closed or timed out
-            raise MegarlError(f"channel {s.name} ({s.sender} -> {s.receiver}) failed on rank {self.rank}: "
-                              f"a peer rank is gone ({e})") from None
+            raise MegarlError(
+                f"channel {s.name} ({s.sender} -> {s.receiver}) failed on rank {self.rank}: a peer rank is gone ({e})"
+            ) from None
         raise MegarlError(f"channel {s.name}: kind {s.kind} is not a data channel")
 
     def _gather(self, value) -> Optional[List[Any]]:

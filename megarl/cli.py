@@ -22,10 +22,16 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="asynchronous (or sync) RL: megarl train --config FILE [key=value ...]")
     train.add_argument("--config", required=True)
     train.add_argument("overrides", nargs="*", help="config overrides, e.g. optimizer.lr=1e-6 run.steps=20")
-    train.add_argument("--prepare-only", action="store_true",
-                       help="convert the model (first use) and print the world size; start no ranks")
-    train.add_argument("--replay", metavar="RUN_DIR/rollouts.jsonl",
-                       help="train on a run's recorded rollouts, no generator (debug a loss); compares the losses")
+    train.add_argument(
+        "--prepare-only",
+        action="store_true",
+        help="convert the model (first use) and print the world size; start no ranks",
+    )
+    train.add_argument(
+        "--replay",
+        metavar="RUN_DIR/rollouts.jsonl",
+        help="train on a run's recorded rollouts, no generator (debug a loss); compares the losses",
+    )
 
     sgc = sub.add_parser("sglang-command", help="the launch command of each replica's SGLang server (attach mode)")
     sgc.add_argument("--config", required=True)
@@ -43,19 +49,37 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--batch", type=int, default=32, help="sequences in flight")
     ev.add_argument("--cache-dir", default="runs/cache")
     ev.add_argument("--dump", help="write every prompt, response and reward to this .jsonl")
-    ev.add_argument("--dtype", choices=["fp32", "bf16", "auto"], default=None,
-                    help="the dtype the engine decodes in. Default: a training run's checkpoint decodes in the "
-                         "run's generator.dtype (from RUN_DIR/config.json: what its rollouts and in-training "
-                         "evaluations used); any other checkpoint in fp32. auto: bf16 on CUDA and on CPUs with "
-                         "native bf16 (avx512_bf16 / amx_bf16; Arm bf16), else fp32")
-    ev.add_argument("--samples", type=int, default=1,
-                    help="> 1: also this many sampled answers per prompt: reward_mean@K and pass@K")
-    ev.add_argument("--temperature", type=float, default=None,
-                    help="of the sampled answers. Default: the run's rollout.temperature, else 1.0")
-    ev.add_argument("--top-p", type=float, default=None, help="of the sampled answers. Default: the run's "
-                    "rollout.top_p, else 1.0")
-    ev.add_argument("--seed", type=int, default=None, help="of the sampled answers' per-prompt seeds (those of "
-                    "the run's in-training evaluation). Default: the run's run.seed, else 1234")
+    ev.add_argument(
+        "--dtype",
+        choices=["fp32", "bf16", "auto"],
+        default=None,
+        help="the dtype the engine decodes in. Default: a training run's checkpoint decodes in the "
+        "run's generator.dtype (from RUN_DIR/config.json: what its rollouts and in-training "
+        "evaluations used); any other checkpoint in fp32. auto: bf16 on CUDA and on CPUs with "
+        "native bf16 (avx512_bf16 / amx_bf16; Arm bf16), else fp32",
+    )
+    ev.add_argument(
+        "--samples",
+        type=int,
+        default=1,
+        help="> 1: also this many sampled answers per prompt: reward_mean@K and pass@K",
+    )
+    ev.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="of the sampled answers. Default: the run's rollout.temperature, else 1.0",
+    )
+    ev.add_argument(
+        "--top-p", type=float, default=None, help="of the sampled answers. Default: the run's rollout.top_p, else 1.0"
+    )
+    ev.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="of the sampled answers' per-prompt seeds (those of "
+        "the run's in-training evaluation). Default: the run's run.seed, else 1234",
+    )
 
     data = sub.add_parser("data", help="prompt datasets")
     data_sub = data.add_subparsers(dest="dataset", required=True)
@@ -69,10 +93,15 @@ def build_parser() -> argparse.ArgumentParser:
     train_step.add_argument("--workdir", default="runs/bench")
     train_step.add_argument("--samples", type=int, default=8)
     train_step.add_argument("--steps", type=int, default=3, help="timed steps per side (after one warm-up)")
-    train_step.add_argument("--max-tokens", type=int, default=512,
-                            help="Megatron micro-batch row length (configs/demo_cpu.yaml's)")
-    train_step.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
-                            help="bf16: mixed precision on both sides (fp32 master weights)")
+    train_step.add_argument(
+        "--max-tokens", type=int, default=512, help="Megatron micro-batch row length (configs/demo_cpu.yaml's)"
+    )
+    train_step.add_argument(
+        "--dtype",
+        default="fp32",
+        choices=["fp32", "bf16"],
+        help="bf16: mixed precision on both sides (fp32 master weights)",
+    )
     train_step.add_argument("--no-roofline", action="store_true", help="skip measuring this machine's roofline")
 
     gen = bench_sub.add_parser("generate", help="generation tokens/s: megarl's engine vs transformers' generate")
@@ -80,17 +109,26 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--batch", type=int, default=64)
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-    gen.add_argument("--vllm-python", default="", metavar="PATH",
-                     help="also run vLLM's CPU build with this interpreter (its own venv) on the same prompts")
+    gen.add_argument(
+        "--vllm-python",
+        default="",
+        metavar="PATH",
+        help="also run vLLM's CPU build with this interpreter (its own venv) on the same prompts",
+    )
     gen.add_argument("--vllm-dtype", default="bf16", choices=["fp32", "bf16"], help="the dtype vLLM serves in")
     gen.add_argument("--no-roofline", action="store_true", help="skip measuring this machine's decode roofline")
 
-    mach = bench_sub.add_parser("machine", help="this machine's GEMM / attention / bandwidth rates at the demo "
-                                                "model's shapes and the roofline they imply (one JSON line)")
+    mach = bench_sub.add_parser(
+        "machine",
+        help="this machine's GEMM / attention / bandwidth rates at the demo "
+        "model's shapes and the roofline they imply (one JSON line)",
+    )
     mach.add_argument("--min-time", type=float, default=0.1, help="seconds of timed calls per measurement")
 
-    att = bench_sub.add_parser("attention", help="the trainer's core attention fwd+bwd: Megatron's unfused path "
-                                                 "vs the SDPA one the local spec uses")
+    att = bench_sub.add_parser(
+        "attention",
+        help="the trainer's core attention fwd+bwd: Megatron's unfused path vs the SDPA one the local spec uses",
+    )
     att.add_argument("--seq", type=int, nargs="+", default=[256, 1024], help="packed row lengths")
     att.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
     att.add_argument("--reps", type=int, default=10, help="timed calls of each (alternated)")
@@ -100,39 +138,63 @@ def build_parser() -> argparse.ArgumentParser:
     avs.add_argument("--workdir", default="runs/bench_async_vs_sync")
     avs.add_argument("overrides", nargs="*", help="config overrides for both runs")
 
-    ws = bench_sub.add_parser("weight-sync", help="shard-to-shard weight sync vs slime's gather+broadcast "
-                                                  "(or --plan-only: a predicted time)")
-    ws.add_argument("--model", default=None,
-                    help="preset (llama3-8b/70b/405b, llama-mini, tiny), smollm2, or a path (default llama-mini)")
+    ws = bench_sub.add_parser(
+        "weight-sync", help="shard-to-shard weight sync vs slime's gather+broadcast (or --plan-only: a predicted time)"
+    )
+    ws.add_argument(
+        "--model",
+        default=None,
+        help="preset (llama3-8b/70b/405b, llama-mini, tiny), smollm2, or a path (default llama-mini)",
+    )
     ws.add_argument("--src-tp", type=int, default=None, help="trainer TP (default 4)")
     ws.add_argument("--src-pp", type=int, default=None, help="trainer PP (default 1)")
     ws.add_argument("--src-dp", type=int, default=None, help="trainer DP (default 1)")
-    ws.add_argument("--src-vpp", type=int, default=None,
-                    help="trainer virtual pipeline stages per PP rank (default 1; --plan-only)")
+    ws.add_argument(
+        "--src-vpp", type=int, default=None, help="trainer virtual pipeline stages per PP rank (default 1; --plan-only)"
+    )
     ws.add_argument("--dst-tp", type=int, default=None, help="generator TP (default 2)")
     ws.add_argument("--dst-replicas", type=int, default=None, help="generator replicas (default 2)")
     ws.add_argument("--fp8", action="store_true", help="generators serve block fp8 (senders quantise)")
     ws.add_argument("--verify", action="store_true", help="checksum every destination shard")
     ws.add_argument("--iters", type=int, default=3)
-    ws.add_argument("--bucket-mb", type=int, default=64,
-                    help="megarl's round size per pair and the baseline's bucket size (the same for both)")
+    ws.add_argument(
+        "--bucket-mb",
+        type=int,
+        default=64,
+        help="megarl's round size per pair and the baseline's bucket size (the same for both)",
+    )
     ws.add_argument("--plan-only", action="store_true", help="plan from shapes and predict the time; start nothing")
-    ws.add_argument("--config", default=None,
-                    help="with --plan-only: take the model, trainer tp/pp/dp, generator tp/replicas, fp8 and "
-                         "links from a megarl run config (flags given override it)")
+    ws.add_argument(
+        "--config",
+        default=None,
+        help="with --plan-only: take the model, trainer tp/pp/dp, generator tp/replicas, fp8 and "
+        "links from a megarl run config (flags given override it)",
+    )
     ws.add_argument("--gpus-per-node", type=int, default=None, help="default 8 (or the config's plan section)")
     ws.add_argument("--nvlink-gb-s", type=float, default=None, help="per GPU, within a node (default 450)")
     ws.add_argument("--network-gb-s", type=float, default=None, help="per GPU, across nodes (default 50)")
-    ws.add_argument("--latency-us", type=float, default=None,
-                    help="fixed cost of one point-to-point message (default 20, NCCL's ~10-30 us)")
-    ws.add_argument("--fp8-quant-gb-s", type=float, default=None,
-                    help="bf16 bytes per second one GPU quantises to block fp8 (default 90: megarl's eager "
-                         "quantiser on an H100)")
+    ws.add_argument(
+        "--latency-us",
+        type=float,
+        default=None,
+        help="fixed cost of one point-to-point message (default 20, NCCL's ~10-30 us)",
+    )
+    ws.add_argument(
+        "--fp8-quant-gb-s",
+        type=float,
+        default=None,
+        help="bf16 bytes per second one GPU quantises to block fp8 (default 90: megarl's eager quantiser on an H100)",
+    )
 
     from megarl.plan.cli import add_plan_args
 
-    add_plan_args(sub.add_parser("plan", help="capacity planning (LlamaRL s.7, PipelineRL App. A); "
-                                              "--config FILE [--dry-run-topology] for a run config"))
+    add_plan_args(
+        sub.add_parser(
+            "plan",
+            help="capacity planning (LlamaRL s.7, PipelineRL App. A); "
+            "--config FILE [--dry-run-topology] for a run config",
+        )
+    )
 
     convert = sub.add_parser("convert", help="checkpoint conversion (same as tools/convert_*.py)")
     convert_sub = convert.add_subparsers(dest="direction", required=True)
@@ -153,8 +215,20 @@ def dispatch(args: argparse.Namespace) -> None:
     elif args.command == "eval":
         from megarl.evaluate import evaluate
 
-        evaluate(args.checkpoint, args.data, args.max_new_tokens, args.reward, args.batch, args.cache_dir, args.dump,
-                 args.dtype, args.samples, args.temperature, args.top_p, args.seed)
+        evaluate(
+            args.checkpoint,
+            args.data,
+            args.max_new_tokens,
+            args.reward,
+            args.batch,
+            args.cache_dir,
+            args.dump,
+            args.dtype,
+            args.samples,
+            args.temperature,
+            args.top_p,
+            args.seed,
+        )
     elif args.command == "data":
         from megarl.data.arithmetic import run_data
 
@@ -166,16 +240,30 @@ def dispatch(args: argparse.Namespace) -> None:
     elif args.command == "bench" and args.benchmark == "train-step":
         from megarl.bench import train_step
 
-        train_step.run(train_step.BenchSettings(
-            workdir=args.workdir, samples=args.samples, steps=args.steps, max_tokens=args.max_tokens,
-            dtype=args.dtype, roofline=not args.no_roofline,
-        ))
+        train_step.run(
+            train_step.BenchSettings(
+                workdir=args.workdir,
+                samples=args.samples,
+                steps=args.steps,
+                max_tokens=args.max_tokens,
+                dtype=args.dtype,
+                roofline=not args.no_roofline,
+            )
+        )
     elif args.command == "bench" and args.benchmark == "generate":
         from megarl.bench import generate
 
-        generate.run(generate.GenerateBench(args.backend, args.batch, args.max_new_tokens, args.dtype,
-                                            vllm_python=args.vllm_python, vllm_dtype=args.vllm_dtype,
-                                            roofline=not args.no_roofline))
+        generate.run(
+            generate.GenerateBench(
+                args.backend,
+                args.batch,
+                args.max_new_tokens,
+                args.dtype,
+                vllm_python=args.vllm_python,
+                vllm_dtype=args.vllm_dtype,
+                roofline=not args.no_roofline,
+            )
+        )
     elif args.command == "bench" and args.benchmark == "machine":
         from megarl.bench import machine
 
@@ -191,14 +279,28 @@ def dispatch(args: argparse.Namespace) -> None:
     elif args.command == "bench" and args.benchmark == "weight-sync":
         from megarl.bench.weight_sync import WeightSyncBench, run
 
-        run(WeightSyncBench(
-            model=args.model, src_tp=args.src_tp, src_pp=args.src_pp, src_dp=args.src_dp, src_vpp=args.src_vpp,
-            dst_tp=args.dst_tp,
-            dst_replicas=args.dst_replicas, fp8=args.fp8, verify=args.verify, iters=args.iters,
-            plan_only=args.plan_only, config=args.config, gpus_per_node=args.gpus_per_node,
-            nvlink_gb_s=args.nvlink_gb_s, network_gb_s=args.network_gb_s, message_latency_us=args.latency_us,
-            fp8_quant_gb_s=args.fp8_quant_gb_s, bucket_mb=args.bucket_mb,
-        ))
+        run(
+            WeightSyncBench(
+                model=args.model,
+                src_tp=args.src_tp,
+                src_pp=args.src_pp,
+                src_dp=args.src_dp,
+                src_vpp=args.src_vpp,
+                dst_tp=args.dst_tp,
+                dst_replicas=args.dst_replicas,
+                fp8=args.fp8,
+                verify=args.verify,
+                iters=args.iters,
+                plan_only=args.plan_only,
+                config=args.config,
+                gpus_per_node=args.gpus_per_node,
+                nvlink_gb_s=args.nvlink_gb_s,
+                network_gb_s=args.network_gb_s,
+                message_latency_us=args.latency_us,
+                fp8_quant_gb_s=args.fp8_quant_gb_s,
+                bucket_mb=args.bucket_mb,
+            )
+        )
     elif args.command == "plan":
         from megarl.plan.cli import run_plan
 

@@ -192,19 +192,37 @@ class Config:
         _choice("generator.backend", g.backend, ("torch", "sglang"))
         _choice("model.dtype", self.model.dtype, ("fp32", "bf16", "auto"))
         _choice("generator.dtype", g.dtype, ("fp32", "bf16", "auto"))
-        for name in ("trainer.tp", "trainer.pp", "trainer.dp", "generator.tp", "generator.replicas",
-                     "generator.max_running", "rollout.prompts_per_step", "rollout.samples_per_prompt",
-                     "rollout.max_new_tokens", "run.steps", "trainer.max_tokens_per_microbatch"):
+        for name in (
+            "trainer.tp",
+            "trainer.pp",
+            "trainer.dp",
+            "generator.tp",
+            "generator.replicas",
+            "generator.max_running",
+            "rollout.prompts_per_step",
+            "rollout.samples_per_prompt",
+            "rollout.max_new_tokens",
+            "run.steps",
+            "trainer.max_tokens_per_microbatch",
+        ):
             _positive(name, self.get(name))
-        for name in ("rollout.max_lag", "run.save_every", "data.eval_every", "trainer.cpu_threads",
-                     "generator.cpu_threads", "run.keep_checkpoints"):
+        for name in (
+            "rollout.max_lag",
+            "run.save_every",
+            "data.eval_every",
+            "trainer.cpu_threads",
+            "generator.cpu_threads",
+            "run.keep_checkpoints",
+        ):
             if self.get(name) < 0:
                 raise ConfigError(f"{name}: must be >= 0, got {self.get(name)}")
         if self.run.mode == "sync" and g.backend != "torch":
             raise ConfigError("run.mode: sync (colocated) runs the torch engine; set generator.backend=torch")
         if self.run.mode == "sync" and g.verify_sync:
-            raise ConfigError("generator.verify_sync: sync mode copies the weights on each rank, nothing travels to "
-                              "verify (its copy is tested bitwise in tests/test_colocated.py)")
+            raise ConfigError(
+                "generator.verify_sync: sync mode copies the weights on each rank, nothing travels to "
+                "verify (its copy is tested bitwise in tests/test_colocated.py)"
+            )
         if self.run.wandb is not None:
             from megarl.metrics import check_wandb_config  # names the field; refuses a missing wandb package
 
@@ -214,11 +232,15 @@ class Config:
         self._validate_sglang()
         self._validate_tokenizer_free()
         if self.run.mode == "async" and r.prompts_per_step % g.replicas:
-            raise ConfigError(f"rollout.prompts_per_step={r.prompts_per_step} must be a multiple of "
-                              f"generator.replicas={g.replicas} (each replica makes an equal share)")
+            raise ConfigError(
+                f"rollout.prompts_per_step={r.prompts_per_step} must be a multiple of "
+                f"generator.replicas={g.replicas} (each replica makes an equal share)"
+            )
         if self.run.mode == "sync" and r.prompts_per_step % self.world_size():
-            raise ConfigError(f"rollout.prompts_per_step={r.prompts_per_step} must be a multiple of the "
-                              f"{self.world_size()} ranks in sync mode (each generates an equal share)")
+            raise ConfigError(
+                f"rollout.prompts_per_step={r.prompts_per_step} must be a multiple of the "
+                f"{self.world_size()} ranks in sync mode (each generates an equal share)"
+            )
         if self.data.eval_samples < 1:
             raise ConfigError(f"data.eval_samples: must be >= 1, got {self.data.eval_samples}")
         if self.data.eval is None:
@@ -226,8 +248,10 @@ class Config:
                 if getattr(self.data, name) != getattr(DataConfig(), name):
                     raise ConfigError(f"data.{name}: used only with data.eval (a held-out set)")
         if not self.run.time_budget_min >= 0 or self.run.time_budget_min == float("inf"):
-            raise ConfigError(f"run.time_budget_min: must be a finite number of minutes >= 0 (0 = no budget), "
-                              f"got {self.run.time_budget_min}")
+            raise ConfigError(
+                f"run.time_budget_min: must be a finite number of minutes >= 0 (0 = no budget), "
+                f"got {self.run.time_budget_min}"
+            )
         if self.run.hang_timeout_s <= 0:
             raise ConfigError(f"run.hang_timeout_s: must be > 0, got {self.run.hang_timeout_s}")
         if not 0 < r.top_p <= 1:
@@ -235,12 +259,16 @@ class Config:
         if r.temperature <= 0:
             raise ConfigError(f"rollout.temperature: RL needs sampling, must be > 0, got {r.temperature}")
         if g.max_seq_len < self.data.max_prompt_tokens + r.max_new_tokens:
-            raise ConfigError(f"generator.max_seq_len={g.max_seq_len} < data.max_prompt_tokens + "
-                              f"rollout.max_new_tokens = {self.data.max_prompt_tokens + r.max_new_tokens}")
+            raise ConfigError(
+                f"generator.max_seq_len={g.max_seq_len} < data.max_prompt_tokens + "
+                f"rollout.max_new_tokens = {self.data.max_prompt_tokens + r.max_new_tokens}"
+            )
         longest = self.data.max_prompt_tokens + r.max_new_tokens - 1
         if t.max_tokens_per_microbatch < longest:
-            raise ConfigError(f"trainer.max_tokens_per_microbatch={t.max_tokens_per_microbatch} cannot hold the "
-                              f"longest sample (data.max_prompt_tokens + rollout.max_new_tokens - 1 = {longest})")
+            raise ConfigError(
+                f"trainer.max_tokens_per_microbatch={t.max_tokens_per_microbatch} cannot hold the "
+                f"longest sample (data.max_prompt_tokens + rollout.max_new_tokens - 1 = {longest})"
+            )
         return self
 
     def _validate_trainer(self) -> None:
@@ -248,28 +276,38 @@ class Config:
         for name in ("trainer.cp", "trainer.vpp"):
             _positive(name, self.get(name))
         if t.vpp > 1 and t.pp == 1:
-            raise ConfigError(f"trainer.vpp={t.vpp}: virtual pipeline stages interleave a pipeline; needs trainer.pp > 1")
+            raise ConfigError(
+                f"trainer.vpp={t.vpp}: virtual pipeline stages interleave a pipeline; needs trainer.pp > 1"
+            )
         _choice("trainer.recompute_granularity", t.recompute_granularity, (None, "selective", "full"))
         _choice("trainer.recompute_method", t.recompute_method, (None, "uniform", "block"))
         _choice("trainer.kl_estimator", t.kl_estimator, ("k1", "k2", "k3"))
         if t.recompute_granularity == "full":
             if t.recompute_method is None or t.recompute_num_layers is None:
-                raise ConfigError("trainer.recompute_granularity: full needs trainer.recompute_method (uniform | block) "
-                                  "and trainer.recompute_num_layers, as in Megatron-LM")
+                raise ConfigError(
+                    "trainer.recompute_granularity: full needs trainer.recompute_method (uniform | block) "
+                    "and trainer.recompute_num_layers, as in Megatron-LM"
+                )
             if t.recompute_num_layers < (1 if t.recompute_method == "uniform" else 0):
-                raise ConfigError(f"trainer.recompute_num_layers: must be >= 1 with recompute_method=uniform, "
-                                  f"got {t.recompute_num_layers}")
+                raise ConfigError(
+                    f"trainer.recompute_num_layers: must be >= 1 with recompute_method=uniform, "
+                    f"got {t.recompute_num_layers}"
+                )
         else:
             for name in ("recompute_method", "recompute_num_layers"):
                 if getattr(t, name) is not None:
-                    raise ConfigError(f"trainer.{name}: used only with trainer.recompute_granularity=full "
-                                      f"(it is {t.recompute_granularity!r})")
+                    raise ConfigError(
+                        f"trainer.{name}: used only with trainer.recompute_granularity=full "
+                        f"(it is {t.recompute_granularity!r})"
+                    )
         if t.recompute_modules is not None and t.recompute_granularity != "selective":
             raise ConfigError("trainer.recompute_modules: used only with trainer.recompute_granularity=selective")
         if self.run.mode == "sync" and (t.cp > 1 or t.vpp > 1):
             name = "trainer.cp" if t.cp > 1 else "trainer.vpp"
-            raise ConfigError(f"{name}: sync (colocated) mode copies the trainer's shards into each rank's engine "
-                              f"by TP x PP only; run it with run.mode=async")
+            raise ConfigError(
+                f"{name}: sync (colocated) mode copies the trainer's shards into each rank's engine "
+                f"by TP x PP only; run it with run.mode=async"
+            )
         from megarl.trainer.losses import bind_loss_params  # imports torch: only when a config is checked
 
         bind_loss_params(t.loss, t.loss_params)
@@ -287,16 +325,19 @@ class Config:
         if o.lr_decay_style == "constant":
             for name in ("min_lr", "lr_decay_iters"):
                 if getattr(o, name) != getattr(defaults, name):
-                    raise ConfigError(f"optimizer.{name}: used only with lr_decay_style linear | cosine "
-                                      f"(it is constant)")
+                    raise ConfigError(
+                        f"optimizer.{name}: used only with lr_decay_style linear | cosine (it is constant)"
+                    )
         elif o.min_lr > o.lr:
             raise ConfigError(f"optimizer.min_lr={o.min_lr} is above optimizer.lr={o.lr}")
         decay_iters = o.lr_decay_iters if o.lr_decay_iters is not None else self.run.steps
         if o.lr_decay_iters is not None and o.lr_decay_iters < 1:
             raise ConfigError(f"optimizer.lr_decay_iters: must be >= 1, got {o.lr_decay_iters}")
         if o.lr_decay_style != "constant" and o.lr_warmup_iters >= decay_iters:
-            raise ConfigError(f"optimizer.lr_warmup_iters={o.lr_warmup_iters} must be below the decay's "
-                              f"{decay_iters} steps (optimizer.lr_decay_iters, default run.steps)")
+            raise ConfigError(
+                f"optimizer.lr_warmup_iters={o.lr_warmup_iters} must be below the decay's "
+                f"{decay_iters} steps (optimizer.lr_decay_iters, default run.steps)"
+            )
         if o.lr_warmup_iters == 0 and o.lr_warmup_init != defaults.lr_warmup_init:
             raise ConfigError("optimizer.lr_warmup_init: used only with optimizer.lr_warmup_iters > 0")
         unused = ("sgd_momentum",) if o.optimizer == "adam" else ("adam_beta1", "adam_beta2", "adam_eps")
@@ -309,8 +350,10 @@ class Config:
         if o.adam_eps <= 0:
             raise ConfigError(f"optimizer.adam_eps: must be > 0, got {o.adam_eps}")
         if o.overlap_param_gather and not (o.use_distributed_optimizer and o.overlap_grad_reduce):
-            raise ConfigError("optimizer.overlap_param_gather: needs use_distributed_optimizer and "
-                              "overlap_grad_reduce (Megatron-Core's rule)")
+            raise ConfigError(
+                "optimizer.overlap_param_gather: needs use_distributed_optimizer and "
+                "overlap_grad_reduce (Megatron-Core's rule)"
+            )
 
     def _validate_tokenizer_free(self) -> None:
         if self.model.tokenizer != "none":
@@ -318,14 +361,20 @@ class Config:
                 raise ConfigError("data.train: random token prompts are for random:<preset> models")
             return
         if not self.model.source.startswith("random:"):
-            raise ConfigError(f"model.tokenizer: none is for random:<preset> models (model.source is "
-                              f"{self.model.source!r}, which has its tokenizer)")
+            raise ConfigError(
+                f"model.tokenizer: none is for random:<preset> models (model.source is "
+                f"{self.model.source!r}, which has its tokenizer)"
+            )
         if not self.data.train.startswith("random:"):
-            raise ConfigError(f"data.train: with model.tokenizer=none the prompts must be token ids "
-                              f"(random:<n>:<seed>:<length>), got {self.data.train!r}")
+            raise ConfigError(
+                f"data.train: with model.tokenizer=none the prompts must be token ids "
+                f"(random:<n>:<seed>:<length>), got {self.data.train!r}"
+            )
         if self.reward.function == "math":
-            raise ConfigError("reward.function: math grades text answers; with model.tokenizer=none the responses "
-                              "are token ids (use synthetic_parity or a reward of your own)")
+            raise ConfigError(
+                "reward.function: math grades text answers; with model.tokenizer=none the responses "
+                "are token ids (use synthetic_parity or a reward of your own)"
+            )
 
     def _validate_sglang(self) -> None:
         g = self.generator
@@ -334,19 +383,24 @@ class Config:
         if g.backend != "sglang":
             for name in sglang_fields:
                 if getattr(g, name) != getattr(defaults, name):
-                    raise ConfigError(f"generator.{name}: used only with generator.backend=sglang "
-                                      f"(backend is {g.backend!r})")
+                    raise ConfigError(
+                        f"generator.{name}: used only with generator.backend=sglang (backend is {g.backend!r})"
+                    )
             return
         if g.sglang_urls and len(g.sglang_urls) != g.replicas:
-            raise ConfigError(f"generator.sglang_urls: {len(g.sglang_urls)} URLs for generator.replicas={g.replicas} "
-                              f"(one server per replica)")
+            raise ConfigError(
+                f"generator.sglang_urls: {len(g.sglang_urls)} URLs for generator.replicas={g.replicas} "
+                f"(one server per replica)"
+            )
         for i, url in enumerate(g.sglang_urls):
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"generator.sglang_urls[{i}]: {url!r} is not an http(s):// URL")
         if g.recompute_kv_on_update:
-            raise ConfigError("generator.recompute_kv_on_update: SGLang keeps the KV cache of paused requests "
-                              "across an in-flight update (pause_generation in_place); only the torch engine "
-                              "can recompute it")
+            raise ConfigError(
+                "generator.recompute_kv_on_update: SGLang keeps the KV cache of paused requests "
+                "across an in-flight update (pause_generation in_place); only the torch engine "
+                "can recompute it"
+            )
         if g.cpu_threads:
             raise ConfigError("generator.cpu_threads: SGLang servers run on GPUs; the generator ranks only drive them")
         if not 0 < g.sglang_mem_fraction < 1:
@@ -433,8 +487,10 @@ def _coerce(name: str, value: Any, kind: Any) -> Any:
 
 # Fields that moved: the old name is refused with the new one.
 MOVED_FIELDS = {
-    "trainer.lr": "optimizer.lr", "trainer.weight_decay": "optimizer.weight_decay",
-    "trainer.clip_grad": "optimizer.clip_grad", "trainer.rho": "trainer.loss_params.rho",
+    "trainer.lr": "optimizer.lr",
+    "trainer.weight_decay": "optimizer.weight_decay",
+    "trainer.clip_grad": "optimizer.clip_grad",
+    "trainer.rho": "trainer.loss_params.rho",
 }
 
 

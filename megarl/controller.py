@@ -28,10 +28,10 @@ from typing import List, Optional
 import torch.distributed as dist
 
 from megarl.channels import Channel
+from megarl.config import Config, config_from_dict
 from megarl.executors.evaluator import eval_steps
 from megarl.loop_state import checkpoint_loop_state, generator_states, resume_point
 from megarl.runtime import preemption
-from megarl.config import Config, config_from_dict
 from megarl.schedule import make_schedule
 from megarl.topology import Topology
 
@@ -149,29 +149,59 @@ class Controller:
         import torch
 
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        placement = ReplicaPlacement(replica, engine_tp, tp_rank, self.tp_group, job.device,
-                                     local_rank=job.local_rank % gpus if gpus else job.local_rank)
-        backend = build_backend(cfg.generator, self.spec, placement, cfg.rollout.samples_per_prompt,
-                                run_dir=self.out, store=job.store, on_failure=fail_rank)
+        placement = ReplicaPlacement(
+            replica,
+            engine_tp,
+            tp_rank,
+            self.tp_group,
+            job.device,
+            local_rank=job.local_rank % gpus if gpus else job.local_rank,
+        )
+        backend = build_backend(
+            cfg.generator,
+            self.spec,
+            placement,
+            cfg.rollout.samples_per_prompt,
+            run_dir=self.out,
+            store=job.store,
+            on_failure=fail_rank,
+        )
         tokenizer = load_tokenizer(prepared.tokenizer)
-        self.generator = GeneratorExecutor(cfg.rollout, cfg.generator.max_running, cfg.run.seed, backend,
-                                           _load_prompts(cfg, tokenizer, self.spec.vocab_size), stop_ids(tokenizer), replica,
-                                           cfg.rollout.prompts_per_step // self.topo.generator_replicas, tp_rank,
-                                           self.tp_group)
+        self.generator = GeneratorExecutor(
+            cfg.rollout,
+            cfg.generator.max_running,
+            cfg.run.seed,
+            backend,
+            _load_prompts(cfg, tokenizer, self.spec.vocab_size),
+            stop_ids(tokenizer),
+            replica,
+            cfg.rollout.prompts_per_step // self.topo.generator_replicas,
+            tp_rank,
+            self.tp_group,
+        )
         self.generator.on_step = lambda waiting=False: self.heartbeat.beat(
-            "waiting for the trainer's step" if waiting else "decoding", waiting=waiting)
+            "waiting for the trainer's step" if waiting else "decoding", waiting=waiting
+        )
         if job.has("reward"):
             self.reward = RewardExecutor(cfg, tokenizer)
         from megarl.executors.batch_maker import BatchMaker
 
-        self.batch_maker = BatchMaker(self.generator, self.reward,
-                                      cfg.rollout.filter_groups, cfg.rollout.samples_per_prompt, self.tp_group)
+        self.batch_maker = BatchMaker(
+            self.generator, self.reward, cfg.rollout.filter_groups, cfg.rollout.samples_per_prompt, self.tp_group
+        )
         if cfg.data.eval:
             from megarl.executors.evaluator import ReplicaEvaluator
 
-            self.evaluator = ReplicaEvaluator(cfg.data, self.generator, self.reward,
-                                              _load_prompts(cfg, tokenizer, self.spec.vocab_size, cfg.data.eval),
-                                              replica, self.topo.generator_replicas, job.store, job.has("reward"))
+            self.evaluator = ReplicaEvaluator(
+                cfg.data,
+                self.generator,
+                self.reward,
+                _load_prompts(cfg, tokenizer, self.spec.vocab_size, cfg.data.eval),
+                replica,
+                self.topo.generator_replicas,
+                job.store,
+                job.has("reward"),
+            )
 
     # -- the weights channel ------------------------------------------------------------------
 
@@ -192,10 +222,16 @@ class Controller:
 
             (self.out).mkdir(parents=True, exist_ok=True)
             (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
-            writer = MetricsWriter(self.out, cfg.run.steps, self.resume.steps_done, progress=cfg.run.progress,
-                                   wandb=cfg.run.wandb, run_config=cfg.to_dict(),
-                                   time_budget_s=cfg.run.time_budget_min * 60.0,
-                                   budget_spent_s=self.resume.train_seconds)
+            writer = MetricsWriter(
+                self.out,
+                cfg.run.steps,
+                self.resume.steps_done,
+                progress=cfg.run.progress,
+                wandb=cfg.run.wandb,
+                run_config=cfg.to_dict(),
+                time_budget_s=cfg.run.time_budget_min * 60.0,
+                budget_spent_s=self.resume.train_seconds,
+            )
         collector = None
         if writer is not None and cfg.data.eval:
             from megarl.executors.evaluator import EvalCollector
@@ -218,16 +254,27 @@ class Controller:
         if budget_s and spent_before >= budget_s and self.resume.steps_done < cfg.run.steps:
             iterations, stop = range(0), "time_budget"  # every rank knows the resume point: no collective
             if job.rank == 0:
-                print(f"megarl: time budget of {cfg.run.time_budget_min:g} min already spent by this run "
-                      f"({_minutes(spent_before)} min of training up to step {self.resume.steps_done}); its "
-                      f"checkpoint of step {self.resume.steps_done} is in {self.out / CHECKPOINTS}; nothing "
-                      f"trained. Raise run.time_budget_min to train further, or use another run.output_dir "
-                      f"to start over", file=sys.stderr, flush=True)
+                print(
+                    f"megarl: time budget of {cfg.run.time_budget_min:g} min already spent by this run "
+                    f"({_minutes(spent_before)} min of training up to step {self.resume.steps_done}); its "
+                    f"checkpoint of step {self.resume.steps_done} is in {self.out / CHECKPOINTS}; nothing "
+                    f"trained. Raise run.time_budget_min to train further, or use another run.output_dir "
+                    f"to start over",
+                    file=sys.stderr,
+                    flush=True,
+                )
         checkpoint_s = 0.0  # time spent saving: reported apart from the loop's wall time
         # held-out evaluations (executors/evaluator.py) at the top of the iteration where step k's
         # policy is in the generators; the last step's after the loop
-        evals = [k for k in eval_steps(cfg.data.eval_every, cfg.run.steps) if k > self.resume.steps_done
-                 or k == 0 == self.resume.steps_done] if cfg.data.eval else []
+        evals = (
+            [
+                k
+                for k in eval_steps(cfg.data.eval_every, cfg.run.steps)
+                if k > self.resume.steps_done or k == 0 == self.resume.steps_done
+            ]
+            if cfg.data.eval
+            else []
+        )
         eval_at = {schedule.eval_iteration(k): k for k in evals if k < cfg.run.steps}
         for it in iterations:
             if it in eval_at:
@@ -245,8 +292,13 @@ class Controller:
             step_done = schedule.step_of(it)
             # stop here? a signal on any rank, or rank 0's budget clock; a step must have been trained in
             # this iteration (async iteration 0 only generates), and the last step ends the run anyway
-            over_budget = (job.rank == 0 and budget_s > 0 and trains_now and step_done < cfg.run.steps
-                           and spent_before + time.perf_counter() - wall_start >= budget_s)
+            over_budget = (
+                job.rank == 0
+                and budget_s > 0
+                and trains_now
+                and step_done < cfg.run.steps
+                and spent_before + time.perf_counter() - wall_start >= budget_s
+            )
             stop = preemption.agree_stop(self.job.control, over_budget)
             if writer is not None and train_metrics is not None:
                 trained += len(work.trained["samples"])
@@ -261,7 +313,9 @@ class Controller:
                     self._log_rollouts(record["step"], train_metrics["trained_version"], work.trained["samples"])
             pending, has_pending = schedule.carry(work, make_batch, self.trainer is not None)
             if stop is not None or (trains_now and self._should_save(step_done)):
-                self.heartbeat.beat(f"iteration {it}: saving the checkpoint of step {step_done}", force=True, waiting=True)
+                self.heartbeat.beat(
+                    f"iteration {it}: saving the checkpoint of step {step_done}", force=True, waiting=True
+                )
                 save_start = time.perf_counter()
                 spent = spent_before + save_start - wall_start
                 saved = self._save(step_done, it + 1, pending, spent)
@@ -282,13 +336,16 @@ class Controller:
             from megarl.metrics import read_metrics, summarize
 
             records = [r for r in read_metrics(self.out / "metrics.jsonl") if not r.get("eval")]
-            summary = summarize(records[len(records) - written:], time.perf_counter() - wall_start - checkpoint_s,
-                                trained)
+            summary = summarize(
+                records[len(records) - written :], time.perf_counter() - wall_start - checkpoint_s, trained
+            )
             summary["time_checkpoint_s"] = checkpoint_s  # not in wall_s / samples_per_s
             summary["stop_reason"] = stop or "steps"
             if cfg.run.time_budget_min:
-                summary.update(time_budget_min=cfg.run.time_budget_min,
-                               train_min=(spent_before + time.perf_counter() - wall_start) / 60.0)
+                summary.update(
+                    time_budget_min=cfg.run.time_budget_min,
+                    train_min=(spent_before + time.perf_counter() - wall_start) / 60.0,
+                )
             if stop == "preempted":
                 summary.update(preempted=True, checkpoint=str(saved))
             elif stop == "time_budget":
@@ -305,22 +362,36 @@ class Controller:
 
     def _say_stopped(self, stop: str, step: int, saved, spent: float, spent_before: float) -> None:
         if stop == "preempted":
-            print(f"megarl: preempted ({preemption.requested() or 'signal on another rank'}): "
-                  f"checkpoint of step {step} saved in {saved}; run the same command again "
-                  f"to resume", file=sys.stderr, flush=True)
+            print(
+                f"megarl: preempted ({preemption.requested() or 'signal on another rank'}): "
+                f"checkpoint of step {step} saved in {saved}; run the same command again "
+                f"to resume",
+                file=sys.stderr,
+                flush=True,
+            )
             return
         launches = f", {_minutes(spent - spent_before)} in this launch" if spent_before else ""
-        print(f"megarl: time budget of {self.cfg.run.time_budget_min:g} min reached after step {step} "
-              f"({_minutes(spent)} min of training{launches}); checkpoint of step {step} saved in {saved}. "
-              f"The budget is the run's: the same command again trains nothing more; raise "
-              f"run.time_budget_min to continue", file=sys.stderr, flush=True)
+        print(
+            f"megarl: time budget of {self.cfg.run.time_budget_min:g} min reached after step {step} "
+            f"({_minutes(spent)} min of training{launches}); checkpoint of step {step} saved in {saved}. "
+            f"The budget is the run's: the same command again trains nothing more; raise "
+            f"run.time_budget_min to continue",
+            file=sys.stderr,
+            flush=True,
+        )
 
-    def _save(self, step: int, next_iteration: int, pending: Optional[dict],
-              train_seconds: float = 0.0) -> Optional[Path]:
+    def _save(
+        self, step: int, next_iteration: int, pending: Optional[dict], train_seconds: float = 0.0
+    ) -> Optional[Path]:
         """Checkpoint at a step boundary (a collective over every rank): the trainer's state, every
         generator replica's prompt stream and, async, the batch not yet trained."""
-        state = self.generator.state_dict() if self.generator is not None and self.topo.runs_generator(
-            self.job.rank) and self.topo.replica_of(self.job.rank)[1] == 0 else None
+        state = (
+            self.generator.state_dict()
+            if self.generator is not None
+            and self.topo.runs_generator(self.job.rank)
+            and self.topo.replica_of(self.job.rank)[1] == 0
+            else None
+        )
         states = [None] * self.job.world_size
         dist.all_gather_object(states, state, group=self.job.control)  # every trainer rank saves the same
         if self.trainer is None:
@@ -339,16 +410,28 @@ class Controller:
     def _log_rollouts(self, step: int, version: int, samples) -> None:
         with open(self.out / "rollouts.jsonl", "a") as f:
             for s in samples:
-                f.write(json.dumps({
-                    "step": step, "group": s.group_id, "reward": s.reward, "reward_reason": s.meta.get("reward_reason"),
-                    "answer": s.meta.get("answer"), "response": s.meta.get("response_text"),
-                    "finish_reason": s.meta.get("finish_reason"), "trained_version": version,
-                    "versions": s.policy_versions, "behaviour_logprobs": s.behaviour_logprobs,
-                    # the token ids: `megarl train --replay` trains on them again (replay.py)
-                    "prompt_tokens": s.prompt_tokens, "response_tokens": s.response_tokens,
-                    # log pi of each response token as the trainer's loss saw it: ratios, ESS, replays
-                    "trainer_logprobs": s.meta.get("trainer_logprobs"),
-                }) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "step": step,
+                            "group": s.group_id,
+                            "reward": s.reward,
+                            "reward_reason": s.meta.get("reward_reason"),
+                            "answer": s.meta.get("answer"),
+                            "response": s.meta.get("response_text"),
+                            "finish_reason": s.meta.get("finish_reason"),
+                            "trained_version": version,
+                            "versions": s.policy_versions,
+                            "behaviour_logprobs": s.behaviour_logprobs,
+                            # the token ids: `megarl train --replay` trains on them again (replay.py)
+                            "prompt_tokens": s.prompt_tokens,
+                            "response_tokens": s.response_tokens,
+                            # log pi of each response token as the trainer's loss saw it: ratios, ESS, replays
+                            "trainer_logprobs": s.meta.get("trainer_logprobs"),
+                        }
+                    )
+                    + "\n"
+                )
 
     def _should_save(self, step: int) -> bool:
         every = self.cfg.run.save_every
@@ -364,16 +447,18 @@ class Controller:
     def _merge(parts: List[dict]) -> dict:
         """The replicas' outputs -> one batch (samples in replica order) and their timings."""
         samples = [s for p in parts for s in p["samples"]]
-        return {"samples": samples,
-                "time_generate": max(p["time_generate"] for p in parts),
-                "time_reward": max(p["time_reward"] for p in parts),
-                "stale_dropped": sum(p["stale_dropped"] for p in parts),
-                "stale_aborted": sum(p["stale_aborted"] for p in parts),
-                "reward_timeouts": sum(p["reward_timeouts"] for p in parts),
-                "filtered_groups": sum(p["filtered_groups"] for p in parts),
-                "filter_extra_samples": sum(p["filter_extra_samples"] for p in parts),
-                "generated_tokens": sum(len(s.response_tokens) for s in samples),
-                "in_flight": sum(p["in_flight"] for p in parts)}
+        return {
+            "samples": samples,
+            "time_generate": max(p["time_generate"] for p in parts),
+            "time_reward": max(p["time_reward"] for p in parts),
+            "stale_dropped": sum(p["stale_dropped"] for p in parts),
+            "stale_aborted": sum(p["stale_aborted"] for p in parts),
+            "reward_timeouts": sum(p["reward_timeouts"] for p in parts),
+            "filtered_groups": sum(p["filtered_groups"] for p in parts),
+            "filter_extra_samples": sum(p["filter_extra_samples"] for p in parts),
+            "generated_tokens": sum(len(s.response_tokens) for s in samples),
+            "in_flight": sum(p["in_flight"] for p in parts),
+        }
 
     def _record(self, step: int, m: dict, trained: dict, current: Optional[dict], wall: float, sync_s: float) -> dict:
         """Training step ``step`` (its batch: ``trained``) and what the generators did meanwhile (``current``)."""
@@ -383,17 +468,24 @@ class Controller:
         rewards = [s.reward for s in samples]
         time_train = m.get("time_train", 0.0)
         record = {
-            "step": step, "mode": self.cfg.run.mode, "policy_version": self.trainer.version,
+            "step": step,
+            "mode": self.cfg.run.mode,
+            "policy_version": self.trainer.version,
             "reward_mean": sum(rewards) / len(rewards),
             "accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
-            "samples": len(samples), "samples_per_s": len(samples) / wall,
+            "samples": len(samples),
+            "samples_per_s": len(samples) / wall,
             "tokens_per_s": (current["generated_tokens"] if current else 0) / wall,
             "response_len_mean": trained["generated_tokens"] / len(samples),
-            "time_step": wall, "time_generate": gen_s, "time_reward": reward_s,
-            "time_train": time_train, "time_weight_sync": sync_s,
+            "time_step": wall,
+            "time_generate": gen_s,
+            "time_reward": reward_s,
+            "time_train": time_train,
+            "time_weight_sync": sync_s,
             "idle_trainer": max(0.0, wall - time_train - sync_s),
             "idle_generator": max(0.0, wall - gen_s - reward_s - sync_s),
-            "stale_dropped": trained["stale_dropped"], "stale_aborted": trained["stale_aborted"],
+            "stale_dropped": trained["stale_dropped"],
+            "stale_aborted": trained["stale_aborted"],
             "reward_timeouts": trained["reward_timeouts"],
             # rollout.filter_groups: groups of one reward not trained, and the samples refilling cost
             "filtered_groups": trained.get("filtered_groups", 0),
@@ -422,12 +514,12 @@ def concrete_config(cfg_dict: dict) -> Config:
 
 
 def run_rank(cfg_dict: dict, prepared) -> None:
-    from megarl.runtime.distributed import shutdown
-
     # SIGUSR1 (and SIGTERM when this process is its own launcher): checkpoint at the next step
     # boundary and exit 0
     import os
     import signal
+
+    from megarl.runtime.distributed import shutdown
 
     preemption.install(signals=(signal.SIGUSR1,) if "RANK" in os.environ else preemption.SIGNALS)
     controller = Controller(concrete_config(cfg_dict), prepared)

@@ -52,7 +52,9 @@ def _reference(gguf: Path, tokens: list, max_new_tokens: int):
     seq = torch.tensor([tokens])
     with torch.no_grad():
         first_logits = model(seq).logits[0]
-        generated = model.generate(seq, max_new_tokens=max_new_tokens, do_sample=False, attention_mask=torch.ones_like(seq))
+        generated = model.generate(
+            seq, max_new_tokens=max_new_tokens, do_sample=False, attention_mask=torch.ones_like(seq)
+        )
     return first_logits, generated[0]
 
 
@@ -76,7 +78,7 @@ def run_demo(workdir: str = "runs/demo", tp: int = 3, max_new_tokens: int = 12) 
     generate_s = time.perf_counter() - start
     megatron = torch.load(out)
     ref_logits, ref_sequence = _reference(gguf, tokens, max_new_tokens)
-    answer = tokenizer.decode(megatron["sequence"][len(tokens):], skip_special_tokens=True).strip()
+    answer = tokenizer.decode(megatron["sequence"][len(tokens) :], skip_special_tokens=True).strip()
     summary = {
         "model": "SmolLM2-135M-Instruct",
         "tensor_parallel": tp,

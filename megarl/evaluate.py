@@ -34,19 +34,21 @@ import torch
 
 
 def _checkpoint_dir(checkpoint: str, cache_dir: str) -> Path:
+    from megarl.checkpointing.manifest import MANIFEST_FILE
     from megarl.checkpointing.megatron_checkpoint import resolve_checkpoint_dir
     from megarl.config import ModelConfig
     from megarl.model_source import prepare_model
-
-    from megarl.checkpointing.manifest import MANIFEST_FILE
 
     path = Path(checkpoint)
     if (path / "checkpoints" / "latest_checkpointed_iteration.txt").exists():  # a training run's directory
         path = path / "checkpoints"
     # a root, or one iteration dir (iter_XXXXXXX/); every file is checked against the
     # manifest first, so a damaged checkpoint is named here and not deep inside torch
-    if (path / "latest_checkpointed_iteration.txt").exists() or (path / MANIFEST_FILE).exists() or (
-            path / "metadata.json").exists():
+    if (
+        (path / "latest_checkpointed_iteration.txt").exists()
+        or (path / MANIFEST_FILE).exists()
+        or (path / "metadata.json").exists()
+    ):
         return resolve_checkpoint_dir(path, what="--checkpoint", verify="checksums")
     prepared = prepare_model(ModelConfig(source=checkpoint, cache_dir=cache_dir))
     return resolve_checkpoint_dir(prepared.checkpoint, what="--checkpoint", verify="checksums")
@@ -75,36 +77,53 @@ def dtype_rule(requested: str | None, run_config: dict) -> tuple[str, str]:
     if recorded in ("fp32", "bf16"):
         return recorded, "the run's generator.dtype"
     if recorded == "auto":  # a config written before megarl train resolved auto
-        return resolve_dtype("generator.dtype", "auto", torch.cuda.is_available())[0], "the run's generator.dtype (auto)"
+        return resolve_dtype("generator.dtype", "auto", torch.cuda.is_available())[
+            0
+        ], "the run's generator.dtype (auto)"
     return "fp32", "default (no run config)"
 
 
-def sampling_rule(samples: int, temperature: float | None, top_p: float | None, seed: int | None,
-                  run_config: dict) -> dict:
+def sampling_rule(
+    samples: int, temperature: float | None, top_p: float | None, seed: int | None, run_config: dict
+) -> dict:
     """The sampled answers' settings (the module docstring's rule); refuses what cannot work, naming the flag."""
     from megarl.errors import ConfigError
 
     if samples < 1:
         raise ConfigError(f"--samples: must be >= 1, got {samples}")
     rollout, run = run_config.get("rollout") or {}, run_config.get("run") or {}
-    chosen = {"samples": samples,
-              "temperature": float(rollout.get("temperature", 1.0) if temperature is None else temperature),
-              "top_p": float(rollout.get("top_p", 1.0) if top_p is None else top_p),
-              "seed": int(run.get("seed", 1234) if seed is None else seed)}
+    chosen = {
+        "samples": samples,
+        "temperature": float(rollout.get("temperature", 1.0) if temperature is None else temperature),
+        "top_p": float(rollout.get("top_p", 1.0) if top_p is None else top_p),
+        "seed": int(run.get("seed", 1234) if seed is None else seed),
+    }
     if samples > 1 and chosen["temperature"] <= 0:
-        raise ConfigError(f"--temperature: {samples} sampled answers need a temperature > 0, got "
-                          f"{chosen['temperature']} (greedy answers would all be the same)")
+        raise ConfigError(
+            f"--temperature: {samples} sampled answers need a temperature > 0, got "
+            f"{chosen['temperature']} (greedy answers would all be the same)"
+        )
     if not 0 < chosen["top_p"] <= 1:
         raise ConfigError(f"--top-p: must be in (0, 1], got {chosen['top_p']}")
     return chosen
 
 
-def _eval_rank(ckpt_dir: str, tokenizer_dir: str, data: str, max_new_tokens: int, reward: str, batch: int,
-               out: str, dump: str | None = None, dtype: str = "fp32", sampling: dict | None = None) -> None:
+def _eval_rank(
+    ckpt_dir: str,
+    tokenizer_dir: str,
+    data: str,
+    max_new_tokens: int,
+    reward: str,
+    batch: int,
+    out: str,
+    dump: str | None = None,
+    dtype: str = "fp32",
+    sampling: dict | None = None,
+) -> None:
+    from megarl.data.datasets import load_records, tokenize_prompts
     from megarl.generator.interface import GenerationRequest, SamplingParams
     from megarl.generator.tokenizer import load_tokenizer, stop_ids
     from megarl.generator.torch_engine.engine import TorchEngine
-    from megarl.data.datasets import load_records, tokenize_prompts
     from megarl.models.loading import load_llama
     from megarl.rewards.scoring import score_batch
     from megarl.runtime.distributed import ParallelLayout, init_distributed, init_megatron, shutdown
@@ -128,10 +147,22 @@ def _eval_rank(ckpt_dir: str, tokenizer_dir: str, data: str, max_new_tokens: int
     sp = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=stops)
     requests = [GenerationRequest(str(i), p.ids, sp, group_id=i) for i, p in enumerate(prompts)]
     if k > 1:  # seeded per prompt as the run's in-training evaluation seeds them (executors/generator.py)
-        requests += [GenerationRequest(f"{i}s", p.ids, SamplingParams(
-            temperature=sampling["temperature"], top_p=sampling["top_p"], max_new_tokens=max_new_tokens,
-            stop_token_ids=stops, seed=(sampling["seed"] * 7919 + 104729 * i) % 2 ** 31), n=k, group_id=-1 - i)
-            for i, p in enumerate(prompts)]
+        requests += [
+            GenerationRequest(
+                f"{i}s",
+                p.ids,
+                SamplingParams(
+                    temperature=sampling["temperature"],
+                    top_p=sampling["top_p"],
+                    max_new_tokens=max_new_tokens,
+                    stop_token_ids=stops,
+                    seed=(sampling["seed"] * 7919 + 104729 * i) % 2**31,
+                ),
+                n=k,
+                group_id=-1 - i,
+            )
+            for i, p in enumerate(prompts)
+        ]
     engine.submit(requests)
     start = time.perf_counter()
     finished = engine.run_until_idle()
@@ -142,31 +173,57 @@ def _eval_rank(ckpt_dir: str, tokenizer_dir: str, data: str, max_new_tokens: int
     answers = [p.record.answer for p in prompts] + [prompts[-1 - c.group_id].record.answer for c in sampled]
     scores = score_batch(texts, answers, reward, timeout_s=10.0)
     n = len(prompts)
-    result = {"checkpoint": ckpt_dir, "data": data, "n": n,
-              "accuracy": sum(s.score >= 1.0 for s in scores[:n]) / n,
-              "reward_mean": sum(s.score for s in scores[:n]) / n,
-              "generate_s": time.perf_counter() - start, "example": texts[0][:200], "dtype": dtype}
+    result = {
+        "checkpoint": ckpt_dir,
+        "data": data,
+        "n": n,
+        "accuracy": sum(s.score >= 1.0 for s in scores[:n]) / n,
+        "reward_mean": sum(s.score for s in scores[:n]) / n,
+        "generate_s": time.perf_counter() - start,
+        "example": texts[0][:200],
+        "dtype": dtype,
+    }
     if k > 1:
-        per_prompt = [scores[n + i * k: n + (i + 1) * k] for i in range(n)]
-        result.update({f"reward_mean@{k}": sum(s.score for s in scores[n:]) / (n * k),
-                       f"pass@{k}": sum(any(s.score >= 1.0 for s in group) for group in per_prompt) / n,
-                       "sampling": sampling})
+        per_prompt = [scores[n + i * k : n + (i + 1) * k] for i in range(n)]
+        result.update(
+            {
+                f"reward_mean@{k}": sum(s.score for s in scores[n:]) / (n * k),
+                f"pass@{k}": sum(any(s.score >= 1.0 for s in group) for group in per_prompt) / n,
+                "sampling": sampling,
+            }
+        )
     Path(out).write_text(json.dumps(result))
     if dump:  # the greedy answers in prompt order, then (with --samples) each prompt's sampled ones
         with open(dump, "w") as f:
             for c, text, score in zip(done, texts, scores):
                 i = c.group_id if c.group_id >= 0 else -1 - c.group_id
-                line = {"prompt": prompts[i].record.messages, "answer": prompts[i].record.answer,
-                        "response": text, "reward": score.score, "reason": score.reason}
+                line = {
+                    "prompt": prompts[i].record.messages,
+                    "answer": prompts[i].record.answer,
+                    "response": text,
+                    "reward": score.score,
+                    "reason": score.reason,
+                }
                 if c.group_id < 0:
                     line["sample"] = c.sample_index
                 f.write(json.dumps(line) + "\n")
     shutdown()
 
 
-def evaluate(checkpoint: str, data: str, max_new_tokens: int = 64, reward: str = "math", batch: int = 32,
-             cache_dir: str = "runs/cache", dump: str | None = None, dtype: str | None = None, samples: int = 1,
-             temperature: float | None = None, top_p: float | None = None, seed: int | None = None) -> dict:
+def evaluate(
+    checkpoint: str,
+    data: str,
+    max_new_tokens: int = 64,
+    reward: str = "math",
+    batch: int = 32,
+    cache_dir: str = "runs/cache",
+    dump: str | None = None,
+    dtype: str | None = None,
+    samples: int = 1,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+) -> dict:
     import tempfile
 
     from megarl.checkpointing.megatron_checkpoint import TOKENIZER_DIR
@@ -183,8 +240,20 @@ def evaluate(checkpoint: str, data: str, max_new_tokens: int = 64, reward: str =
         tokenizer_dir = Path(run_config.get("model", {}).get("tokenizer") or "")
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "result.json")
-        run_world(_eval_rank, 1, str(ckpt_dir), str(tokenizer_dir), data, max_new_tokens, reward, batch, out,
-                  dump and str(Path(dump).resolve()), decode_dtype, sampling)
+        run_world(
+            _eval_rank,
+            1,
+            str(ckpt_dir),
+            str(tokenizer_dir),
+            data,
+            max_new_tokens,
+            reward,
+            batch,
+            out,
+            dump and str(Path(dump).resolve()),
+            decode_dtype,
+            sampling,
+        )
         result = json.loads(Path(out).read_text())
     result["dtype_source"] = source
     print(json.dumps(result), flush=True)

@@ -44,10 +44,13 @@ def resume_point(loop_state: dict) -> ResumePoint:
     if not loop_state:
         return ResumePoint()
     step = int(loop_state.get("step", 0))
-    return ResumePoint(next_iteration=int(loop_state.get("next_iteration", step)), steps_done=step,
-                       generators=list(loop_state.get("generators", [])),
-                       has_pending=loop_state.get("pending") is not None,
-                       train_seconds=float(loop_state.get("train_seconds", 0.0)))
+    return ResumePoint(
+        next_iteration=int(loop_state.get("next_iteration", step)),
+        steps_done=step,
+        generators=list(loop_state.get("generators", [])),
+        has_pending=loop_state.get("pending") is not None,
+        train_seconds=float(loop_state.get("train_seconds", 0.0)),
+    )
 
 
 def generator_states(gathered: list, topology) -> List[dict]:
@@ -59,10 +62,16 @@ def generator_states(gathered: list, topology) -> List[dict]:
     return [by_replica[r] for r in sorted(by_replica)]
 
 
-def checkpoint_loop_state(step: int, next_iteration: int, generators: List[dict], pending: Optional[dict],
-                          train_seconds: float = 0.0) -> dict:
-    return {"step": step, "next_iteration": next_iteration, "generators": generators,
-            "pending": pending_to_state(pending) if pending is not None else None, "train_seconds": train_seconds}
+def checkpoint_loop_state(
+    step: int, next_iteration: int, generators: List[dict], pending: Optional[dict], train_seconds: float = 0.0
+) -> dict:
+    return {
+        "step": step,
+        "next_iteration": next_iteration,
+        "generators": generators,
+        "pending": pending_to_state(pending) if pending is not None else None,
+        "train_seconds": train_seconds,
+    }
 
 
 def pending_to_state(pending: dict) -> dict:

@@ -44,20 +44,25 @@ def check_wandb_config(section: Dict[str, Any]) -> Dict[str, Any]:
         if value is not None and (not isinstance(value, str) or not value.strip()):
             raise ConfigError(f"run.wandb.{name}: expected a non-empty string, got {value!r}")
     if out["mode"] not in WANDB_MODES:
-        raise ConfigError(f"run.wandb.mode: {out['mode']!r} is not one of {list(WANDB_MODES)} "
-                          f"(offline: logged locally, `wandb sync` uploads it later)")
+        raise ConfigError(
+            f"run.wandb.mode: {out['mode']!r} is not one of {list(WANDB_MODES)} "
+            f"(offline: logged locally, `wandb sync` uploads it later)"
+        )
     if out["project"] is None and out["mode"] != "disabled":
         raise ConfigError("run.wandb.project: required (the W&B project the run is logged to)")
     if out["mode"] != "disabled" and importlib.util.find_spec("wandb") is None:
-        raise ConfigError("run.wandb: the wandb package is not installed; `pip install wandb` "
-                          "(or `pip install -e '.[wandb]'`), or set run.wandb.mode=disabled")
+        raise ConfigError(
+            "run.wandb: the wandb package is not installed; `pip install wandb` "
+            "(or `pip install -e '.[wandb]'`), or set run.wandb.mode=disabled"
+        )
     return out
 
 
 def _numbers(record: dict) -> Dict[str, float]:
     """The scalars TensorBoard and W&B get: finite numbers, under the record's own keys."""
-    return {k: v for k, v in record.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+    return {
+        k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    }
 
 
 class WandbLogger:
@@ -70,12 +75,20 @@ class WandbLogger:
         id_file = out_dir / WANDB_RUN_FILE
         run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:8]
         try:
-            self.run = wandb.init(project=section["project"], entity=section["entity"],
-                                  name=section["name"] or out_dir.resolve().name, mode=section["mode"],
-                                  dir=str(out_dir), id=run_id, resume="allow", config=run_config)
+            self.run = wandb.init(
+                project=section["project"],
+                entity=section["entity"],
+                name=section["name"] or out_dir.resolve().name,
+                mode=section["mode"],
+                dir=str(out_dir),
+                id=run_id,
+                resume="allow",
+                config=run_config,
+            )
         except Exception as e:  # wandb's own errors (no API key, no network) name no megarl field
-            raise ConfigError(f"run.wandb: wandb.init failed in mode {section['mode']!r}: {e} "
-                              f"(mode: offline logs without a network)") from e
+            raise ConfigError(
+                f"run.wandb: wandb.init failed in mode {section['mode']!r}: {e} (mode: offline logs without a network)"
+            ) from e
         id_file.write_text(run_id + "\n")
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
@@ -88,9 +101,17 @@ class WandbLogger:
 
 
 class MetricsWriter:
-    def __init__(self, out_dir: Path, total_steps: int, start_step: int = 0, progress: bool = True,
-                 wandb: Optional[Dict[str, Any]] = None, run_config: Optional[dict] = None,
-                 time_budget_s: float = 0.0, budget_spent_s: float = 0.0):
+    def __init__(
+        self,
+        out_dir: Path,
+        total_steps: int,
+        start_step: int = 0,
+        progress: bool = True,
+        wandb: Optional[Dict[str, Any]] = None,
+        run_config: Optional[dict] = None,
+        time_budget_s: float = 0.0,
+        budget_spent_s: float = 0.0,
+    ):
         out_dir.mkdir(parents=True, exist_ok=True)
         # first: a W&B run that cannot start stops the job before anything is written
         self.wandb = WandbLogger(wandb, out_dir, run_config) if wandb and wandb.get("mode") != "disabled" else None
@@ -100,8 +121,11 @@ class MetricsWriter:
 
             self.tb = SummaryWriter(str(out_dir / "tensorboard"))
         except ImportError:
-            print("megarl: the tensorboard package is not installed: metrics go to metrics.jsonl only",
-                  file=sys.stderr, flush=True)
+            print(
+                "megarl: the tensorboard package is not installed: metrics go to metrics.jsonl only",
+                file=sys.stderr,
+                flush=True,
+            )
             self.tb = None
         self.bar = None
         # run.time_budget_min: with a budget, the run ends on it rather than at run.steps (the bar's
@@ -151,7 +175,21 @@ def summarize(records: list, wall_s: float, samples: int) -> dict:
         vals = [r[key] for r in records if isinstance(r.get(key), (int, float))]
         return sum(vals) / len(vals) if vals else None
 
-    return {"steps": len(records), "wall_s": wall_s, "samples": samples,
-            "samples_per_s": samples / wall_s if wall_s else 0.0,
-            **{f"mean_{k}": mean(k) for k in ("time_generate", "time_train", "time_weight_sync",
-                                            "idle_generator", "idle_trainer", "reward_mean", "lag_mean")}}
+    return {
+        "steps": len(records),
+        "wall_s": wall_s,
+        "samples": samples,
+        "samples_per_s": samples / wall_s if wall_s else 0.0,
+        **{
+            f"mean_{k}": mean(k)
+            for k in (
+                "time_generate",
+                "time_train",
+                "time_weight_sync",
+                "idle_generator",
+                "idle_trainer",
+                "reward_mean",
+                "lag_mean",
+            )
+        },
+    }

@@ -65,8 +65,10 @@ def _converted(source: str, cache: Path, gguf_file: Optional[str] = None, conver
     out = cache / f"{name}-megatron"
     if not (out / TRACKER).exists():
         if not convert_now:
-            raise ConfigError(f"model.source: {source} is not converted yet ({out} is missing); run "
-                              f"`megarl train --config FILE --prepare-only` once before launching the ranks")
+            raise ConfigError(
+                f"model.source: {source} is not converted yet ({out} is missing); run "
+                f"`megarl train --config FILE --prepare-only` once before launching the ranks"
+            )
         print(f"megarl: converting {source} to a Megatron checkpoint in {out} (first use)", flush=True)
         convert(HfToMegatron(hf_model=source, output=str(out), gguf_file=gguf_file))
     return out
@@ -84,7 +86,9 @@ def prepare_model(model_cfg, convert: bool = True) -> PreparedModel:
 
         if model_cfg.tokenizer == NO_TOKENIZER:
             hf = preset_config(source.split(":", 1)[1])
-            return PreparedModel(None, NO_TOKENIZER, LlamaSpec.from_hf_config(hf, source=f"model.source={source}").to_dict())
+            return PreparedModel(
+                None, NO_TOKENIZER, LlamaSpec.from_hf_config(hf, source=f"model.source={source}").to_dict()
+            )
         tok = Path(model_cfg.tokenizer) if model_cfg.tokenizer not in (None, "smollm2") else _smollm2_tokenizer(cache)
         hf = dict(preset_config(source.split(":", 1)[1]), vocab_size=tokenizer_vocab_size(tok))
         return PreparedModel(None, str(tok), LlamaSpec.from_hf_config(hf, source=f"model.source={source}").to_dict())

@@ -32,13 +32,22 @@ def load_recorded_batches(path: Path) -> Dict[int, dict]:
         r = json.loads(line)
         missing = [k for k in TOKEN_FIELDS if k not in r]
         if missing:
-            raise ConfigError(f"{path}:{n}: no {missing[0]!r} (rollouts recorded before token ids were logged "
-                              f"cannot be replayed)")
+            raise ConfigError(
+                f"{path}:{n}: no {missing[0]!r} (rollouts recorded before token ids were logged cannot be replayed)"
+            )
         entry = by_step[r["step"]]
         entry["trained_version"] = r["trained_version"]
-        entry["samples"].append(Sample(r["prompt_tokens"], r["response_tokens"], r["behaviour_logprobs"],
-                                       r["versions"], reward=r["reward"], group_id=r["group"],
-                                       meta={"finish_reason": r.get("finish_reason")}))
+        entry["samples"].append(
+            Sample(
+                r["prompt_tokens"],
+                r["response_tokens"],
+                r["behaviour_logprobs"],
+                r["versions"],
+                reward=r["reward"],
+                group_id=r["group"],
+                meta={"finish_reason": r.get("finish_reason")},
+            )
+        )
     if not by_step:
         raise ConfigError(f"--replay {path}: no rollouts")
     return dict(sorted(by_step.items()))
@@ -69,8 +78,9 @@ def replay_rank(cfg_dict: dict, prepared, rollouts: str) -> None:
         metrics = trainer.step(batch["samples"])
         losses.append((step, metrics["loss"]))
         if writer is not None:
-            writer.write({"step": step, "replay": True, **{k: v for k, v in metrics.items()
-                                                          if not isinstance(v, (list, dict))}})
+            writer.write(
+                {"step": step, "replay": True, **{k: v for k, v in metrics.items() if not isinstance(v, (list, dict))}}
+            )
     if writer is not None:
         writer.close()
         recorded = {}
@@ -78,7 +88,11 @@ def replay_rank(cfg_dict: dict, prepared, rollouts: str) -> None:
         if metrics_file.is_file():
             recorded = {m["step"]: m["loss"] for m in map(json.loads, metrics_file.read_text().splitlines())}
         diffs = [abs(loss - recorded[step]) for step, loss in losses if step in recorded]
-        summary = {"replayed_steps": len(losses), "compared_steps": len(diffs),
-                   "max_abs_loss_diff": max(diffs) if diffs else None, "losses": [l for _, l in losses]}
+        summary = {
+            "replayed_steps": len(losses),
+            "compared_steps": len(diffs),
+            "max_abs_loss_diff": max(diffs) if diffs else None,
+            "losses": [loss for _, loss in losses],
+        }
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
     shutdown()

@@ -45,8 +45,7 @@ class Sample:
         for field_name in ("behaviour_logprobs", "policy_versions"):
             if len(getattr(self, field_name)) != n:
                 raise ConfigError(
-                    f"{name}: {field_name} has {len(getattr(self, field_name))} entries "
-                    f"for {n} response tokens"
+                    f"{name}: {field_name} has {len(getattr(self, field_name))} entries for {n} response tokens"
                 )
 
 

@@ -61,8 +61,17 @@ class Topology:
             gen_tp, replicas = g.tp, g.replicas
             generator = tuple(range(len(trainer), len(trainer) + cfg.generator_size()))
         leaders = generator[::gen_tp]
-        topo = cls(cfg.run.mode, cfg.world_size(), {"trainer": trainer, "generator": generator, "reward": leaders},
-                   t.tp, t.pp, t.dp, gen_tp, replicas, generator_backend=g.backend)
+        topo = cls(
+            cfg.run.mode,
+            cfg.world_size(),
+            {"trainer": trainer, "generator": generator, "reward": leaders},
+            t.tp,
+            t.pp,
+            t.dp,
+            gen_tp,
+            replicas,
+            generator_backend=g.backend,
+        )
         topo.channels = [
             # finished, scored groups of every replica to the trainer's first rank ...
             ChannelSpec("rollouts", GATHER, "reward", "trainer", leaders, (trainer[0],)),
@@ -92,7 +101,7 @@ class Topology:
 
     def generator_tp_groups(self) -> List[List[int]]:
         gen = self.executors["generator"]
-        return [list(gen[i * self.generator_tp:(i + 1) * self.generator_tp]) for i in range(self.generator_replicas)]
+        return [list(gen[i * self.generator_tp : (i + 1) * self.generator_tp]) for i in range(self.generator_replicas)]
 
     def replica_of(self, rank: int) -> Tuple[int, int]:
         """(replica, tp_rank) of a generator rank."""
@@ -140,14 +149,20 @@ class Topology:
     def describe(self) -> dict:
         groups = self.trainer_groups()
         return {
-            "mode": self.mode, "world_size": self.world_size,
+            "mode": self.mode,
+            "world_size": self.world_size,
             "executors": {k: _ranges(v) for k, v in self.executors.items()},
             "trainer": f"TP{self.trainer_tp} x PP{self.trainer_pp} x DP{self.trainer_dp}",
             "generator": f"{self.generator_replicas} x TP{self.generator_tp} ({self.generator_backend})",
-            "groups": {"trainer_tp": len(groups["tp"]), "trainer_dp": len(groups["dp"]),
-                       "trainer_pp": len(groups["pp"]), "generator_tp": len(self.generator_tp_groups())},
-            "channels": [f"{c.name}: {c.kind} {c.sender}{_ranges(c.src)} -> {c.receiver}{_ranges(c.dst)}"
-                         for c in self.channels],
+            "groups": {
+                "trainer_tp": len(groups["tp"]),
+                "trainer_dp": len(groups["dp"]),
+                "trainer_pp": len(groups["pp"]),
+                "generator_tp": len(self.generator_tp_groups()),
+            },
+            "channels": [
+                f"{c.name}: {c.kind} {c.sender}{_ranges(c.src)} -> {c.receiver}{_ranges(c.dst)}" for c in self.channels
+            ],
         }
 
 

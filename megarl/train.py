@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 
-def train(config_path: str, overrides: Sequence[str] = (), prepare_only: bool = False,
-          replay: Optional[str] = None) -> dict:
+def train(
+    config_path: str, overrides: Sequence[str] = (), prepare_only: bool = False, replay: Optional[str] = None
+) -> dict:
     from megarl.config import load_config
     from megarl.model_source import prepare_model
     from megarl.runtime.launch import run_world, running_under_torchrun
@@ -28,8 +29,10 @@ def train(config_path: str, overrides: Sequence[str] = (), prepare_only: bool = 
     if replay and Path(cfg.run.output_dir).resolve() == Path(replay).resolve().parent:
         from megarl.errors import ConfigError
 
-        raise ConfigError(f"run.output_dir: {cfg.run.output_dir} is the run being replayed; give the replay its own "
-                          f"(e.g. run.output_dir={cfg.run.output_dir.rstrip('/')}_replay)")
+        raise ConfigError(
+            f"run.output_dir: {cfg.run.output_dir} is the run being replayed; give the replay its own "
+            f"(e.g. run.output_dir={cfg.run.output_dir.rstrip('/')}_replay)"
+        )
     if running_under_torchrun():
         # every rank resolves the model; converting is a job of its own, done before the launch
         # (scripts/launch.sh runs `megarl train --prepare-only` first)
@@ -51,13 +54,25 @@ def train(config_path: str, overrides: Sequence[str] = (), prepare_only: bool = 
         check_config_fits(cfg)
     prepared = prepare_model(cfg.model)
     if prepare_only:
-        print(json.dumps({"prepared": prepared.checkpoint or cfg.model.source,
-                          "tokenizer": prepared.tokenizer, "world_size": cfg.world_size()}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "prepared": prepared.checkpoint or cfg.model.source,
+                    "tokenizer": prepared.tokenizer,
+                    "world_size": cfg.world_size(),
+                }
+            ),
+            flush=True,
+        )
         return {}
     if replay:  # the trainer's ranks alone, on recorded batches (replay.py)
         if cfg.run.time_budget_min:
-            print(f"megarl: --replay trains every recorded step: run.time_budget_min={cfg.run.time_budget_min:g} "
-                  f"does not apply", file=sys.stderr, flush=True)
+            print(
+                f"megarl: --replay trains every recorded step: run.time_budget_min={cfg.run.time_budget_min:g} "
+                f"does not apply",
+                file=sys.stderr,
+                flush=True,
+            )
         run_world("megarl.replay:replay_rank", cfg.trainer_size(), cfg.to_dict(), prepared, replay)
     else:
         # by path: this launcher never imports the controller, nor torch (runtime/launch.py)

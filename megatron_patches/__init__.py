@@ -36,6 +36,9 @@ def __getattr__(name):
     if name in __all__:
         from megatron_patches import cpu_backend
 
-        return {"apply_cpu_backend": cpu_backend.apply, "cpu_device_mode": cpu_backend.cpu_device_mode,
-                "is_active": cpu_backend.is_active}[name]
+        return {
+            "apply_cpu_backend": cpu_backend.apply,
+            "cpu_device_mode": cpu_backend.cpu_device_mode,
+            "is_active": cpu_backend.is_active,
+        }[name]
     raise AttributeError(f"module 'megatron_patches' has no attribute {name!r}")

@@ -44,11 +44,15 @@ def apply() -> None:
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if not megatron.core.__version__.startswith(EXPECTED_MEGATRON):
-        raise RuntimeError(f"megatron_patches.checkpoint_writer was written for megatron-core {EXPECTED_MEGATRON}, "
-                           f"found {megatron.core.__version__}: check whether it is still needed")
+        raise RuntimeError(
+            f"megatron_patches.checkpoint_writer was written for megatron-core {EXPECTED_MEGATRON}, "
+            f"found {megatron.core.__version__}: check whether it is still needed"
+        )
     if not hasattr(filesystem_async, "_results_queue"):
-        raise RuntimeError("megatron_patches.checkpoint_writer: megatron-core no longer has "
-                           "filesystem_async._results_queue; this patch can probably be deleted")
+        raise RuntimeError(
+            "megatron_patches.checkpoint_writer: megatron-core no longer has "
+            "filesystem_async._results_queue; this patch can probably be deleted"
+        )
     if filesystem_async._results_queue is None:
         manager = SyncManager(ctx=mp.get_context("spawn"))
         manager.start(initializer=_die_with_parent, initargs=(os.getpid(),))

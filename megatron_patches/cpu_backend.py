@@ -73,9 +73,7 @@ def _cpu_device(device):
 
 
 def _is_device_like(value) -> bool:
-    return isinstance(value, (torch.device, str)) or (
-        isinstance(value, int) and not isinstance(value, bool)
-    )
+    return isinstance(value, (torch.device, str)) or (isinstance(value, int) and not isinstance(value, bool))
 
 
 def _cuda_type_name(name: str) -> str:
@@ -255,7 +253,7 @@ def _check_megatron_version():
     try:
         from megatron.core.package_info import __version__ as found
     except ImportError:  # pragma: no cover - megatron-core is a hard dependency
-        raise ImportError("megatron_patches needs megatron-core; install megatron-core==0.16.1")
+        raise ImportError("megatron_patches needs megatron-core; install megatron-core==0.16.1") from None
     if found != WRITTEN_FOR_MEGATRON_CORE:
         warnings.warn(
             f"megatron_patches.cpu_backend was written for megatron-core "

@@ -52,7 +52,7 @@ def add_into(main_grad: torch.Tensor, grad: torch.Tensor) -> None:
         return
     flat_main, flat_grad = main_grad.view(-1), grad.reshape(-1)
     for start in range(0, flat_main.numel(), _BLOCK_ELEMENTS):
-        flat_main[start:start + _BLOCK_ELEMENTS].add_(flat_grad[start:start + _BLOCK_ELEMENTS])
+        flat_main[start : start + _BLOCK_ELEMENTS].add_(flat_grad[start : start + _BLOCK_ELEMENTS])
 
 
 class CpuWgradAccumulation:
@@ -100,8 +100,13 @@ class _FunctionalForMegatronLayers:
 
     @staticmethod
     def embedding(input, weight, *args, **kwargs):
-        if (not args and not kwargs and getattr(weight, _EMBEDS_INTO_MAIN_GRAD, False)
-                and torch.is_grad_enabled() and weight.requires_grad):
+        if (
+            not args
+            and not kwargs
+            and getattr(weight, _EMBEDS_INTO_MAIN_GRAD, False)
+            and torch.is_grad_enabled()
+            and weight.requires_grad
+        ):
             return EmbeddingIntoMainGrad.apply(input, weight)
         return F.embedding(input, weight, *args, **kwargs)
 

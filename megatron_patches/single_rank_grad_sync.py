@@ -33,8 +33,11 @@ def _single_rank(bucket_group, use_distributed_optimizer: bool) -> bool:
     ddp_config = bucket_group.ddp_config
     if ddp_config.num_distributed_optimizer_instances > 1:
         return False
-    group = (bucket_group.intra_distributed_optimizer_instance_group if use_distributed_optimizer
-             else bucket_group.data_parallel_group)
+    group = (
+        bucket_group.intra_distributed_optimizer_instance_group
+        if use_distributed_optimizer
+        else bucket_group.data_parallel_group
+    )
     return group.size() == 1
 
 
@@ -55,8 +58,10 @@ def apply() -> None:
             return
         assert self.grad_reduce_handle is None, "Should not have multiple communication calls outstanding at once"
         if self.ddp_config.check_for_nan_in_grad or self.ddp_config.check_for_large_grads:
-            self.check_grads(check_for_nan_or_inf=self.ddp_config.check_for_nan_in_grad,
-                             check_for_large=self.ddp_config.check_for_large_grads)
+            self.check_grads(
+                check_for_nan_or_inf=self.ddp_config.check_for_nan_in_grad,
+                check_for_large=self.ddp_config.check_for_large_grads,
+            )
         for bucket in self.buckets:
             if bucket.gradient_scaling_factor != 1.0:
                 bucket.grad_data *= bucket.gradient_scaling_factor

@@ -50,9 +50,7 @@ def start_world(nproc: int, worker: str, *args) -> LocalWorld:
 
 
 def run_command(args, expect_rc: int = 0, timeout: int = RANK_TIMEOUT_S) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [str(a) for a in args], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout
-    )
+    proc = subprocess.run([str(a) for a in args], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
     if proc.returncode != expect_rc:
         raise AssertionError(
             f"{' '.join(map(str, args))}\nexit {proc.returncode} (expected {expect_rc})\n"
@@ -70,8 +68,9 @@ def run_ranks(nproc: int, worker: str, *args, timeout: int = RANK_TIMEOUT_S) -> 
     finally:
         world.close()
     if code != 0:
-        raise AssertionError(f"{world.command}\nexit {code}\n--- stdout ---\n{stdout[-4000:]}\n"
-                             f"--- stderr ---\n{stderr[-8000:]}")
+        raise AssertionError(
+            f"{world.command}\nexit {code}\n--- stdout ---\n{stdout[-4000:]}\n--- stderr ---\n{stderr[-8000:]}"
+        )
     return subprocess.CompletedProcess(world.command, code, stdout, stderr)
 
 
@@ -179,8 +178,9 @@ def smollm2_megatron(smollm2_hf) -> tuple:
 
     gguf = smollm2_gguf_path()
     out = smollm2_hf.parent / "megatron"
-    proc = run_tool("convert_hf_to_megatron.py", "--hf-model", gguf.parent, "--gguf-file", gguf.name,
-                    "--output", out, "--tp", 3)
+    proc = run_tool(
+        "convert_hf_to_megatron.py", "--hf-model", gguf.parent, "--gguf-file", gguf.name, "--output", out, "--tp", 3
+    )
     return out, proc.stdout
 
 
@@ -202,8 +202,14 @@ def transformers_greedy(model_dir: Path, prompt_ids, max_new_tokens: int, stop_i
     out = []
     for ids in prompt_ids:
         x = torch.tensor([ids])
-        gen = model.generate(x, max_new_tokens=max_new_tokens, do_sample=False, attention_mask=torch.ones_like(x),
-                             eos_token_id=list(stop_ids) or None, pad_token_id=0)[0, len(ids):].tolist()
+        gen = model.generate(
+            x,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            attention_mask=torch.ones_like(x),
+            eos_token_id=list(stop_ids) or None,
+            pad_token_id=0,
+        )[0, len(ids) :].tolist()
         with torch.no_grad():
             logits = model(torch.tensor([ids + gen])).logits[0, len(ids) - 1 : -1].float()
         logp = torch.log_softmax(logits, -1)[torch.arange(len(gen)), torch.tensor(gen)]

@@ -56,8 +56,11 @@ PRELOAD = [
 
 def _read_at_import(env: dict) -> dict:
     """The variables torch, OpenMP/MKL and Python itself read when the server imports PRELOAD."""
-    return {k: v for k, v in env.items()
-            if k.startswith(("OMP_", "MKL_", "KMP_", "GOMP_", "TORCH", "PYTORCH", "PYTHON", "NVTE_", "CUDA_"))}
+    return {
+        k: v
+        for k, v in env.items()
+        if k.startswith(("OMP_", "MKL_", "KMP_", "GOMP_", "TORCH", "PYTORCH", "PYTHON", "NVTE_", "CUDA_"))
+    }
 
 
 class _ForkServer:
@@ -123,8 +126,9 @@ class _Rank:
             self._popen = None
         else:
             with open(out, "w") as o, open(err, "w") as e:
-                self._popen = subprocess.Popen([sys.executable, str(script), *args], cwd=cwd, env=env, stdout=o,
-                                               stderr=e)
+                self._popen = subprocess.Popen(
+                    [sys.executable, str(script), *args], cwd=cwd, env=env, stdout=o, stderr=e
+                )
 
     def poll(self) -> Optional[int]:
         return self._popen.poll() if self._popen else self._process.exitcode
@@ -147,10 +151,26 @@ class LocalWorld:
         ctx = _SERVER.context(env)
         self._ranks: List[_Rank] = []
         for rank in range(nproc):
-            rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
-                            LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            self._ranks.append(_Rank(ctx, script, [str(a) for a in args], rank_env, cwd,
-                                     self._logs / f"rank{rank}.out", self._logs / f"rank{rank}.err"))
+            rank_env = dict(
+                env,
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(nproc),
+                LOCAL_WORLD_SIZE=str(nproc),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+            )
+            self._ranks.append(
+                _Rank(
+                    ctx,
+                    script,
+                    [str(a) for a in args],
+                    rank_env,
+                    cwd,
+                    self._logs / f"rank{rank}.out",
+                    self._logs / f"rank{rank}.err",
+                )
+            )
 
     def poll(self) -> Optional[int]:
         """None while running; 0 once every rank exited 0; else the first failure's exit code

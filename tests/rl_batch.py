@@ -29,10 +29,17 @@ MAX_NEW_TOKENS = 16  # Dr.GRPO's constant normaliser
 CASES = {
     "aipo": dict(name="aipo", params={"rho": RHO}),
     "gspo": dict(name="gspo", params={"eps": 0.1, "eps_high": 0.15}),  # its own seq_mean_token_mean
-    "aipo_seq": dict(name="aipo", params={"rho": 1.2, "is_level": "sequence", "mask_c": 3.0},
-                     agg="seq_mean_token_sum", entropy_coef=0.05),
-    "ppo_mis": dict(name="ppo_clip", params={"eps": 0.2, "eps_high": 0.28, "mask_c": 1.25, "mask_level": "sequence"},
-                    agg="seq_mean_token_mean"),
+    "aipo_seq": dict(
+        name="aipo",
+        params={"rho": 1.2, "is_level": "sequence", "mask_c": 3.0},
+        agg="seq_mean_token_sum",
+        entropy_coef=0.05,
+    ),
+    "ppo_mis": dict(
+        name="ppo_clip",
+        params={"eps": 0.2, "eps_high": 0.28, "mask_c": 1.25, "mask_level": "sequence"},
+        agg="seq_mean_token_mean",
+    ),
     "dr_grpo": dict(name="dr_grpo", params={}),  # its own seq_mean_token_sum_norm
     "gmpo": dict(name="examples.losses.gmpo:gmpo", params={"eps_low": 0.2}),  # a user loss, seq_mean_token_mean
 }
@@ -130,7 +137,8 @@ def _aggregation(case):
     if case.get("agg"):
         return case["agg"]
     return {"gspo": "seq_mean_token_mean", "dr_grpo": "seq_mean_token_sum_norm"}.get(
-        name, "seq_mean_token_mean" if name.endswith(":gmpo") else "token_mean")
+        name, "seq_mean_token_mean" if name.endswith(":gmpo") else "token_mean"
+    )
 
 
 def reference_grads(hf_dir, samples, case=CASES["aipo"]):
@@ -168,6 +176,7 @@ def reference_entropy_mean(hf_dir, samples):
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     with torch.no_grad():
-        ent = [response_logprobs(model, s.prompt_tokens, s.response_tokens, TEMPERATURE, entropy=True)[1]
-               for s in samples]
+        ent = [
+            response_logprobs(model, s.prompt_tokens, s.response_tokens, TEMPERATURE, entropy=True)[1] for s in samples
+        ]
     return torch.cat(ent).mean().item()

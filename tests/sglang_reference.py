@@ -42,7 +42,10 @@ def sglang_shard(full: dict, config: dict, tp: int, rank: int) -> dict:
             out[: end - start] = t[start:end]
         return out
 
-    out = {"model.embed_tokens.weight": vocab(full["model.embed_tokens.weight"]), "model.norm.weight": full["model.norm.weight"]}
+    out = {
+        "model.embed_tokens.weight": vocab(full["model.embed_tokens.weight"]),
+        "model.norm.weight": full["model.norm.weight"],
+    }
     if not config.get("tie_word_embeddings", False):
         out["lm_head.weight"] = vocab(full["lm_head.weight"])
     for i in range(layers):
@@ -51,15 +54,21 @@ def sglang_shard(full: dict, config: dict, tp: int, rank: int) -> dict:
         k = rows(full[p + "self_attn.k_proj.weight"], kv_shard * kv_here * head_dim, kv_here * head_dim)
         v = rows(full[p + "self_attn.v_proj.weight"], kv_shard * kv_here * head_dim, kv_here * head_dim)
         ffn = full[p + "mlp.gate_proj.weight"].shape[0] // tp
-        out.update({
-            p + "self_attn.qkv_proj.weight": torch.cat([q, k, v]),
-            p + "self_attn.o_proj.weight": cols(full[p + "self_attn.o_proj.weight"]),
-            p + "mlp.gate_up_proj.weight": torch.cat([rows(full[p + "mlp.gate_proj.weight"], rank * ffn, ffn),
-                                                       rows(full[p + "mlp.up_proj.weight"], rank * ffn, ffn)]),
-            p + "mlp.down_proj.weight": cols(full[p + "mlp.down_proj.weight"]),
-            p + "input_layernorm.weight": full[p + "input_layernorm.weight"],
-            p + "post_attention_layernorm.weight": full[p + "post_attention_layernorm.weight"],
-        })
+        out.update(
+            {
+                p + "self_attn.qkv_proj.weight": torch.cat([q, k, v]),
+                p + "self_attn.o_proj.weight": cols(full[p + "self_attn.o_proj.weight"]),
+                p + "mlp.gate_up_proj.weight": torch.cat(
+                    [
+                        rows(full[p + "mlp.gate_proj.weight"], rank * ffn, ffn),
+                        rows(full[p + "mlp.up_proj.weight"], rank * ffn, ffn),
+                    ]
+                ),
+                p + "mlp.down_proj.weight": cols(full[p + "mlp.down_proj.weight"]),
+                p + "input_layernorm.weight": full[p + "input_layernorm.weight"],
+                p + "post_attention_layernorm.weight": full[p + "post_attention_layernorm.weight"],
+            }
+        )
     return out
 
 
@@ -75,5 +84,7 @@ def block_fp8(weight: torch.Tensor, block: int = 128):
             tile = w[i * block : (i + 1) * block, j * block : (j + 1) * block]
             s = max(tile.abs().max().item(), 1e-4) / 448.0
             scale_inv[i, j] = s
-            q[i * block : (i + 1) * block, j * block : (j + 1) * block] = (tile / scale_inv[i, j]).clamp(-448, 448).to(torch.float8_e4m3fn)
+            q[i * block : (i + 1) * block, j * block : (j + 1) * block] = (
+                (tile / scale_inv[i, j]).clamp(-448, 448).to(torch.float8_e4m3fn)
+            )
     return q, scale_inv

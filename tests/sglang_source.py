@@ -27,7 +27,9 @@ def sglang_file(rel: str) -> Path:
     try:
         dist = importlib.metadata.distribution("sglang")
     except importlib.metadata.PackageNotFoundError:
-        raise SglangSourceMissing("sglang source not installed (make setup installs sglang==0.5.23 --no-deps)")
+        raise SglangSourceMissing(
+            "sglang source not installed (make setup installs sglang==0.5.23 --no-deps)"
+        ) from None
     return Path(dist.locate_file(f"sglang/srt/{rel}"))
 
 
@@ -63,8 +65,9 @@ def server_arg_fields() -> Set[str]:
     for path in sorted(sglang_file("arg_groups/fields").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ClassDef):
-                names |= {s.target.id for s in node.body if isinstance(s, ast.AnnAssign)
-                          and isinstance(s.target, ast.Name)}
+                names |= {
+                    s.target.id for s in node.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
+                }
     return names
 
 
@@ -106,8 +109,16 @@ def span_functions() -> Dict[str, Any]:
         old_version: str
         num_output_tokens: int
 
-    ns: Dict[str, Any] = {"WeightVersionSpan": WeightVersionSpan, "WeightVersionEvent": WeightVersionEvent,
-                          "WeightVersionSpans": List, "List": List, "Dict": Dict, "Any": Any,
-                          "Iterable": List, "Req": object, "annotations": None}
+    ns: Dict[str, Any] = {
+        "WeightVersionSpan": WeightVersionSpan,
+        "WeightVersionEvent": WeightVersionEvent,
+        "WeightVersionSpans": List,
+        "List": List,
+        "Dict": Dict,
+        "Any": Any,
+        "Iterable": List,
+        "Req": object,
+        "annotations": None,
+    }
     exec(compile(ast.Module(body=funcs, type_ignores=[]), "weight_versions.py", "exec"), ns)
     return ns

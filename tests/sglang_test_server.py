@@ -49,15 +49,18 @@ from typing import Dict, List, Tuple
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
+import sglang_source  # noqa: E402
 import torch  # noqa: E402
 
-import sglang_source  # noqa: E402
-
 ROUTE_TYPES = {
-    "/generate": "GenerateReqInput", "/pause_generation": "PauseGenerationReqInput",
-    "/continue_generation": "ContinueGenerationReqInput", "/begin_weight_update": "BeginWeightUpdateReqInput",
-    "/end_weight_update": "EndWeightUpdateReqInput", "/update_weights_from_tensor": "UpdateWeightsFromTensorReqInput",
-    "/update_weight_version": "UpdateWeightVersionReqInput", "/abort_request": "AbortReq",
+    "/generate": "GenerateReqInput",
+    "/pause_generation": "PauseGenerationReqInput",
+    "/continue_generation": "ContinueGenerationReqInput",
+    "/begin_weight_update": "BeginWeightUpdateReqInput",
+    "/end_weight_update": "EndWeightUpdateReqInput",
+    "/update_weights_from_tensor": "UpdateWeightsFromTensorReqInput",
+    "/update_weight_version": "UpdateWeightVersionReqInput",
+    "/abort_request": "AbortReq",
 }
 BOOLEAN_FLAGS = {"skip_server_warmup", "skip_tokenizer_init"}
 
@@ -88,7 +91,6 @@ def load_served_params(model_dir: Path) -> Tuple[dict, Dict[str, torch.Tensor], 
     """(HF config, SGLang TP-1 parameters, fp8) from a Hugging Face directory (fp8 weights dequantised
     and re-quantised per SGLang parameter, as SGLang's block-fp8 loader ends up holding them)."""
     from safetensors.torch import load_file
-
     from sglang_reference import block_fp8, sglang_shard
 
     config = json.loads((model_dir / "config.json").read_text())
@@ -101,8 +103,9 @@ def load_served_params(model_dir: Path) -> Tuple[dict, Dict[str, torch.Tensor], 
         expanded = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[: w.shape[0], : w.shape[1]]
         full[name[: -len("_scale_inv")]] = w.float() * expanded
     fp8 = "quantization_config" in config
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.get("dtype") or config.get("torch_dtype")
-                                                                     or "bfloat16"]
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[
+        config.get("dtype") or config.get("torch_dtype") or "bfloat16"
+    ]
     if fp8:
         dtype = torch.bfloat16
     params = {}
@@ -140,19 +143,33 @@ class Server:
         spec = LlamaSpec.from_hf_config(config, source="sglang_test_server")
         self.model = ServedModel(self.params)
         self.version = (args.get("weight_version") or ["default"])[0]
-        self.engine = TorchEngine(spec, self.params, max_running=64, max_seq_len=1024,
-                                  version=int(self.version) if self.version.isdigit() else 0)
+        self.engine = TorchEngine(
+            spec,
+            self.params,
+            max_running=64,
+            max_seq_len=1024,
+            version=int(self.version) if self.version.isdigit() else 0,
+        )
         self.loaders = set(args.get("custom_weight_loader", []))
         self.lock = threading.Condition()
         self.paused = False
         self.session = False
         self.waiters: Dict[str, dict] = {}
-        self.stats = {"pid": os.getpid(), "requests": {}, "generated": 0, "aborted": 0, "updates": 0,
-                      "versions": [], "two_version_samples": 0}
+        self.stats = {
+            "pid": os.getpid(),
+            "requests": {},
+            "generated": 0,
+            "aborted": 0,
+            "updates": 0,
+            "versions": [],
+            "two_version_samples": 0,
+        }
         self.stats_file = os.environ.get("SGLANG_TEST_STATS")
         self.stats_lock = threading.Lock()
         sglang_source.server_arg_fields()  # fail at start, not at the first request, if SGLang is missing
-        self.fields = {route: set(sglang_source.class_fields("managers/io_struct.py", t)) for route, t in ROUTE_TYPES.items()}
+        self.fields = {
+            route: set(sglang_source.class_fields("managers/io_struct.py", t)) for route, t in ROUTE_TYPES.items()
+        }
         self.sampling_fields = set(sglang_source.class_fields("sampling/sampling_params.py", "SamplingParams"))
         self.allowed = sglang_source.safe_unpickler_globals()
         self.spans = sglang_source.span_functions()
@@ -195,9 +212,14 @@ class Server:
         sp = body["sampling_params"]
         if not body.get("return_logprob") or not isinstance(body.get("input_ids"), list):
             raise ValueError("/generate: megarl must send input_ids and return_logprob")
-        params = SamplingParams(temperature=sp.get("temperature", 1.0), top_p=sp.get("top_p", 1.0),
-                                top_k=max(sp.get("top_k", -1), 0), max_new_tokens=sp["max_new_tokens"],
-                                stop_token_ids=tuple(sp.get("stop_token_ids") or ()), seed=sp.get("sampling_seed"))
+        params = SamplingParams(
+            temperature=sp.get("temperature", 1.0),
+            top_p=sp.get("top_p", 1.0),
+            top_k=max(sp.get("top_k", -1), 0),
+            max_new_tokens=sp["max_new_tokens"],
+            stop_token_ids=tuple(sp.get("stop_token_ids") or ()),
+            seed=sp.get("sampling_seed"),
+        )
         rid = body["rid"]
         waiter = {"done": threading.Event()}
         with self.lock:
@@ -214,14 +236,23 @@ class Server:
             finish = {"type": "length", "length": n}
         else:
             finish = {"type": "stop", "matched": c.output_ids[-1]}
-        meta = {"id": rid, "finish_reason": finish, "prompt_tokens": len(body["input_ids"]), "completion_tokens": n,
-                "output_token_logprobs": [[lp, t, None] for lp, t in zip(c.logprobs, c.output_ids)]}
+        meta = {
+            "id": rid,
+            "finish_reason": finish,
+            "prompt_tokens": len(body["input_ids"]),
+            "completion_tokens": n,
+            "output_token_logprobs": [[lp, t, None] for lp, t in zip(c.logprobs, c.output_ids)],
+        }
         # SGLang records an event (old version, tokens so far) at each update and builds spans from them
-        events = [self.spans["WeightVersionEvent"](str(c.versions[i - 1]), i)
-                  for i in range(1, n) if c.versions[i] != c.versions[i - 1]]
+        events = [
+            self.spans["WeightVersionEvent"](str(c.versions[i - 1]), i)
+            for i in range(1, n)
+            if c.versions[i] != c.versions[i - 1]
+        ]
         current = str(c.versions[-1]) if n else self.version
         self.spans["add_weight_versions_to_meta_info"](
-            meta, self.spans["compute_weight_version_spans"](events, current, n), n)
+            meta, self.spans["compute_weight_version_spans"](events, current, n), n
+        )
         self.stats["generated"] += n
         self.stats["two_version_samples"] += bool(events)
         return {"text": "", "output_ids": c.output_ids, "meta_info": meta}
@@ -254,16 +285,21 @@ class Server:
                 raise ValueError("update_weight_version would abort every paused request (abort_all_requests)")
             self.version = body["new_version"]
             self.stats["versions"].append(self.version)
-            return {"success": True, "message": f"Weight version updated to {self.version}",
-                    "new_version": self.version}
+            return {
+                "success": True,
+                "message": f"Weight version updated to {self.version}",
+                "new_version": self.version,
+            }
         if route == "/update_weights_from_tensor":
             return self.update_weights(body)
         raise ValueError(f"no route {route}")
 
     def update_weights(self, body: dict) -> dict:
         if not self.session:
-            return {"success": False, "message": "update_weights_from_tensor must run between begin_weight_update() "
-                                                 "and end_weight_update()"}
+            return {
+                "success": False,
+                "message": "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()",
+            }
         if not self.paused:
             raise ValueError("megarl updates weights of a paused server only")
         if body.get("load_format") not in self.loaders:
@@ -284,7 +320,9 @@ class Server:
         loader = getattr(importlib.import_module(module), fn)
         version = body.get("weight_version") or self.version
         with self.lock:
-            self.engine.update_weights(lambda: (loader(self.model, named), types.SimpleNamespace(version=int(version)))[1])
+            self.engine.update_weights(
+                lambda: (loader(self.model, named), types.SimpleNamespace(version=int(version)))[1]
+            )
         self.version = version
         self.stats["updates"] += 1
         return {"success": True, "message": "Success"}

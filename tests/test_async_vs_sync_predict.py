@@ -23,21 +23,44 @@ APPROX = dict(rel=1e-9)
 
 def _rec(step, train, gen, reward=0.0, sync=0.0, wall=None, samples=8):
     wall = wall if wall is not None else train + sync
-    return {"step": step, "samples": samples, "time_train": train, "time_generate": gen, "time_reward": reward,
-            "time_weight_sync": sync, "time_step": wall, "idle_trainer": wall - train - sync}
+    return {
+        "step": step,
+        "samples": samples,
+        "time_train": train,
+        "time_generate": gen,
+        "time_reward": reward,
+        "time_weight_sync": sync,
+        "time_step": wall,
+        "idle_trainer": wall - train - sync,
+    }
 
 
 # tiny_cpu at trainer.tp=1: 1 trainer rank + 1 generator rank (async), 2 ranks of DP2 (sync), B = 4 x 2
-TWO_RANKS = BenchLayouts(ranks=2, prompts=4, samples_per_prompt=2, trainer_tp=1, trainer_pp=1, trainer_dp=1,
-                         generator_tp=1, generator_replicas=1, max_running=8, sync_dp=2, generate_while_waiting=False)
-ASYNC_4 = [_rec(1, 5.0, 3.0, 0.9, 0.02, wall=5.5),  # warm-up: left out
-           _rec(2, 1.00, 0.50, 0.06, 0.02, wall=1.05),
-           _rec(3, 1.08, 0.54, 0.06, 0.02, wall=1.13),
-           _rec(4, 0.90, 0.0, 0.0, 0.0, wall=0.90)]  # the drain: nothing generated, left out
-SYNC_4 = [_rec(1, 3.0, 0.9, 1.0, 0.01, wall=5.0, samples=8),  # warm-up: left out
-          _rec(2, 0.70, 0.38, 0.02, 0.01, wall=1.15),
-          _rec(3, 0.72, 0.40, 0.02, 0.01, wall=1.17),
-          _rec(4, 0.68, 0.42, 0.02, 0.01, wall=1.13)]
+TWO_RANKS = BenchLayouts(
+    ranks=2,
+    prompts=4,
+    samples_per_prompt=2,
+    trainer_tp=1,
+    trainer_pp=1,
+    trainer_dp=1,
+    generator_tp=1,
+    generator_replicas=1,
+    max_running=8,
+    sync_dp=2,
+    generate_while_waiting=False,
+)
+ASYNC_4 = [
+    _rec(1, 5.0, 3.0, 0.9, 0.02, wall=5.5),  # warm-up: left out
+    _rec(2, 1.00, 0.50, 0.06, 0.02, wall=1.05),
+    _rec(3, 1.08, 0.54, 0.06, 0.02, wall=1.13),
+    _rec(4, 0.90, 0.0, 0.0, 0.0, wall=0.90),
+]  # the drain: nothing generated, left out
+SYNC_4 = [
+    _rec(1, 3.0, 0.9, 1.0, 0.01, wall=5.0, samples=8),  # warm-up: left out
+    _rec(2, 0.70, 0.38, 0.02, 0.01, wall=1.15),
+    _rec(3, 0.72, 0.40, 0.02, 0.01, wall=1.17),
+    _rec(4, 0.68, 0.42, 0.02, 0.01, wall=1.13),
+]
 
 
 def test_steady_steps_leave_out_warm_up_and_drain():
@@ -86,10 +109,21 @@ def test_generate_while_waiting_hides_the_generators_work_not_the_step():
 
 def test_generator_bound_with_tp_and_replicas_hand_computed():
     # async: trainer TP2 (2 ranks, DP1) + 2 generator replicas of TP1; sync: TP2 x DP2; B = 4 x 3 = 12
-    layouts = BenchLayouts(ranks=4, prompts=4, samples_per_prompt=3, trainer_tp=2, trainer_pp=1, trainer_dp=1,
-                           generator_tp=1, generator_replicas=2, max_running=6, sync_dp=2)
-    async_recs = [_rec(i, 0.6, 1.1, 0.1, 0.05, wall=1.3, samples=12) for i in (1, 2, 3)] + \
-                 [_rec(4, 0.6, 0.0, wall=0.6, samples=12)]
+    layouts = BenchLayouts(
+        ranks=4,
+        prompts=4,
+        samples_per_prompt=3,
+        trainer_tp=2,
+        trainer_pp=1,
+        trainer_dp=1,
+        generator_tp=1,
+        generator_replicas=2,
+        max_running=6,
+        sync_dp=2,
+    )
+    async_recs = [_rec(i, 0.6, 1.1, 0.1, 0.05, wall=1.3, samples=12) for i in (1, 2, 3)] + [
+        _rec(4, 0.6, 0.0, wall=0.6, samples=12)
+    ]
     sync_recs = [_rec(i, 0.45, 0.75, 0.03, 0.01, wall=1.27, samples=12) for i in (1, 2, 3, 4)]
     p = predict(layouts, async_recs, sync_recs, preset_spec("tiny"), prompt_tokens=64, max_new_tokens=32)
     a, s = p.async_layout, p.sync_layout
@@ -109,13 +143,19 @@ def test_generator_bound_with_tp_and_replicas_hand_computed():
 
 def test_trainer_time_is_looked_up_at_the_replica_batch():
     from megarl.plan.inputs import TrainerLayout
-    from megarl.plan.measured_ratio import plan_inputs
     from megarl.plan.llamarl_model import build_costs
+    from megarl.plan.measured_ratio import plan_inputs
 
     inputs = plan_inputs(TWO_RANKS, preset_spec("tiny"), 128, 16)
-    costs = ReplicaBatchCosts(build_costs(inputs), {"trainer": [
-        {"tp": 1, "pp": 1, "samples_per_replica": 8, "recompute": "none", "seconds_per_sample": 0.13},
-        {"tp": 1, "pp": 1, "samples_per_replica": 4, "recompute": "none", "seconds_per_sample": 0.175}]})
+    costs = ReplicaBatchCosts(
+        build_costs(inputs),
+        {
+            "trainer": [
+                {"tp": 1, "pp": 1, "samples_per_replica": 8, "recompute": "none", "seconds_per_sample": 0.13},
+                {"tp": 1, "pp": 1, "samples_per_replica": 4, "recompute": "none", "seconds_per_sample": 0.175},
+            ]
+        },
+    )
     layout = TrainerLayout(1, 1, 1, "none")
     assert costs.trainer_seconds_per_sample(layout, 1, 8) == 0.13
     assert costs.trainer_seconds_per_sample(layout, 2, 8) == 0.175
@@ -126,8 +166,18 @@ def test_trainer_time_is_looked_up_at_the_replica_batch():
 
 def test_layouts_must_add_up():
     with pytest.raises(ConfigError, match="sync"):
-        BenchLayouts(ranks=2, prompts=4, samples_per_prompt=2, trainer_tp=1, trainer_pp=1, trainer_dp=1,
-                     generator_tp=1, generator_replicas=1, max_running=8, sync_dp=3).check()
+        BenchLayouts(
+            ranks=2,
+            prompts=4,
+            samples_per_prompt=2,
+            trainer_tp=1,
+            trainer_pp=1,
+            trainer_dp=1,
+            generator_tp=1,
+            generator_replicas=1,
+            max_running=8,
+            sync_dp=3,
+        ).check()
 
 
 def test_bench_prints_both_ratios_and_the_prediction(tmp_path, monkeypatch, capsys):
@@ -152,13 +202,19 @@ def test_bench_prints_both_ratios_and_the_prediction(tmp_path, monkeypatch, caps
         return {"samples": 32, "wall_s": wall, "samples_per_s": 32 / wall}
 
     monkeypatch.setattr(megarl.train, "train", fake_train)
-    monkeypatch.setattr(megarl.model_source, "prepare_model",
-                        lambda model_cfg: PreparedModel(None, "none", preset_spec("tiny").to_dict()))
+    monkeypatch.setattr(
+        megarl.model_source,
+        "prepare_model",
+        lambda model_cfg: PreparedModel(None, "none", preset_spec("tiny").to_dict()),
+    )
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     (tmp_path / "async").mkdir()
     (tmp_path / "async" / "stale").write_text("a previous bench's run")
-    result = async_vs_sync.run("configs/tiny_cpu.yaml", ["trainer.tp=1", "run.steps=4",
-                                                         "generator.generate_while_waiting=false"], str(tmp_path))
+    result = async_vs_sync.run(
+        "configs/tiny_cpu.yaml",
+        ["trainer.tp=1", "run.steps=4", "generator.generate_while_waiting=false"],
+        str(tmp_path),
+    )
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert printed == json.loads(json.dumps(result))
     assert seen["async"][2] == []  # the stale run was removed before the new one
@@ -185,8 +241,19 @@ def test_bench_end_to_end_tiny(tmp_path):
     import sys
 
     root = Path(__file__).resolve().parent.parent
-    cmd = [sys.executable, "-m", "megarl.cli", "bench", "async-vs-sync", "--config", "configs/tiny_cpu.yaml",
-           "--workdir", str(tmp_path), "trainer.tp=1", "run.steps=4"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "megarl.cli",
+        "bench",
+        "async-vs-sync",
+        "--config",
+        "configs/tiny_cpu.yaml",
+        "--workdir",
+        str(tmp_path),
+        "trainer.tp=1",
+        "run.steps=4",
+    ]
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "RANK", "WORLD_SIZE")}
     proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -197,10 +264,13 @@ def test_bench_end_to_end_tiny(tmp_path):
         assert pred[mode]["predicted_step_s"] == pytest.approx(pred[mode]["measured_step_s"], rel=0.15)
     assert out["predicted_ratio"] == pytest.approx(out["measured_ratio"], rel=0.15)
     # the measured ratio is the steady steps' samples/s, recomputed here from metrics.jsonl
-    steps = {m: [json.loads(x) for x in (tmp_path / m / "metrics.jsonl").read_text().splitlines()] for m in
-             ("async", "sync")}
-    rate = {m: sum(r["samples"] for r in rs) / sum(r["time_step"] for r in rs)
-            for m, rs in (("async", steps["async"][1:3]), ("sync", steps["sync"][1:]))}
+    steps = {
+        m: [json.loads(x) for x in (tmp_path / m / "metrics.jsonl").read_text().splitlines()] for m in ("async", "sync")
+    }
+    rate = {
+        m: sum(r["samples"] for r in rs) / sum(r["time_step"] for r in rs)
+        for m, rs in (("async", steps["async"][1:3]), ("sync", steps["sync"][1:]))
+    }
     assert out["measured_ratio"] == pytest.approx(rate["async"] / rate["sync"], abs=1e-4)
     even = max(1, (os.cpu_count() or 1) // 2)  # 2 ranks in each mode, the launcher's split
     assert pred["threads"] == {"async_trainer": even, "async_generator": even, "sync_rank": even}

@@ -8,8 +8,22 @@ from tests.conftest import run_command
 
 
 def test_bench_attention_reports_both_paths_per_row_length():
-    proc = run_command([sys.executable, "-m", "megarl.cli", "bench", "attention", "--seq", "64", "128",
-                        "--dtype", "fp32", "--reps", "2"])
+    proc = run_command(
+        [
+            sys.executable,
+            "-m",
+            "megarl.cli",
+            "bench",
+            "attention",
+            "--seq",
+            "64",
+            "128",
+            "--dtype",
+            "fp32",
+            "--reps",
+            "2",
+        ]
+    )
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     # the arguments reach the benchmark: the dtype and exactly the row lengths asked for
     assert out["dtype"] == "fp32" and (out["heads"], out["groups"]) == (9, 3)

@@ -8,17 +8,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megarl.bench import machine, roofline as rl
+from megarl.bench import machine
+from megarl.bench import roofline as rl
 from megarl.models.presets import preset_spec
 
 TINY = preset_spec("tiny")  # hidden 64, ffn 96, 4 layers, 4 heads / 2 KV heads, head_dim 16, vocab 300, untied
-SMALL = machine.MachineBench(decode_rows=4, train_rows=32, context=16, train_row_tokens=16, min_time=0.005,
-                             train_max_out=64)
+SMALL = machine.MachineBench(
+    decode_rows=4, train_rows=32, context=16, train_row_tokens=16, min_time=0.005, train_max_out=64
+)
 
 
 def fake_clock(step: float = 1e-3):
     """A time module whose perf_counter advances ``step`` seconds per call: every timed call takes ``step``."""
-    ticks = iter(range(10 ** 9))
+    ticks = iter(range(10**9))
     return types.SimpleNamespace(perf_counter=lambda: next(ticks) * step)
 
 
@@ -58,10 +60,12 @@ def test_attention_and_bandwidth_counts(monkeypatch):
     assert rl.causal_attention_flops(TINY, rows=2, row_tokens=12) == 4 * 4 * 4 * 16 * pairs * 2
     monkeypatch.setattr(rl, "time", fake_clock(1e-3))
     assert rl.attention_gflops(TINY, "fp32", 2, 1, 10, False, min_time=0.002) == pytest.approx(
-        4 * 2 * 4 * 16 * 10 / 1e-3 / 1e9)
+        4 * 2 * 4 * 16 * 10 / 1e-3 / 1e9
+    )
     assert rl.attention_gflops(TINY, "fp32", 1, 6, 6, True, min_time=0.002) == pytest.approx(
-        4 * 4 * 16 * 21 / 1e-3 / 1e9)
-    assert rl.bandwidth_gb_s(megabytes=8, repeats=2) == pytest.approx(8 * 2 ** 20 / 1e-3 / 1e9)
+        4 * 4 * 16 * 21 / 1e-3 / 1e9
+    )
+    assert rl.bandwidth_gb_s(megabytes=8, repeats=2) == pytest.approx(8 * 2**20 / 1e-3 / 1e9)
 
 
 def test_decode_attention_forms_compute_the_same_product():
@@ -82,8 +86,13 @@ def test_decode_attention_forms_compute_the_same_product():
 def test_decode_and_train_roofline_by_hand():
     rates = {"qkv": 11.0, "o": 13.0, "gate_up": 17.0, "down": 19.0, "lm_head": 23.0}
     batch, ctx, bw, att = 8, 20, 0.001, 5.0  # a tiny bandwidth: memory-bound
-    shapes = {"qkv": (64, 128, 4), "o": (64, 64, 4), "gate_up": (64, 192, 4), "down": (96, 64, 4),
-              "lm_head": (64, 300, 1)}
+    shapes = {
+        "qkv": (64, 128, 4),
+        "o": (64, 64, 4),
+        "gate_up": (64, 192, 4),
+        "down": (96, 64, 4),
+        "lm_head": (64, 300, 1),
+    }
     compute = sum(c * 2 * batch * k * n / (rates[name] * 1e9) for name, (k, n, c) in shapes.items())
     compute += 4 * 4 * 4 * 16 * ctx * batch / (att * 1e9)
     memory = (tiny_matmul_params_by_hand() * 4 + 2 * 4 * 2 * 16 * ctx * batch * 4) / (bw * 1e9)
@@ -105,8 +114,13 @@ def test_measured_json_matches_its_own_rates(capsys):
     threads = str(torch.get_num_threads())
     assert set(line["gemm_gflops"]) == set(rl.PATHS) and set(line["bandwidth_gb_s"]) == {"1", threads}
     mp = tiny_matmul_params_by_hand()
-    shapes = {"qkv": (64, 128, 4), "o": (64, 64, 4), "gate_up": (64, 192, 4), "down": (96, 64, 4),
-              "lm_head": (64, 300, 1)}
+    shapes = {
+        "qkv": (64, 128, 4),
+        "o": (64, 64, 4),
+        "gate_up": (64, 192, 4),
+        "down": (96, 64, 4),
+        "lm_head": (64, 300, 1),
+    }
     for path in rl.PATHS:
         elem = 2 if path == "bf16" else 4
         dtype = "bf16" if path == "bf16" else "fp32"

@@ -53,10 +53,22 @@ def _fake_checkpoint(path: Path, world: int = 2, seed: int = 0, iteration: int =
     rng = random.Random(seed)
     path.mkdir(parents=True)
     contents = {f"__{r}_{n}.distcp": rng.randbytes(rng.randrange(5_000, 40_000)) for r in range(world) for n in (0, 1)}
-    contents.update({".metadata": rng.randbytes(3000), "common.pt": rng.randbytes(700),
-                     "metadata.json": json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
-                                                  "common_backend": "torch", "common_backend_version": 1}).encode(),
-                     "megarl_model.json": b"{}", "tokenizer/tokenizer.json": rng.randbytes(1000)})
+    contents.update(
+        {
+            ".metadata": rng.randbytes(3000),
+            "common.pt": rng.randbytes(700),
+            "metadata.json": json.dumps(
+                {
+                    "sharded_backend": "torch_dist",
+                    "sharded_backend_version": 1,
+                    "common_backend": "torch",
+                    "common_backend_version": 1,
+                }
+            ).encode(),
+            "megarl_model.json": b"{}",
+            "tokenizer/tokenizer.json": rng.randbytes(1000),
+        }
+    )
     for name, data in contents.items():
         (path / name).parent.mkdir(parents=True, exist_ok=True)
         (path / name).write_bytes(data)
@@ -132,8 +144,11 @@ def test_one_flipped_byte_in_a_large_file_is_found(tmp_path):
     _fake_checkpoint(ckpt)
     assert checkpoint_problems(ckpt) == []
     _flip_byte(ckpt / "__1_1.distcp", offset=4999)
-    with pytest.raises(CheckpointError, match=r"__1_1.distcp: CRC-32 [0-9a-f]{8}, megarl_manifest.json says "
-                                              r"[0-9a-f]{8} \(corrupt\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"__1_1.distcp: CRC-32 [0-9a-f]{8}, megarl_manifest.json says "
+        r"[0-9a-f]{8} \(corrupt\)",
+    ):
         verify_checkpoint(ckpt, what="--checkpoint")
 
 
@@ -159,7 +174,9 @@ def test_resolve_checkpoint_dir_checks_the_tracker_s_iteration(tmp_path):
         f.truncate(10)
     with pytest.raises(CheckpointError, match=r"--checkpoint .*iter_0000002 is damaged: __0_0.distcp: 10 bytes"):
         resolve_checkpoint_dir(root, what="--checkpoint")
-    assert resolve_checkpoint_dir(root / "iter_0000001", what="--checkpoint", verify="checksums") == root / "iter_0000001"
+    assert (
+        resolve_checkpoint_dir(root / "iter_0000001", what="--checkpoint", verify="checksums") == root / "iter_0000001"
+    )
 
 
 def test_a_load_after_find_resumable_reads_the_files_once_unless_they_changed(tmp_path, monkeypatch):
@@ -221,8 +238,11 @@ def test_resume_takes_an_unverifiable_legacy_checkpoint_and_refuses_when_none_is
     _training_root(root2 := tmp_path / "all_bad", [1, 2])
     for i in (1, 2):
         (root2 / f"iter_{i:07d}" / "__0_0.distcp").unlink()
-    with pytest.raises(CheckpointError, match=r"no checkpoint there is intact.*iter_0000002 is damaged: "
-                                              r"__0_0.distcp: missing.*iter_0000001 is damaged"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"no checkpoint there is intact.*iter_0000002 is damaged: "
+        r"__0_0.distcp: missing.*iter_0000001 is damaged",
+    ):
         find_resumable_checkpoint(root2)
 
 
@@ -235,8 +255,9 @@ def _verify_in_group(rank: int, world: int, ckpt: str, init_file: str, out: str)
     # which files this rank summed, as (checkpoint, file)
     manifest.file_crc32 = lambda p: read.append(Path(p).relative_to(ckpt).as_posix()) or real(p)
     found = find_resumable_checkpoint(Path(ckpt), group=dist.group.WORLD, report=False)
-    Path(out, f"{rank}.json").write_text(json.dumps({"iteration": found.iteration, "skipped": found.skipped,
-                                                     "read": read}))
+    Path(out, f"{rank}.json").write_text(
+        json.dumps({"iteration": found.iteration, "skipped": found.skipped, "read": read})
+    )
     dist.destroy_process_group()
 
 
@@ -245,15 +266,22 @@ def test_ranks_of_a_group_share_the_checksums_and_agree(tmp_path):
     _training_root(root, [1, 2])
     _flip_byte(root / "iter_0000002" / "__1_0.distcp")
     world = 2
-    mp.start_processes(_verify_in_group, args=(world, str(root), str(tmp_path / "init"), str(tmp_path)),
-                       nprocs=world, start_method="spawn")
+    mp.start_processes(
+        _verify_in_group,
+        args=(world, str(root), str(tmp_path / "init"), str(tmp_path)),
+        nprocs=world,
+        start_method="spawn",
+    )
     results = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(world)]
     assert results[0]["skipped"] == results[1]["skipped"] and len(results[0]["skipped"]) == 1
     assert "__1_0.distcp: CRC-32" in results[0]["skipped"][0]
     assert [r["iteration"] for r in results] == [1, 1]
     # both checkpoints were checked in full (2 was damaged): each file by exactly one rank
-    expected = sorted(f"iter_{i:07d}/{name}" for i in (1, 2)
-                      for name in json.loads((root / f"iter_{i:07d}" / MANIFEST_FILE).read_text())["files"])
+    expected = sorted(
+        f"iter_{i:07d}/{name}"
+        for i in (1, 2)
+        for name in json.loads((root / f"iter_{i:07d}" / MANIFEST_FILE).read_text())["files"]
+    )
     assert sorted(results[0]["read"] + results[1]["read"]) == expected
     assert results[0]["read"] and results[1]["read"]
 
@@ -282,14 +310,23 @@ def test_keep_checkpoints_keeps_the_newest_complete_ones(tmp_path):
 
 
 def _megarl(*args, timeout=900):
-    return subprocess.run([sys.executable, "-m", "megarl.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "megarl.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def _train(out: Path, steps: int):
-    proc = _megarl("train", "--config", TINY, f"run.output_dir={out}", "model.tokenizer=none",
-                   "data.train=random:64:1:12", "reward.function=synthetic_parity", "run.save_every=1",
-                   f"run.steps={steps}")
+    proc = _megarl(
+        "train",
+        "--config",
+        TINY,
+        f"run.output_dir={out}",
+        "model.tokenizer=none",
+        "data.train=random:64:1:12",
+        "reward.function=synthetic_parity",
+        "run.save_every=1",
+        f"run.steps={steps}",
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
 
@@ -312,8 +349,10 @@ def test_truncated_latest_checkpoint_is_named_and_the_relaunch_resumes_from_the_
     why = f"__1_0.distcp: {size // 2} bytes, {MANIFEST_FILE} says {size} (truncated)"
 
     # megarl eval and the converter refuse the broken checkpoint, naming the file, before loading
-    for args in (("eval", "--checkpoint", str(out), "--data", "arithmetic:4:1"),
-                 ("convert", "megatron-to-hf", "--megatron", str(root), "--output", str(tmp_path / "hf"))):
+    for args in (
+        ("eval", "--checkpoint", str(out), "--data", "arithmetic:4:1"),
+        ("convert", "megatron-to-hf", "--megatron", str(root), "--output", str(tmp_path / "hf")),
+    ):
         proc = _megarl(*args, timeout=300)
         assert proc.returncode == 2, (args, proc.stderr[-3000:])
         assert f"iter_0000002 is damaged: {why}" in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]

@@ -93,8 +93,9 @@ def check_engine(got: dict, reference: dict, engine: str) -> list:
 @pytest.mark.slow  # one 4-rank world, ~1-2 min on 2 cores
 def test_every_rank_gets_the_whole_model_bitwise(tiny_megatron, tiny_hf, tied_megatron, tmp_path):
     tied_ckpt, tied_hf = tied_megatron
-    run_ranks(WORLD, "colocated_worker.py", "--models", tiny_megatron, tied_ckpt, "--layouts", *LAYOUTS,
-              "--out", tmp_path)
+    run_ranks(
+        WORLD, "colocated_worker.py", "--models", tiny_megatron, tied_ckpt, "--layouts", *LAYOUTS, "--out", tmp_path
+    )
     records = [r for rank in range(WORLD) for r in json.loads((tmp_path / f"stats_rank{rank}.json").read_text())]
     references = {tiny_megatron.parent.name: hf_reference(tiny_hf), tied_ckpt.parent.name: hf_reference(tied_hf)}
     assert len(records) == 2 * len(LAYOUTS) * 4 * WORLD  # models x layouts x engines x ranks

@@ -28,8 +28,9 @@ def tokens(tmp_path_factory):
 @pytest.fixture(scope="module")
 def megatron_logits(tiny_megatron, tokens, tmp_path_factory):
     out = tmp_path_factory.mktemp("logits")
-    run_ranks(4, "logits_worker.py", "--checkpoint", tiny_megatron, "--tokens", tokens, "--out", out,
-              "--layouts", *LAYOUTS)
+    run_ranks(
+        4, "logits_worker.py", "--checkpoint", tiny_megatron, "--tokens", tokens, "--out", out, "--layouts", *LAYOUTS
+    )
     return out
 
 
@@ -99,8 +100,9 @@ def test_bf16_conversion_keeps_bf16(tiny_hf, tmp_path):
 
 
 def test_missing_path(tmp_path):
-    proc = run_tool("convert_hf_to_megatron.py", "--hf-model", tmp_path / "nope", "--output", tmp_path / "o",
-                    expect_rc=2)
+    proc = run_tool(
+        "convert_hf_to_megatron.py", "--hf-model", tmp_path / "nope", "--output", tmp_path / "o", expect_rc=2
+    )
     assert "nope: no such file or directory" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "o").exists()
 
@@ -119,8 +121,9 @@ def test_unsupported_architecture_names_the_field(tmp_path):
 
 
 def test_tp_not_dividing_heads_names_both_numbers(tiny_hf, tmp_path):
-    proc = run_tool("convert_hf_to_megatron.py", "--hf-model", tiny_hf, "--output", tmp_path / "o", "--tp", 3,
-                    expect_rc=2)
+    proc = run_tool(
+        "convert_hf_to_megatron.py", "--hf-model", tiny_hf, "--output", tmp_path / "o", "--tp", 3, expect_rc=2
+    )
     assert "tensor_model_parallel_size=3 does not divide num_attention_heads=4" in proc.stderr
 
 

@@ -58,11 +58,14 @@ def test_megatron_import_skips_torch_compile_on_cpu_only():
 def _wandb_after_import(installed: bool) -> dict:
     code = (
         "import importlib.machinery, json, sys\n"
-        + ("" if installed else
-           # wandb as if not installed: the path finder (ours defers to it) finds nothing
-           "real = importlib.machinery.PathFinder.find_spec\n"
-           "importlib.machinery.PathFinder.find_spec = classmethod(\n"
-           "    lambda cls, name, path=None, target=None: None if name == 'wandb' else real(name, path, target))\n")
+        + (
+            ""
+            if installed
+            # wandb as if not installed: the path finder (ours defers to it) finds nothing
+            else "real = importlib.machinery.PathFinder.find_spec\n"
+            "importlib.machinery.PathFinder.find_spec = classmethod(\n"
+            "    lambda cls, name, path=None, target=None: None if name == 'wandb' else real(name, path, target))\n"
+        )
         + "import megarl, megatron.core, megatron.core.timers\n"
         "from megatron.core.inference.contexts import dynamic_context as dc\n"
         "from megatron_patches.lazy_wandb import is_deferred\n"
@@ -81,7 +84,13 @@ def test_megatron_import_defers_wandb_until_it_is_used():
     # inference context and its timers) for logging megarl never does -- ~1 s per rank process.
     # The module is bound (HAVE_WANDB stays True) but its body runs only at first use.
     assert _wandb_after_import(installed=True) == {
-        "have_wandb": True, "deferred": True, "ran": False,
-        "init": True, "ran_after_use": True, "same": True, "deferred_after_use": False}
+        "have_wandb": True,
+        "deferred": True,
+        "ran": False,
+        "init": True,
+        "ran_after_use": True,
+        "same": True,
+        "deferred_after_use": False,
+    }
     # not installed: Megatron's ImportError fallback, as without the patch
     assert _wandb_after_import(installed=False) == {"have_wandb": False, "deferred": False, "ran": False}

@@ -31,8 +31,9 @@ if sys.argv[1] == "keep":  # release: the freed 2 x 94 MB go back to the kernel
 
 def faults(mode: str) -> int:
     env = {"MEGARL_MALLOC_KEEP": "0"} if mode == "default" else {}
-    out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True, check=True,
-                         env={**os.environ, **env})
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, mode], capture_output=True, text=True, check=True, env={**os.environ, **env}
+    )
     return int(out.stdout.strip().splitlines()[-1])
 
 

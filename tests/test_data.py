@@ -35,13 +35,16 @@ def test_arithmetic_answers_are_the_correct_integers():
 
 
 def test_digits_knob_mixes_easy_and_hard_operands():
-    operands = [int(x) for r in generate_arithmetic(500, seed=0, digits=3)
-                for x in r["meta"]["expression"].split()[::2]]
+    operands = [
+        int(x) for r in generate_arithmetic(500, seed=0, digits=3) for x in r["meta"]["expression"].split()[::2]
+    ]
     assert max(operands) < 1000
     widths = {len(str(x)) for x in operands}
     assert widths == {1, 2, 3}
-    assert max(int(x) for r in generate_arithmetic(200, seed=0, digits=1)
-               for x in r["meta"]["expression"].split()[::2]) < 10
+    assert (
+        max(int(x) for r in generate_arithmetic(200, seed=0, digits=1) for x in r["meta"]["expression"].split()[::2])
+        < 10
+    )
 
 
 def test_arithmetic_is_deterministic_per_seed_and_differs_across_seeds():
@@ -67,15 +70,19 @@ def test_data_cli_writes_jsonl_that_loads_back(tmp_path, capsys):
     assert "wrote 20" in capsys.readouterr().out
     expected = generate_arithmetic(20, seed=4, digits=2)
     loaded = load_prompts(out)
-    assert [(r.plain_prompt, r.answer, r.meta) for r in loaded] == \
-        [(e["prompt"], e["answer"], e["meta"]) for e in expected]
+    assert [(r.plain_prompt, r.answer, r.meta) for r in loaded] == [
+        (e["prompt"], e["answer"], e["meta"]) for e in expected
+    ]
     assert loaded[0].messages == [{"role": "user", "content": expected[0]["prompt"]}]
 
 
 # -- prompt files ------------------------------------------------------------------------------
 
-CHAT = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 3?"}],
-        "answer": "5", "meta": {"level": 1}}
+CHAT = {
+    "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 3?"}],
+    "answer": "5",
+    "meta": {"level": 1},
+}
 PLAIN = {"prompt": "What is 6 x 7?", "answer": 42, "id": "q2"}
 
 
@@ -103,15 +110,18 @@ def test_chat_and_plain_records_load(tmp_path):
     assert plain.source == f"{path}:3"
 
 
-@pytest.mark.parametrize("bad_line,message", [
-    ('{"prompt": "hi"}', "missing field 'answer'"),
-    ('{"answer": "1"}', "exactly one of the fields 'prompt' or 'messages'"),
-    ('{"prompt": "hi", "answer": "1"', "not valid JSON"),
-    ('{"messages": [{"content": "hi"}], "answer": "1"}', "messages[0] is missing field 'role'"),
-    ('{"messages": [], "answer": "1"}', "'messages' must be a non-empty list"),
-    ('["prompt", "answer"]', "must be a JSON object"),
-    ('{"prompt": "hi", "answer": "1", "meta": 3}', "'meta' must be an object"),
-])
+@pytest.mark.parametrize(
+    "bad_line,message",
+    [
+        ('{"prompt": "hi"}', "missing field 'answer'"),
+        ('{"answer": "1"}', "exactly one of the fields 'prompt' or 'messages'"),
+        ('{"prompt": "hi", "answer": "1"', "not valid JSON"),
+        ('{"messages": [{"content": "hi"}], "answer": "1"}', "messages[0] is missing field 'role'"),
+        ('{"messages": [], "answer": "1"}', "'messages' must be a non-empty list"),
+        ('["prompt", "answer"]', "must be a JSON object"),
+        ('{"prompt": "hi", "answer": "1", "meta": 3}', "'meta' must be an object"),
+    ],
+)
 def test_bad_record_names_file_line_and_field(tmp_path, bad_line, message):
     path = write_lines(tmp_path / "bad.jsonl", [json.dumps(PLAIN), bad_line])
     with pytest.raises(ConfigError) as info:
@@ -134,8 +144,12 @@ def test_parquet_round_trip(tmp_path):
     import pyarrow.parquet as pq
 
     path = tmp_path / "p.parquet"
-    pq.write_table(pa.Table.from_pylist([{**CHAT, "prompt": None}, {"prompt": "6 x 7?", "answer": "42",
-                                                                    "messages": None, "meta": None}]), path)
+    pq.write_table(
+        pa.Table.from_pylist(
+            [{**CHAT, "prompt": None}, {"prompt": "6 x 7?", "answer": "42", "messages": None, "meta": None}]
+        ),
+        path,
+    )
     chat, plain = load_prompts(path)
     assert chat.messages == CHAT["messages"] and chat.answer == "5" and chat.meta["level"] == 1
     assert plain.plain_prompt == "6 x 7?" and plain.answer == "42"
@@ -157,13 +171,18 @@ def test_parquet_without_pyarrow_says_what_to_install(tmp_path, monkeypatch):
 
 # -- tokenization ------------------------------------------------------------------------------
 
+
 def tiny_chat_tokenizer(words):
     """A whitespace word-level tokenizer with a ChatML-style template: fast and deterministic."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {w: i for i, w in enumerate(dict.fromkeys(
-        ["<unk>", "<|im_start|>", "<|im_end|>", "system", "user", "assistant", *words]))}
+    vocab = {
+        w: i
+        for i, w in enumerate(
+            dict.fromkeys(["<unk>", "<|im_start|>", "<|im_end|>", "system", "user", "assistant", *words])
+        )
+    }
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>")
@@ -182,16 +201,35 @@ def test_tokenize_prompts_applies_the_chat_template_and_drops_overlong(tmp_path)
     tokenized = tokenize_prompts(load_prompts(path), tokenizer, max_prompt_tokens=20)
     assert [t.record.answer for t in tokenized] == ["5", "5"]  # the 40-word prompt is dropped
     v = vocab
-    assert tokenized[0].ids == [v["<|im_start|>"], v["user"], *(v[w] for w in "what is 2 + 3 ?".split()),
-                                v["<|im_end|>"], v["<|im_start|>"], v["assistant"]]
-    assert tokenized[1].ids == [v["<|im_start|>"], v["system"], v["Be"], v["brief."], v["<|im_end|>"],
-                                v["<|im_start|>"], v["user"], v["2"], v["+"], v["3?"], v["<|im_end|>"],
-                                v["<|im_start|>"], v["assistant"]]
+    assert tokenized[0].ids == [
+        v["<|im_start|>"],
+        v["user"],
+        *(v[w] for w in "what is 2 + 3 ?".split()),
+        v["<|im_end|>"],
+        v["<|im_start|>"],
+        v["assistant"],
+    ]
+    assert tokenized[1].ids == [
+        v["<|im_start|>"],
+        v["system"],
+        v["Be"],
+        v["brief."],
+        v["<|im_end|>"],
+        v["<|im_start|>"],
+        v["user"],
+        v["2"],
+        v["+"],
+        v["3?"],
+        v["<|im_end|>"],
+        v["<|im_start|>"],
+        v["assistant"],
+    ]
     with pytest.raises(ConfigError, match="max_prompt_tokens"):
         tokenize_prompts(load_prompts(path), tokenizer, max_prompt_tokens=3)
 
 
 # -- prompt order ------------------------------------------------------------------------------
+
 
 def test_prompt_stream_resume_equals_an_unbroken_stream():
     items = list(range(10))

@@ -96,5 +96,6 @@ def test_bad_input_is_refused_with_the_reason():
         odd = torch.zeros(2, 1, 8, 24)
         native.decode_attention(torch.zeros(1, 1, 24), odd, odd, torch.tensor([0]), torch.tensor([1]), 0.2)
     with pytest.raises(ValueError, match="heads contiguous"):
-        native.decode_attention(torch.zeros(1, 64, 2)[:, :, 0].view(1, 1, 64), cache, cache, torch.tensor([0]),
-                                torch.tensor([1]), 0.125)
+        native.decode_attention(
+            torch.zeros(1, 64, 2)[:, :, 0].view(1, 1, 64), cache, cache, torch.tensor([0]), torch.tensor([1]), 0.125
+        )

@@ -2,8 +2,6 @@
 add + RMSNorm, RoPE and SwiGLU, against fp64 references and against the torch ops the engine uses
 where the kernels are off (the same roundings in bf16), and the engine's bf16 logits with them."""
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,7 +13,7 @@ from megarl.models.hf_checkpoint import SafetensorsCheckpoint
 from tests.conftest import CHAT_PROMPTS
 from tests.test_decode_attention import built
 
-BF16_ULP = 2.0 ** -7  # relative spacing of bf16 values
+BF16_ULP = 2.0**-7  # relative spacing of bf16 values
 
 
 def torch_norm(x, w, eps):
@@ -83,7 +81,7 @@ def test_rope_is_bitwise_the_torch_ops_and_rotates_each_pair(dtype):
     before = qkv.clone()
     native.rope_(qkv, cos, signed_sin, heads, d)
 
-    assert torch.equal(qkv[:, heads * d:], before[:, heads * d:])
+    assert torch.equal(qkv[:, heads * d :], before[:, heads * d :])
     expected = _apply_rope(before[:, : heads * d].view(rows, heads, d), cos, signed_sin)
     assert torch.equal(qkv[:, : heads * d].view(rows, heads, d), expected)
     # independent: pair (x_i, x_{i + d/2}) turned by the angle position * inv_freq_i
@@ -102,7 +100,7 @@ def test_silu_mul_matches_fp64_and_the_torch_ops(dtype):
     built()
     rows, inter = 33, 1536
     g = torch.Generator().manual_seed(5)
-    gate_up = (4 * torch.randn(rows, 2 * inter, generator=g))
+    gate_up = 4 * torch.randn(rows, 2 * inter, generator=g)
     gate_up[0, :6] = torch.tensor([-1000.0, -90.0, -20.0, 0.0, 20.0, 1000.0])  # exp's clamps
     gate_up = gate_up.to(dtype)
     out = native.silu_mul(gate_up)
@@ -152,8 +150,11 @@ def test_engine_bf16_logits_with_the_kernels_are_as_close_to_fp32_as_with_torch_
     offsets = [sum(map(len, prompts[:i])) for i in range(len(prompts))]
     segments = [Segment(i, 0, len(p), o) for i, (p, o) in enumerate(zip(prompts, offsets))]
     logits = {}
-    for name, dtype, kernels in (("fp32", torch.float32, "torch"), ("native", torch.bfloat16, "auto"),
-                                 ("torch", torch.bfloat16, "torch")):
+    for name, dtype, kernels in (
+        ("fp32", torch.float32, "torch"),
+        ("native", torch.bfloat16, "auto"),
+        ("torch", torch.bfloat16, "torch"),
+    ):
         model = SglangLayoutLlama(hf.spec, load_generator_params(hf, 1, 0, dtype), cpu_kernels=kernels)
         assert model.native_ops == (kernels == "auto")
         cache = KVCache(hf.spec.num_layers, len(prompts), model.kv_heads, 256, hf.spec.head_dim, dtype)
@@ -166,7 +167,9 @@ def test_engine_bf16_logits_with_the_kernels_are_as_close_to_fp32_as_with_torch_
     def agree(name):
         return (logits[name].argmax(-1) == ref.argmax(-1)).float().mean().item()
 
-    print(f"KL(fp32 || bf16) native {kl('native'):.2e} torch {kl('torch'):.2e}; argmax agreement "
-          f"{agree('native'):.3f} / {agree('torch'):.3f} over {len(tokens)} positions")
+    print(
+        f"KL(fp32 || bf16) native {kl('native'):.2e} torch {kl('torch'):.2e}; argmax agreement "
+        f"{agree('native'):.3f} / {agree('torch'):.3f} over {len(tokens)} positions"
+    )
     assert kl("native") <= 2 * kl("torch")
     assert agree("native") >= agree("torch") - 0.03

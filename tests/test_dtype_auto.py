@@ -17,8 +17,13 @@ from megarl.config import load_config
 from megarl.errors import ConfigError
 from megarl.evaluate import _run_config, dtype_rule
 from megarl.loop_state import checkpoint_loop_state, resume_point
-from megarl.runtime.cpu_dtype import (cpu_bf16_native, read_cpu_flags, recorded_dtypes, resolve_auto_dtypes,
-                                      resolve_dtype)
+from megarl.runtime.cpu_dtype import (
+    cpu_bf16_native,
+    read_cpu_flags,
+    recorded_dtypes,
+    resolve_auto_dtypes,
+    resolve_dtype,
+)
 
 TINY = "configs/tiny_cpu.yaml"
 EPYC_AVX2 = "fpu vme de pse tsc msr pae mce cx8 apic sse sse2 ssse3 fma cx16 sse4_1 sse4_2 avx f16c avx2 bmi2 sha_ni"
@@ -30,18 +35,21 @@ GRAVITON2 = "fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpu
 A64FX = "fp asimd evtstrm sha1 sha2 crc32 atomics fphp asimdhp cpuid sve"  # SVE without bf16
 
 
-@pytest.mark.parametrize("flags, machine, native", [
-    (EPYC_AVX2, "x86_64", False),
-    (SKYLAKE_AVX512, "x86_64", False),
-    (ZEN4, "x86_64", True),
-    (SAPPHIRE_RAPIDS, "x86_64", True),
-    (EPYC_AVX2 + " amx_bf16", "x86_64", True),
-    (GRAVITON3, "aarch64", True),
-    (GRAVITON2, "aarch64", False),
-    (A64FX, "aarch64", False),
-    (GRAVITON3, "riscv64", False),  # an unknown architecture: fp32, whatever it lists
-    ("", "x86_64", False),
-])
+@pytest.mark.parametrize(
+    "flags, machine, native",
+    [
+        (EPYC_AVX2, "x86_64", False),
+        (SKYLAKE_AVX512, "x86_64", False),
+        (ZEN4, "x86_64", True),
+        (SAPPHIRE_RAPIDS, "x86_64", True),
+        (EPYC_AVX2 + " amx_bf16", "x86_64", True),
+        (GRAVITON3, "aarch64", True),
+        (GRAVITON2, "aarch64", False),
+        (A64FX, "aarch64", False),
+        (GRAVITON3, "riscv64", False),  # an unknown architecture: fp32, whatever it lists
+        ("", "x86_64", False),
+    ],
+)
 def test_native_bf16_is_read_from_the_cpu_flags(flags, machine, native):
     ok, why = cpu_bf16_native(flags, machine)
     assert ok is native, why
@@ -62,7 +70,9 @@ def test_cuda_is_bf16_and_concrete_values_pass_through():
 
 def test_cpuinfo_flags_line_is_read(tmp_path):
     x86 = tmp_path / "x86"
-    x86.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: " + EPYC_AVX2 + "\nbugs\t\t: sysret_ss_attrs\n")
+    x86.write_text(
+        "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: " + EPYC_AVX2 + "\nbugs\t\t: sysret_ss_attrs\n"
+    )
     assert read_cpu_flags(str(x86)) == EPYC_AVX2
     arm = tmp_path / "arm"
     arm.write_text("processor\t: 0\nBogoMIPS\t: 2100.00\nFeatures\t: " + GRAVITON3 + "\nCPU implementer\t: 0x41\n")

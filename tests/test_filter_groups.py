@@ -19,9 +19,19 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_no_group_of_identical_rewards_is_trained_and_the_batch_stays_full(tmp_path, mode):
     # even_length: a random response earns 1 about half of the time, so with 2 samples per prompt
     # about half of all groups have one reward for both samples
-    cmd = [sys.executable, "-m", "megarl.cli", "train", "--config", str(ROOT / "configs" / "tiny_cpu.yaml"),
-           f"run.mode={mode}", "run.steps=3", "rollout.filter_groups=true",
-           "reward.function=tests.rewards_for_tests:even_length", f"run.output_dir={tmp_path}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "megarl.cli",
+        "train",
+        "--config",
+        str(ROOT / "configs" / "tiny_cpu.yaml"),
+        f"run.mode={mode}",
+        "run.steps=3",
+        "rollout.filter_groups=true",
+        "reward.function=tests.rewards_for_tests:even_length",
+        f"run.output_dir={tmp_path}",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -46,8 +46,9 @@ class ScriptedBackend(GeneratorBackend):
         s = self.running.pop(key)
         r = s["request"]
         n = len(s["versions"])
-        return Completion(r.request_id, key[1], r.group_id, r.prompt_ids, [7] * n, [-1.0] * n, s["versions"], reason,
-                          dict(r.meta))
+        return Completion(
+            r.request_id, key[1], r.group_id, r.prompt_ids, [7] * n, [-1.0] * n, s["versions"], reason, dict(r.meta)
+        )
 
     def abort(self, request_ids):
         for key in [k for k in self.running if k[0] in set(request_ids)]:
@@ -65,8 +66,16 @@ class ScriptedBackend(GeneratorBackend):
 def _executor(backend, max_running=4, n=2, max_lag=1, groups_per_step=2):
     prompts = [TokenizedPrompt([1, 2, 3], PromptRecord([{"role": "user", "content": "q"}], "a"))]
     rollout = RolloutConfig(prompts_per_step=groups_per_step, samples_per_prompt=n, max_new_tokens=8, max_lag=max_lag)
-    return GeneratorExecutor(rollout, max_running, seed=1, backend=backend, prompts=prompts, stop_ids=(0,),
-                             replica=0, groups_per_step=groups_per_step)
+    return GeneratorExecutor(
+        rollout,
+        max_running,
+        seed=1,
+        backend=backend,
+        prompts=prompts,
+        stop_ids=(0,),
+        replica=0,
+        groups_per_step=groups_per_step,
+    )
 
 
 def _update(backend, version):

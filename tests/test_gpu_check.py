@@ -17,8 +17,21 @@ from megarl.models.presets import preset_spec
 from megarl.weight_sync.layouts import sglang_rank_layout
 from tests.conftest import ROOT, _env, server_port
 
-BLOCKED = ("transformers", "tokenizers", "math_verify", "tensorboard", "yaml", "tqdm", "safetensors", "pyarrow",
-           "gguf", "accelerate", "sglang", "latex2sympy2_extended")
+BLOCKED = (
+    "transformers",
+    "tokenizers",
+    "math_verify",
+    "tensorboard",
+    "yaml",
+    "tqdm",
+    "safetensors",
+    "pyarrow",
+    "gguf",
+    "accelerate",
+    "sglang",
+    "latex2sympy2_extended",
+)
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["torch", "sglang"])
@@ -30,18 +43,50 @@ def test_gpu_check_runs_megarl_train_with_only_torch_and_megatron(tmp_path, back
     for name in BLOCKED:
         (site / name).mkdir(parents=True)
         (site / name / "__init__.py").write_text(
-            f"raise ModuleNotFoundError('{name} is not installed on this (simulated) GPU machine', name='{name}')\n")
+            f"raise ModuleNotFoundError('{name} is not installed on this (simulated) GPU machine', name='{name}')\n"
+        )
     env = _env()
     if backend == "torch":
         env["PYTHONPATH"] = f"{site}:{env['PYTHONPATH']}"
-    args = ["--device", "cpu", "--preset", "tiny", "--steps", "3", "--prompts-per-step", "4", "--samples", "2",
-            "--prompt-len", "8", "--max-new-tokens", "24", "--max-running", "8", "--microbatch-tokens", "64",
-            "--workdir", str(tmp_path / "work"), "--backend", backend]
+    args = [
+        "--device",
+        "cpu",
+        "--preset",
+        "tiny",
+        "--steps",
+        "3",
+        "--prompts-per-step",
+        "4",
+        "--samples",
+        "2",
+        "--prompt-len",
+        "8",
+        "--max-new-tokens",
+        "24",
+        "--max-running",
+        "8",
+        "--microbatch-tokens",
+        "64",
+        "--workdir",
+        str(tmp_path / "work"),
+        "--backend",
+        backend,
+    ]
     if backend == "sglang":
-        args += ["--sglang-launcher", f"{sys.executable} {ROOT / 'tests' / 'sglang_test_server.py'}",
-                 "--sglang-port", str(server_port())]
-    proc = subprocess.run([sys.executable, "-m", "megarl.bench.gpu_check", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
+        args += [
+            "--sglang-launcher",
+            f"{sys.executable} {ROOT / 'tests' / 'sglang_test_server.py'}",
+            "--sglang-port",
+            str(server_port()),
+        ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "megarl.bench.gpu_check", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["backend"] == backend

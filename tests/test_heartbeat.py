@@ -14,8 +14,11 @@ def entry(rank, flag, what):  # count|role|host|pid|flag|activity; flag 1: waiti
 
 
 def test_the_quiet_working_rank_is_named_not_the_ranks_waiting_for_it():
-    seen = {0: (entry(0, 1, "gathering batch 3"), 0.0), 1: (entry(1, 0, "decoding"), 5.0),
-            2: (entry(2, 0, "decoding"), 19.0)}
+    seen = {
+        0: (entry(0, 1, "gathering batch 3"), 0.0),
+        1: (entry(1, 0, "decoding"), 5.0),
+        2: (entry(2, 0, "decoding"), 19.0),
+    }
     message, host, pid = watcher()._stuck(seen, now=20.0)
     assert message.startswith("rank 1 (role1, pid 101 on host1) made no progress for 15 s")
     assert "its last activity: decoding" in message and (host, pid) == ("host1", 101)
@@ -42,8 +45,11 @@ def test_finished_ranks_are_never_judged():
 def test_a_stopped_process_is_named_before_peers_that_waited_longer():
     """All three wait in a weight sync; rank 2's process stopped (SIGSTOP) after it got there: the
     progress entries alone would name rank 0, waiting longest; rank 2's pulse stopped, so it is named."""
-    seen = {0: (entry(0, 1, "weight sync"), 1.0), 1: (entry(1, 1, "weight sync"), 2.0),
-            2: (entry(2, 1, "weight sync"), 3.0)}
+    seen = {
+        0: (entry(0, 1, "weight sync"), 1.0),
+        1: (entry(1, 1, "weight sync"), 2.0),
+        2: (entry(2, 1, "weight sync"), 3.0),
+    }
     message, _, pid = watcher()._stuck(seen, now=20.0)
     assert message.startswith("rank 0 ") and "stopped running" not in message
     message, _, pid = watcher()._stuck(seen, now=20.0, frozen={2})
@@ -143,6 +149,9 @@ def test_a_stopped_store_host_is_named_by_the_store_watch():
         host.kill()  # SIGKILL ends a stopped process too
         host.join(10)
     assert named, "the store watch named nobody"
-    assert named[0].startswith(f"rank 0 (role0, pid {host.pid} on {socket.gethostname()})") and "it hosts the job's store" in named[0]
+    assert (
+        named[0].startswith(f"rank 0 (role0, pid {host.pid} on {socket.gethostname()})")
+        and "it hosts the job's store" in named[0]
+    )
     assert "its last activity: training step 3" in named[0], named[0]
     assert 2.0 < waited < 2.0 + 4 * beats[1].interval_s + 1, waited

@@ -36,7 +36,9 @@ def test_killed_rank_is_named_with_the_role_it_announced():
     with pytest.raises(MegarlError) as err:
         run_world(failing_rank.killed_after_announcing, 2)
     pid = int(str(err.value).split("pid ", 1)[1].split(")", 1)[0])
-    assert str(err.value) == f"rank 1 (generator replica 0, TP rank 0, pid {pid}) was killed by SIGKILL; the job stopped"
+    assert (
+        str(err.value) == f"rank 1 (generator replica 0, TP rank 0, pid {pid}) was killed by SIGKILL; the job stopped"
+    )
     assert time.monotonic() - start < 45
 
 
@@ -67,11 +69,11 @@ def test_megarl_trains_launcher_imports_neither_torch_nor_the_controller(tmp_pat
     from tests.conftest import ROOT, _env
 
     _smollm2_tokenizer(SUITE_CACHE)  # written once per cache (by transformers, which imports torch)
-    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=_env(), capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"fn": "megarl.controller:run_rank", "n": 3,
-                                                               "loaded": []}
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"fn": "megarl.controller:run_rank", "n": 3, "loaded": []}
 
 
 def test_the_launchers_vocabulary_size_is_transformers_len_of_the_tokenizer(tmp_path):

@@ -15,12 +15,27 @@ LAUNCH = ROOT / "scripts" / "launch.sh"
 
 
 def _launch(args, timeout=900, **env_vars) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "NNODES",
-                        "GPUS_PER_NODE", "MEGARL_DEVICE", "MEGARL_LAUNCH_DRY_RUN")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in (
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "NODE_RANK",
+            "NNODES",
+            "GPUS_PER_NODE",
+            "MEGARL_DEVICE",
+            "MEGARL_LAUNCH_DRY_RUN",
+        )
+    }
     env.update(PYTHON=sys.executable, **env_vars)
-    return subprocess.run(["bash", str(LAUNCH), *map(str, args)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        ["bash", str(LAUNCH), *map(str, args)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_scripts_parse():
@@ -29,8 +44,16 @@ def test_scripts_parse():
 
 
 def test_many_nodes_command_line():
-    proc = _launch(["configs/llama3_405b.yaml", "run.steps=3"], MEGARL_LAUNCH_DRY_RUN="1", MEGARL_DEVICE="gpu",
-                   NNODES="128", NODE_RANK="5", GPUS_PER_NODE="8", MASTER_ADDR="node000", MASTER_PORT="6000")
+    proc = _launch(
+        ["configs/llama3_405b.yaml", "run.steps=3"],
+        MEGARL_LAUNCH_DRY_RUN="1",
+        MEGARL_DEVICE="gpu",
+        NNODES="128",
+        NODE_RANK="5",
+        GPUS_PER_NODE="8",
+        MASTER_ADDR="node000",
+        MASTER_PORT="6000",
+    )
     assert proc.returncode == 0, proc.stderr
     torchrun = proc.stdout.strip().splitlines()[-1]
     assert "-m torch.distributed.run --nnodes 128 --node_rank 5 --nproc_per_node 8" in torchrun
@@ -40,8 +63,9 @@ def test_many_nodes_command_line():
 
 
 def test_node_count_that_does_not_make_the_world_is_refused():
-    proc = _launch(["configs/llama3_405b.yaml"], MEGARL_LAUNCH_DRY_RUN="1", MEGARL_DEVICE="gpu", NNODES="64",
-                   GPUS_PER_NODE="8")
+    proc = _launch(
+        ["configs/llama3_405b.yaml"], MEGARL_LAUNCH_DRY_RUN="1", MEGARL_DEVICE="gpu", NNODES="64", GPUS_PER_NODE="8"
+    )
     assert proc.returncode == 2
     assert "needs 1024 ranks, but NNODES=64 x GPUS_PER_NODE=8 = 512; set NNODES=128" in proc.stderr
 
@@ -49,8 +73,9 @@ def test_node_count_that_does_not_make_the_world_is_refused():
 @pytest.mark.slow
 def test_cpu_demo_world_through_torchrun(tmp_path):
     out = tmp_path / "run"
-    proc = _launch(["configs/tiny_cpu.yaml", "run.steps=2", f"run.output_dir={out}", "run.progress=false"],
-                   MEGARL_DEVICE="cpu")
+    proc = _launch(
+        ["configs/tiny_cpu.yaml", "run.steps=2", f"run.output_dir={out}", "run.progress=false"], MEGARL_DEVICE="cpu"
+    )
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     assert '"world_size": 3' in proc.stderr  # --prepare-only's JSON line, echoed
     assert "3 ranks here (cpu), world 3" in proc.stderr
@@ -65,12 +90,29 @@ def test_sigterm_to_launch_sh_checkpoints_and_exits_zero(tmp_path):
     import time
 
     out = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                            "MASTER_PORT", "NODE_RANK", "NNODES")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "NNODES")
+    }
     env.update(PYTHON=sys.executable, MEGARL_DEVICE="cpu")
-    proc = subprocess.Popen(["bash", str(LAUNCH), "configs/tiny_cpu.yaml", "run.steps=200", f"run.output_dir={out}",
-                             "model.tokenizer=none", "data.train=random:64:1:12", "reward.function=synthetic_parity"],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            "bash",
+            str(LAUNCH),
+            "configs/tiny_cpu.yaml",
+            "run.steps=200",
+            f"run.output_dir={out}",
+            "model.tokenizer=none",
+            "data.train=random:64:1:12",
+            "reward.function=synthetic_parity",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     metrics = out / "metrics.jsonl"
     deadline = time.monotonic() + 600
     while not (metrics.exists() and metrics.read_text().count("\n") >= 1):

@@ -63,7 +63,8 @@ def test_ppo_clip_stops_gradient_outside_the_trust_region():
     low = inputs([-1.5], [-1.0], [-1.0])
     assert grad_wrt_logp(ppo_clip, low, {"eps": 0.2}).item() == 0.0
     assert grad_wrt_logp(ppo_clip, inputs([-1.5], [-1.0], [-1.0]), {"eps": 0.5}).item() == pytest.approx(
-        math.exp(-0.5), rel=1e-12)
+        math.exp(-0.5), rel=1e-12
+    )
 
 
 def test_kl_estimators():
@@ -94,16 +95,25 @@ def test_registry_and_dotted_paths():
 def test_loss_params_are_checked_against_the_loss_signature():
     no_mask = {"mask_c": None, "mask_level": "token"}
     assert bind_loss_params("aipo", {}) == {"rho": 4.0, "is_level": "token", **no_mask}
-    assert bind_loss_params("aipo", {"rho": 2, "mask_c": 2}) == {"rho": 2.0, "is_level": "token", "mask_c": 2.0,
-                                                                 "mask_level": "token"}
+    assert bind_loss_params("aipo", {"rho": 2, "mask_c": 2}) == {
+        "rho": 2.0,
+        "is_level": "token",
+        "mask_c": 2.0,
+        "mask_level": "token",
+    }
     assert bind_loss_params("ppo_clip", {"eps_high": 0.28}) == {"eps": 0.2, "eps_high": 0.28, **no_mask}
     assert bind_loss_params("gspo", {}) == {"eps": 3e-4, "eps_high": 4e-4}
     assert bind_loss_params("examples.losses.entropy_bonus:aipo_with_entropy_bonus", {"entropy_coef": 0.1}) == {
-        "rho": 4.0, "entropy_coef": 0.1}
+        "rho": 4.0,
+        "entropy_coef": 0.1,
+    }
     with pytest.raises(ConfigError, match=r"loss_params.rho: must be > 1"):
         bind_loss_params("aipo", {"rho": 0.5})
-    with pytest.raises(ConfigError, match=r"loss_params.eps: .*has no such parameter \(its parameters: rho, is_level, "
-                                          r"mask_c, mask_level\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"loss_params.eps: .*has no such parameter \(its parameters: rho, is_level, "
+        r"mask_c, mask_level\)",
+    ):
         bind_loss_params("aipo", {"eps": 0.2})
     with pytest.raises(ConfigError, match=r"loss_params.rho: .*has no such parameter \(its parameters: none\)"):
         bind_loss_params("reinforce", {"rho": 2.0})
@@ -118,10 +128,20 @@ def sample(reward, group):
 
 
 def test_advantages():
-    batch = [sample(1.0, 0), sample(0.0, 0), sample(0.5, 0), sample(0.0, 0), sample(2.0, 1), sample(2.0, 1), sample(7.0, 2)]
+    batch = [
+        sample(1.0, 0),
+        sample(0.0, 0),
+        sample(0.5, 0),
+        sample(0.0, 0),
+        sample(2.0, 1),
+        sample(2.0, 1),
+        sample(7.0, 2),
+    ]
     assert compute_advantages(batch) == pytest.approx([0.625, -0.375, 0.125, -0.375, 0.0, 0.0, 0.0])
     # RLOO: r_i minus the mean of the others
-    assert compute_advantages(batch, "rloo")[:4] == pytest.approx([1 - 0.5 / 3, 0 - 1.5 / 3, 0.5 - 1.0 / 3, 0 - 1.5 / 3])
+    assert compute_advantages(batch, "rloo")[:4] == pytest.approx(
+        [1 - 0.5 / 3, 0 - 1.5 / 3, 0.5 - 1.0 / 3, 0 - 1.5 / 3]
+    )
     std = torch.tensor([1.0, 0.0, 0.5, 0.0]).std(unbiased=False).item()
     assert compute_advantages(batch, normalize_std=True)[0] == pytest.approx(0.625 / (std + 1e-6))
     with pytest.raises(ConfigError, match="advantage estimator 'ppo'"):

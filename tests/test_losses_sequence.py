@@ -44,8 +44,13 @@ def tokens():
 def run_hook(loss, params=None, agg=None, entropy_coef=0.0, split=SPLITS[0]):
     """(step loss, d/d log pi, d/d entropy, clipped, masked) through the hook's path, split as given."""
     fn = resolve_loss(loss)
-    cfg = LossConfig(name=loss, params=bind_loss_params(loss, params or {}), agg=resolve_agg(fn, agg),
-                     entropy_coef=entropy_coef, max_new_tokens=M)
+    cfg = LossConfig(
+        name=loss,
+        params=bind_loss_params(loss, params or {}),
+        agg=resolve_agg(fn, agg),
+        entropy_coef=entropy_coef,
+        max_new_tokens=M,
+    )
     logp = torch.tensor([lp for s in SAMPLES for lp in s[0]], dtype=torch.float64, requires_grad=True)
     entropy = torch.tensor([h for e in ENTROPY for h in e], dtype=torch.float64, requires_grad=True)
     offsets = [0, 3, 5, 9]
@@ -53,16 +58,24 @@ def run_hook(loss, params=None, agg=None, entropy_coef=0.0, split=SPLITS[0]):
     for mb in split:
         pos = [t for i in mb for t in range(offsets[i], offsets[i + 1])]
         x = LossInputs(
-            logp[pos], torch.tensor([m for i in mb for m in SAMPLES[i][1]], dtype=torch.float64),
+            logp[pos],
+            torch.tensor([m for i in mb for m in SAMPLES[i][1]], dtype=torch.float64),
             torch.tensor([SAMPLES[i][2] for i in mb for _ in SAMPLES[i][0]], dtype=torch.float64),
-            entropy=entropy[pos], sample_index=torch.tensor([k for k, i in enumerate(mb) for _ in SAMPLES[i][0]]),
-            response_lengths=torch.tensor([len(SAMPLES[i][0]) for i in mb]), group_ids=torch.tensor([0] * len(mb)),
-            step_sequences=S, step_tokens=N)
+            entropy=entropy[pos],
+            sample_index=torch.tensor([k for k, i in enumerate(mb) for _ in SAMPLES[i][0]]),
+            response_lengths=torch.tensor([len(SAMPLES[i][0]) for i in mb]),
+            group_ids=torch.tensor([0] * len(mb)),
+            step_sequences=S,
+            step_tokens=N,
+        )
         out, per_token, _ = per_token_loss(fn, cfg, x)
         total = total + aggregate(cfg.agg, x, per_token, M)
         flags = [False] * len(pos)
-        for p, c, m in zip(pos, flags if out.clipped is None else out.clipped.tolist(),
-                           flags if out.masked is None else out.masked.tolist()):
+        for p, c, m in zip(
+            pos,
+            flags if out.clipped is None else out.clipped.tolist(),
+            flags if out.masked is None else out.masked.tolist(),
+        ):
             clipped[p], masked[p] = c, bool(m)
     (total / N).backward()
     grad_h = entropy.grad.tolist() if entropy.grad is not None else [0.0] * N  # None: unused by the loss
@@ -75,8 +88,12 @@ def run_hook(loss, params=None, agg=None, entropy_coef=0.0, split=SPLITS[0]):
 def coefficient(agg, i):
     """c_i: the step's loss is sum_t c_{i(t)} l_t."""
     n_i = len(SAMPLES[i][0])
-    return {"token_mean": 1 / N, "seq_mean_token_mean": 1 / (S * n_i), "seq_mean_token_sum": 1 / S,
-            "seq_mean_token_sum_norm": 1 / (S * M)}[agg]
+    return {
+        "token_mean": 1 / N,
+        "seq_mean_token_mean": 1 / (S * n_i),
+        "seq_mean_token_sum": 1 / S,
+        "seq_mean_token_sum_norm": 1 / (S * M),
+    }[agg]
 
 
 def seq_log_ratio(i):
@@ -116,7 +133,7 @@ def ppo_ref(agg, eps=0.2, eps_high=None, mask_c=None, mask_level="token"):
 
 def gspo_ref(agg, eps=3e-4, eps_high=4e-4):
     value, grad = 0.0, []
-    for i, lp, mu, a, _ in tokens():
+    for i, _lp, _mu, a, _ in tokens():
         s = math.exp(seq_log_ratio(i))
         n_i = len(SAMPLES[i][0])
         clip_s = min(max(s, 1 - eps), 1 + eps_high)
@@ -132,7 +149,7 @@ def gmpo_ref(agg, eps_low=0.4, eps_high=0.4):
         n_i = len(SAMPLES[i][0])
         # clipped log-ratio: for A > 0 min(log r, clip), for A < 0 max(log r, clip)
         logs = [(x - y, min(max(x - y, -eps_low), eps_high)) for x, y in zip(SAMPLES[i][0], SAMPLES[i][1])]
-        chosen = [min(l, c) if a > 0 else max(l, c) for l, c in logs]
+        chosen = [min(r, c) if a > 0 else max(r, c) for r, c in logs]
         g = math.exp(sum(chosen) / n_i)
         value += coefficient(agg, i) * -a * g
         # the token's own log r is chosen (so has a gradient) unless capped on the side that helps
@@ -147,26 +164,68 @@ def entropy_bonus_ref(agg, coef):
 
 
 def reinforce_ref(agg):
-    return (sum(coefficient(agg, i) * -a * lp for i, lp, _, a, _ in tokens()),
-            [coefficient(agg, i) * -a for i, _, _, a, _ in tokens()])
+    return (
+        sum(coefficient(agg, i) * -a * lp for i, lp, _, a, _ in tokens()),
+        [coefficient(agg, i) * -a for i, _, _, a, _ in tokens()],
+    )
 
 
 CASES = [  # (id, loss, params, loss_agg (None: the loss's own), entropy_coef, reference, expected clip / mask)
     ("aipo", "aipo", {}, None, 0.0, aipo_ref("token_mean"), [2], []),
-    ("aipo-seq-tis", "aipo", {"rho": 2.0, "is_level": "sequence"}, "seq_mean_token_sum", 0.0,
-     aipo_ref("seq_mean_token_sum", rho=2.0, is_level="sequence"), [0, 1, 2], []),
+    (
+        "aipo-seq-tis",
+        "aipo",
+        {"rho": 2.0, "is_level": "sequence"},
+        "seq_mean_token_sum",
+        0.0,
+        aipo_ref("seq_mean_token_sum", rho=2.0, is_level="sequence"),
+        [0, 1, 2],
+        [],
+    ),
     ("aipo-token-mis", "aipo", {"mask_c": 1.5}, "token_mean", 0.0, aipo_ref("token_mean", mask_c=1.5), [], [0, 2, 7]),
-    ("aipo-seq-mis", "aipo", {"mask_c": 1.5, "mask_level": "sequence"}, "seq_mean_token_mean", 0.0,
-     aipo_ref("seq_mean_token_mean", mask_c=1.5, mask_level="sequence"), [], [0, 1, 2]),
+    (
+        "aipo-seq-mis",
+        "aipo",
+        {"mask_c": 1.5, "mask_level": "sequence"},
+        "seq_mean_token_mean",
+        0.0,
+        aipo_ref("seq_mean_token_mean", mask_c=1.5, mask_level="sequence"),
+        [],
+        [0, 1, 2],
+    ),
     ("ppo", "ppo_clip", {}, "seq_mean_token_mean", 0.0, ppo_ref("seq_mean_token_mean"), [0, 2], []),
-    ("ppo-seq-mis", "ppo_clip", {"eps_high": 0.28, "mask_c": 1.5, "mask_level": "sequence"}, "token_mean", 0.0,
-     ppo_ref("token_mean", eps_high=0.28, mask_c=1.5, mask_level="sequence"), [], [0, 1, 2]),
+    (
+        "ppo-seq-mis",
+        "ppo_clip",
+        {"eps_high": 0.28, "mask_c": 1.5, "mask_level": "sequence"},
+        "token_mean",
+        0.0,
+        ppo_ref("token_mean", eps_high=0.28, mask_c=1.5, mask_level="sequence"),
+        [],
+        [0, 1, 2],
+    ),
     ("dr_grpo", "dr_grpo", {}, None, 0.0, ppo_ref("seq_mean_token_sum_norm"), [0, 2], []),
     ("gspo", "gspo", {}, None, 0.0, gspo_ref("seq_mean_token_mean"), [0, 1, 2], []),
-    ("gspo-token-mean", "gspo", {"eps": 0.1, "eps_high": 0.2}, "token_mean", 0.0,
-     gspo_ref("token_mean", eps=0.1, eps_high=0.2), [0, 1, 2], []),
-    ("gmpo-user", "examples.losses.gmpo:gmpo", {"eps_low": 0.3}, None, 0.0,
-     gmpo_ref("seq_mean_token_mean", eps_low=0.3), [0, 2], []),
+    (
+        "gspo-token-mean",
+        "gspo",
+        {"eps": 0.1, "eps_high": 0.2},
+        "token_mean",
+        0.0,
+        gspo_ref("token_mean", eps=0.1, eps_high=0.2),
+        [0, 1, 2],
+        [],
+    ),
+    (
+        "gmpo-user",
+        "examples.losses.gmpo:gmpo",
+        {"eps_low": 0.3},
+        None,
+        0.0,
+        gmpo_ref("seq_mean_token_mean", eps_low=0.3),
+        [0, 2],
+        [],
+    ),
 ]
 
 
@@ -191,9 +250,11 @@ def test_entropy_bonus_reaches_value_and_gradient(agg):
 
 def test_the_modes_differ_on_this_batch():
     # a mode silently replaced by another would still pass the cases above only if they coincide here
-    values = [reinforce_ref(a)[0] for a in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
-                                            "seq_mean_token_sum_norm")]
-    assert min(abs(x - y) for i, x in enumerate(values) for y in values[i + 1:]) > 1e-3
+    values = [
+        reinforce_ref(a)[0]
+        for a in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
+    ]
+    assert min(abs(x - y) for i, x in enumerate(values) for y in values[i + 1 :]) > 1e-3
 
 
 # -- packing: what the loss sees ------------------------------------------------------------------
@@ -253,18 +314,21 @@ def test_overlong_mask_and_penalty_shape_the_batch():
 def test_lag_buckets_separate_staleness_from_numerics():
     max_lag = 2
     fn = resolve_loss("aipo")
-    x = LossInputs(torch.tensor([t[1] for t in tokens()], dtype=torch.float64),
-                   torch.tensor([t[2] for t in tokens()], dtype=torch.float64),
-                   torch.tensor([t[3] for t in tokens()], dtype=torch.float64),
-                   entropy=torch.tensor([t[4] for t in tokens()], dtype=torch.float64),
-                   sample_index=torch.tensor([t[0] for t in tokens()]), response_lengths=torch.tensor([3, 2, 4]),
-                   lags=torch.tensor([VERSION - v for s in SAMPLES for v in s[4]]))
+    x = LossInputs(
+        torch.tensor([t[1] for t in tokens()], dtype=torch.float64),
+        torch.tensor([t[2] for t in tokens()], dtype=torch.float64),
+        torch.tensor([t[3] for t in tokens()], dtype=torch.float64),
+        entropy=torch.tensor([t[4] for t in tokens()], dtype=torch.float64),
+        sample_index=torch.tensor([t[0] for t in tokens()]),
+        response_lengths=torch.tensor([3, 2, 4]),
+        lags=torch.tensor([VERSION - v for s in SAMPLES for v in s[4]]),
+    )
     out = fn(x, rho=4.0, mask_c=1.5)
     stats = micro_batch_stats(x, out, torch.tensor(0.0), torch.zeros(N), max_lag)
     m = metrics_from_totals(stats, max_lag)
     assert len(stats) == len(stat_fields(max_lag))
     buckets = {0: [], 1: [], 2: []}
-    for (i, lp, mu, _, _), s_ver in zip(tokens(), [v for s in SAMPLES for v in s[4]]):
+    for (_i, lp, mu, _, _), s_ver in zip(tokens(), [v for s in SAMPLES for v in s[4]]):
         buckets[VERSION - s_ver].append(math.exp(lp - mu))
     for b, ratios in buckets.items():
         assert m[f"tokens_lag{b}"] == len(ratios)
@@ -284,21 +348,30 @@ def test_lag_buckets_separate_staleness_from_numerics():
 # -- configuration ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["trainer.loss_agg=seq_mean"], r"trainer.loss_agg: 'seq_mean' is not one of"),
-    (["trainer.loss=dr_grpo", "trainer.normalize_advantage_std=true"], "trainer.normalize_advantage_std: .*Dr.GRPO"),
-    (["trainer.loss=dr_grpo", "trainer.loss_agg=token_mean"], "defined by its aggregation"),
-    (["trainer.loss=gspo", "trainer.loss_params={rho: 2}"], r"loss_params.rho: loss 'gspo' has no such parameter"),
-    (["trainer.loss_params={mask_level: sequence}"], "mask_level: used only with trainer.loss_params.mask_c"),
-    (["trainer.loss_params={mask_c: 0.9}"], r"mask_c: the band is \[1/c, c\], must be > 1"),
-    (["trainer.loss_params={is_level: seq}"], "is_level: 'seq' is not one of"),
-    (["trainer.entropy_coef=-0.1"], "trainer.entropy_coef: an entropy bonus, must be >= 0"),
-    (["trainer.overlong=cut"], "trainer.overlong: 'cut' is not one of"),
-    (["trainer.overlong=penalty"], r"trainer.overlong_buffer: .*must be in \[1, rollout.max_new_tokens=16\], got 0"),
-    (["trainer.overlong=penalty", "trainer.overlong_buffer=17"], "overlong_buffer: .*got 17"),
-    (["trainer.overlong_buffer=4"], "trainer.overlong_buffer: used only with trainer.overlong=penalty"),
-    (["trainer.loss=examples.losses.gmpo:gmpo", "trainer.loss_params={eps_low: -1}"], "eps_low must be > 0"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["trainer.loss_agg=seq_mean"], r"trainer.loss_agg: 'seq_mean' is not one of"),
+        (
+            ["trainer.loss=dr_grpo", "trainer.normalize_advantage_std=true"],
+            "trainer.normalize_advantage_std: .*Dr.GRPO",
+        ),
+        (["trainer.loss=dr_grpo", "trainer.loss_agg=token_mean"], "defined by its aggregation"),
+        (["trainer.loss=gspo", "trainer.loss_params={rho: 2}"], r"loss_params.rho: loss 'gspo' has no such parameter"),
+        (["trainer.loss_params={mask_level: sequence}"], "mask_level: used only with trainer.loss_params.mask_c"),
+        (["trainer.loss_params={mask_c: 0.9}"], r"mask_c: the band is \[1/c, c\], must be > 1"),
+        (["trainer.loss_params={is_level: seq}"], "is_level: 'seq' is not one of"),
+        (["trainer.entropy_coef=-0.1"], "trainer.entropy_coef: an entropy bonus, must be >= 0"),
+        (["trainer.overlong=cut"], "trainer.overlong: 'cut' is not one of"),
+        (
+            ["trainer.overlong=penalty"],
+            r"trainer.overlong_buffer: .*must be in \[1, rollout.max_new_tokens=16\], got 0",
+        ),
+        (["trainer.overlong=penalty", "trainer.overlong_buffer=17"], "overlong_buffer: .*got 17"),
+        (["trainer.overlong_buffer=4"], "trainer.overlong_buffer: used only with trainer.overlong=penalty"),
+        (["trainer.loss=examples.losses.gmpo:gmpo", "trainer.loss_params={eps_low: -1}"], "eps_low must be > 0"),
+    ],
+)
 def test_bad_loss_settings_are_refused_when_the_config_loads(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(TINY, overrides)
@@ -307,11 +380,25 @@ def test_bad_loss_settings_are_refused_when_the_config_loads(overrides, message)
 def test_loss_settings_reach_the_loss_config():
     from megarl.executors.trainer import loss_config
 
-    cfg = load_config(TINY, ["trainer.loss=gspo", "trainer.entropy_coef=0.01", "trainer.overlong=penalty",
-                             "trainer.overlong_buffer=4", "rollout.max_lag=3"])
+    cfg = load_config(
+        TINY,
+        [
+            "trainer.loss=gspo",
+            "trainer.entropy_coef=0.01",
+            "trainer.overlong=penalty",
+            "trainer.overlong_buffer=4",
+            "rollout.max_lag=3",
+        ],
+    )
     loss = loss_config(cfg)
     assert (loss.agg, loss.entropy_coef, loss.overlong, loss.overlong_buffer, loss.max_new_tokens, loss.max_lag) == (
-        None, 0.01, "penalty", 4, 16, 3)
+        None,
+        0.01,
+        "penalty",
+        4,
+        16,
+        3,
+    )
     assert resolve_agg(resolve_loss(loss.name), loss.agg) == "seq_mean_token_mean"
     assert loss_config(load_config(TINY, ["run.mode=sync"])).max_lag == 0
     assert loss_config(load_config(TINY, ["trainer.loss=gspo", "trainer.loss_agg=token_mean"])).agg == "token_mean"
@@ -325,8 +412,18 @@ def test_an_empty_micro_batch_contributes_nothing(case):
     cfg = LossConfig(name=loss, params=bind_loss_params(loss, params), agg=resolve_agg(fn, agg), max_new_tokens=M)
     empty = torch.zeros(0, dtype=torch.float64)
     none = torch.zeros(0, dtype=torch.long)
-    x = LossInputs(empty.clone().requires_grad_(), empty, empty, entropy=empty, sample_index=none,
-                   response_lengths=none, group_ids=none, lags=none, step_sequences=S, step_tokens=N)
+    x = LossInputs(
+        empty.clone().requires_grad_(),
+        empty,
+        empty,
+        entropy=empty,
+        sample_index=none,
+        response_lengths=none,
+        group_ids=none,
+        lags=none,
+        step_sequences=S,
+        step_tokens=N,
+    )
     out, per_token, kl = per_token_loss(fn, cfg, x)
     assert aggregate(cfg.agg, x, per_token, M).item() == 0.0
     stats = micro_batch_stats(x, out, torch.tensor(0.0), kl, 2)

@@ -15,16 +15,28 @@ import pytest
 
 from megarl.errors import ConfigError
 from megarl.models.presets import preset_spec
+from megarl.plan import activations
 from megarl.plan import llamarl_theorem as thm
 from megarl.plan.cli import add_plan_args, run_plan
-from megarl.plan import activations
 from megarl.plan.costs import H100CostModel, ModelShape, Workload
 from megarl.plan.hardware import GB, H100
-from megarl.plan.inputs import (FixedLayout, GeneratorLayout, LengthDistribution, PlanInputs, TrainerLayout,
-                                TrainerOptions)
+from megarl.plan.inputs import (
+    FixedLayout,
+    GeneratorLayout,
+    LengthDistribution,
+    PlanInputs,
+    TrainerLayout,
+    TrainerOptions,
+)
 from megarl.plan.llamarl_model import evaluate_async, plan_from_inputs, theorem_setting
-from megarl.plan.pipeline_appendix import (AppendixInputs, conventional, ideal_tokens_s, knee_lag, pipeline,
-                                           speedup_curve)
+from megarl.plan.pipeline_appendix import (
+    AppendixInputs,
+    conventional,
+    ideal_tokens_s,
+    knee_lag,
+    pipeline,
+    speedup_curve,
+)
 
 PAPER_CASES = [("llama3-8b", 256), ("llama3-70b", 256), ("llama3-405b", 1024)]
 
@@ -44,14 +56,19 @@ def _random_system(rng: random.Random) -> thm.AbstractSystem:
     def eta(scale):
         a, d, beta, wiggle = rng.uniform(0.2, 1.3), rng.uniform(0.5, 20), rng.uniform(0.3, 1.5), rng.uniform(0, 0.4)
         # strictly decreasing in b; any dependence on m (here not even monotone)
-        return lambda m, b: scale * m ** -a * (1 + wiggle * math.sin(m)) * (1 + d / b ** beta)
+        return lambda m, b: scale * m**-a * (1 + wiggle * math.sin(m)) * (1 + d / b**beta)
 
     trainer_state = rng.uniform(60, 900)  # GB of weights + grads + optimizer per replica
     return thm.AbstractSystem(
-        gpus=rng.choice([64, 256, 1024]), batch=rng.choice([512, 2048]), memory=80.0,
-        trainer_state=trainer_state, generator_weights=trainer_state * rng.uniform(0.05, 0.4),
-        activation_per_sample=rng.uniform(0.2, 3.0), kv_per_sample=rng.uniform(0.5, 4.0),
-        eta_t=eta(rng.uniform(0.1, 2.0)), eta_g=eta(rng.uniform(0.5, 20.0)),
+        gpus=rng.choice([64, 256, 1024]),
+        batch=rng.choice([512, 2048]),
+        memory=80.0,
+        trainer_state=trainer_state,
+        generator_weights=trainer_state * rng.uniform(0.05, 0.4),
+        activation_per_sample=rng.uniform(0.2, 3.0),
+        kv_per_sample=rng.uniform(0.5, 4.0),
+        eta_t=eta(rng.uniform(0.1, 2.0)),
+        eta_g=eta(rng.uniform(0.5, 20.0)),
     )
 
 
@@ -76,9 +93,17 @@ def test_theorem_7_5_random_decreasing_eta():
 
 def test_theorem_needs_decreasing_eta():
     """Without the assumption (eta flat in b, perfect scaling in m) asynchrony gains nothing."""
-    s = thm.AbstractSystem(gpus=256, batch=2048, memory=80.0, trainer_state=300.0, generator_weights=60.0,
-                           activation_per_sample=1.0, kv_per_sample=1.0,
-                           eta_t=lambda m, b: 2.0 / m, eta_g=lambda m, b: 10.0 / m)
+    s = thm.AbstractSystem(
+        gpus=256,
+        batch=2048,
+        memory=80.0,
+        trainer_state=300.0,
+        generator_weights=60.0,
+        activation_per_sample=1.0,
+        kv_per_sample=1.0,
+        eta_t=lambda m, b: 2.0 / m,
+        eta_g=lambda m, b: 10.0 / m,
+    )
     sync, best = thm.best_sync(s), thm.best_async(s)
     assert sync.seconds == pytest.approx(2048 / 256 * 12.0)
     assert best.seconds == pytest.approx(sync.seconds, rel=1e-12)
@@ -124,8 +149,9 @@ def test_activations_follow_recompute_and_sequence_parallel(tp, sp):
         assert local == pytest.approx(4 * tokens * _tiny_bytes_per_token(tp, False, seq, scores=True))
         assert act(TrainerLayout(tp, 1, recompute="selective", sequence_parallel=False), LOCAL) == act(none)
     # full: each layer's input (2h, / t with SP) for all 4 layers + one layer rebuilt at a time
-    full = TrainerLayout(tp, 1, recompute="full", recompute_method="uniform", recompute_num_layers=1,
-                         sequence_parallel=sp)
+    full = TrainerLayout(
+        tp, 1, recompute="full", recompute_method="uniform", recompute_num_layers=1, sequence_parallel=sp
+    )
     checkpoint = 2 * 64 / (tp if sp and tp > 1 else 1)
     assert act(full) == pytest.approx(tokens * (4 * checkpoint + per_token))
     # block 3: the first 3 layers checkpointed, the 4th keeps everything, one rebuilt at a time
@@ -152,8 +178,9 @@ def test_pipeline_stages_hold_the_micro_batches_1f1b_and_interleaving_keep_in_fl
     assert got == pytest.approx(p * (4 // p) * one_layer * tokens)  # p micro-batches of 1 layer
     inter = replace(plain, vpp=v)
     tiny8 = replace(TINY, layers=16)  # 16 layers: 4 per stage, 2 per chunk
-    ratio = (activations.stage_activations(tiny8, inter, TE, tokens, 256, 64, 0)
-             / activations.stage_activations(tiny8, plain, TE, tokens, 256, 64, 0))
+    ratio = activations.stage_activations(tiny8, inter, TE, tokens, 256, 64, 0) / activations.stage_activations(
+        tiny8, plain, TE, tokens, 256, 64, 0
+    )
     assert ratio == pytest.approx(1 + (p - 1) / (p * v))
     # few micro-batches: rank 0 cannot hold more than there are
     assert activations.chunks_in_flight(plain, micro_batches=2, rank=0) == 2
@@ -191,7 +218,7 @@ def test_memory_names_each_overflowing_part():
     assert full.fits and full.parts["activations"] == pytest.approx(4608 * (21 * 6 * 2 + 31.75) * 16384 / 8)
     # a generator asked to hold too many sequences runs out of KV cache: SGLang's pool is 85% of the GPU
     small = _costs("llama3-8b")
-    weights = 6_979_321_856 * (1 + 4 / 128 ** 2) + 2 * 525_336_576 * 2  # fp8 layers + bf16 embedding and head
+    weights = 6_979_321_856 * (1 + 4 / 128**2) + 2 * 525_336_576 * 2  # fp8 layers + bf16 embedding and head
     per_sequence = (512 + LengthDistribution().mean_inflight_position) * 32 * 2 * 8 * 128 * 2  # KV bf16 at TP1
     room = small.max_sequences(GeneratorLayout(1), "fp8", "continuous")
     assert room == int((0.85 * 80e9 - weights) // per_sequence)
@@ -205,13 +232,14 @@ def test_decode_step_by_hand():
     8 us + 2 (t - 1) / t of the message over 450 GB/s NVLink, 1 ms of step overhead."""
     costs = _costs("llama3-8b")
     linear, embedding, layers = 6_979_321_856 / 8, 525_336_576 / 8, 32
-    read = linear * (1 + 4 / 128 ** 2) + embedding * 2  # fp8 shard + bf16 lm_head shard
+    read = linear * (1 + 4 / 128**2) + embedding * 2  # fp8 shard + bf16 lm_head shard
     kv = 64 * 2000 * layers * 2 * 1 * 128 * 2  # one KV head per rank
     memory = (read + kv) / (3.35e12 * 0.8)
     compute = (2 * 64 * (linear + embedding) + 4 * 64 * 2000 * 128 * 32 / 8 * layers) / (1979e12 * 0.6)
     comm = 2 * layers * (8e-6 + 2 * 7 / 8 * 64 * 4096 * 2 / 450e9)
     assert costs.decode_step_seconds(GeneratorLayout(8), "fp8", 64, 2000) == pytest.approx(
-        max(memory, compute) + comm + 1e-3, rel=1e-9)
+        max(memory, compute) + comm + 1e-3, rel=1e-9
+    )
 
 
 # -- the search ------------------------------------------------------------------------------
@@ -220,7 +248,7 @@ def test_decode_step_by_hand():
 @pytest.mark.parametrize("model,gpus", PAPER_CASES)
 def test_search_layouts_respect_constraints(model, gpus):
     r = _plan(model, gpus)
-    a, s, batch = r.best_async, r.best_sync, 2048
+    a, s = r.best_async, r.best_sync
     # every GPU used, whole nodes and whole replicas, TP within a node
     assert a.trainer_gpus + a.generator_gpus == gpus
     assert a.trainer_gpus % 8 == 0 and a.generator_gpus % 8 == 0
@@ -284,10 +312,11 @@ def test_pipelinerl_scenario_reproduces_appendix_a():
 
 
 def test_measured_table_replaces_eta():
-    measured = {"trainer": {"8,1": 0.05, "16,1": 0.03},
-                "generator": [{"tp": 4, "b": 64, "seconds_per_sample": 0.4},
-                              {"tp": 4, "b": 128, "seconds_per_sample": 0.25}],
-                "sync_generator": {"8,16": 1.5, "8,64": 0.9, "16,64": 0.8}}
+    measured = {
+        "trainer": {"8,1": 0.05, "16,1": 0.03},
+        "generator": [{"tp": 4, "b": 64, "seconds_per_sample": 0.4}, {"tp": 4, "b": 128, "seconds_per_sample": 0.25}],
+        "sync_generator": {"8,16": 1.5, "8,64": 0.9, "16,64": 0.8},
+    }
     r = _plan("llama3-8b", 256, measured=measured)
     a, s = r.best_async, r.best_sync
     assert (a.trainer.tp, a.trainer.pp) in {(8, 1), (8, 2)} and a.generator.tp == 4
@@ -367,8 +396,9 @@ def _args(*argv):
 
 
 def test_cli_json_line(capsys):
-    result = run_plan(_args("--model", "llama3-70b", "--gpus", "256", "--batch", "2048", "--weight-sync", "estimate",
-                            "--json"))
+    result = run_plan(
+        _args("--model", "llama3-70b", "--gpus", "256", "--batch", "2048", "--weight-sync", "estimate", "--json")
+    )
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and json.loads(out[0]) == json.loads(json.dumps(result))
     assert result["speedup"] == pytest.approx(_plan("llama3-70b", 256).speedup, abs=1e-3)
@@ -399,10 +429,38 @@ def test_torch_engine_kernel_counts_are_what_the_engine_issues():
     from megarl.plan.engines import TORCH_OPS_PER_LAYER
     from megarl.weight_sync.endpoints import allocate_generator_params
 
-    views = {"view", "reshape", "_reshape_alias", "as_strided", "slice", "select", "split", "split_with_sizes",
-             "chunk", "unsqueeze", "squeeze", "transpose", "t", "permute", "expand", "detach", "alias", "empty",
-             "empty_strided", "_unsafe_view", "lift_fresh", "resolve_conj", "resolve_neg", "empty_like", "unbind",
-             "narrow", "view_as", "expand_as", "contiguous", "result_type"}
+    views = {
+        "view",
+        "reshape",
+        "_reshape_alias",
+        "as_strided",
+        "slice",
+        "select",
+        "split",
+        "split_with_sizes",
+        "chunk",
+        "unsqueeze",
+        "squeeze",
+        "transpose",
+        "t",
+        "permute",
+        "expand",
+        "detach",
+        "alias",
+        "empty",
+        "empty_strided",
+        "_unsafe_view",
+        "lift_fresh",
+        "resolve_conj",
+        "resolve_neg",
+        "empty_like",
+        "unbind",
+        "narrow",
+        "view_as",
+        "expand_as",
+        "contiguous",
+        "result_type",
+    }
 
     def kernel(e):
         def launches(name):
@@ -422,10 +480,12 @@ def test_torch_engine_kernel_counts_are_what_the_engine_issues():
         spec = replace(preset_spec("llama-mini"), num_layers=layers)
         # torch's SDPA and ops: the path a GPU runs, which the planner models (on CPU the engine's
         # C kernels replace SDPA, the cache writes, RMSNorm, RoPE and SwiGLU)
-        engine = TorchEngine(spec, allocate_generator_params(spec, 1, 0, torch.bfloat16, fp8=fp8), 8, 64,
-                             cpu_kernels="torch")
-        engine.submit([GenerationRequest(f"r{i}", [1, 2, 3], SamplingParams(max_new_tokens=20, seed=i))
-                       for i in range(8)])
+        engine = TorchEngine(
+            spec, allocate_generator_params(spec, 1, 0, torch.bfloat16, fp8=fp8), 8, 64, cpu_kernels="torch"
+        )
+        engine.submit(
+            [GenerationRequest(f"r{i}", [1, 2, 3], SamplingParams(max_new_tokens=20, seed=i)) for i in range(8)]
+        )
         engine.step(), engine.step()  # prefill, then decoding
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             engine.step()

@@ -15,7 +15,7 @@ from megarl.errors import ConfigError
 from megarl.models.presets import preset_spec
 from megarl.plan.dry_run import dry_run
 from megarl.plan.inputs import FixedLayout, GeneratorLayout, PlanInputs, TrainerLayout
-from megarl.plan.llamarl_model import evaluate_layout, pipeline_sizes, plan_from_inputs, trainer_layouts, build_costs
+from megarl.plan.llamarl_model import build_costs, evaluate_layout, pipeline_sizes, plan_from_inputs, trainer_layouts
 from megarl.weight_sync.layouts import sglang_rank_layout
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -77,13 +77,16 @@ def test_405b_dry_run_checks_1024_ranks_and_every_generator_shard():
     assert sum(shard) == 405_853_388_800 + (8 - 1) * norms
 
 
-@pytest.mark.parametrize("overrides,field", [
-    (("trainer.tp=16", "trainer.pp=3", "trainer.vpp=1"), "trainer.tp=16: TP group [0-15] spans nodes"),  # 768 ranks
-    (("trainer.dp=32",), "plan.gpus=1024: the config needs 1792 GPUs"),  # does not fit the allocation
-    (("trainer.pp=4", "trainer.vpp=1"), "trainer.tp=8 / trainer.pp=4"),  # 126 layers in 4 stages
-    (("trainer.max_tokens_per_microbatch=4096",), "trainer.max_tokens_per_microbatch=4096"),
-    (("plan.gpus_per_node=eight",), "plan.gpus_per_node"),
-])
+@pytest.mark.parametrize(
+    "overrides,field",
+    [
+        (("trainer.tp=16", "trainer.pp=3", "trainer.vpp=1"), "trainer.tp=16: TP group [0-15] spans nodes"),  # 768 ranks
+        (("trainer.dp=32",), "plan.gpus=1024: the config needs 1792 GPUs"),  # does not fit the allocation
+        (("trainer.pp=4", "trainer.vpp=1"), "trainer.tp=8 / trainer.pp=4"),  # 126 layers in 4 stages
+        (("trainer.max_tokens_per_microbatch=4096",), "trainer.max_tokens_per_microbatch=4096"),
+        (("plan.gpus_per_node=eight",), "plan.gpus_per_node"),
+    ],
+)
 def test_broken_layouts_are_named(overrides, field):
     with pytest.raises(ConfigError) as err:
         dry_run(_config("llama3_405b.yaml", *overrides))
@@ -97,10 +100,34 @@ def test_plan_config_json_has_step_times_and_speedup(capsys):
     assert 0 < steps["configured"] < steps["synchronous_baseline"]
     # the trainer's own settings, as configs/llama3_405b.yaml sets them (Megatron-LM's names)
     trainer = out["configured"]["trainer"]
-    assert {k: trainer[k] for k in ("tp", "pp", "dp", "gpus", "sequence_parallel", "cp", "vpp", "recompute",
-                                    "recompute_method", "recompute_num_layers", "micro_batch_tokens")} == {
-        "tp": 8, "pp": 6, "dp": 16, "gpus": 768, "sequence_parallel": True, "cp": 1, "vpp": 3, "recompute": "full",
-        "recompute_method": "block", "recompute_num_layers": 6, "micro_batch_tokens": 4608}
+    assert {
+        k: trainer[k]
+        for k in (
+            "tp",
+            "pp",
+            "dp",
+            "gpus",
+            "sequence_parallel",
+            "cp",
+            "vpp",
+            "recompute",
+            "recompute_method",
+            "recompute_num_layers",
+            "micro_batch_tokens",
+        )
+    } == {
+        "tp": 8,
+        "pp": 6,
+        "dp": 16,
+        "gpus": 768,
+        "sequence_parallel": True,
+        "cp": 1,
+        "vpp": 3,
+        "recompute": "full",
+        "recompute_method": "block",
+        "recompute_num_layers": 6,
+        "micro_batch_tokens": 4608,
+    }
     assert out["configured"]["generator"]["replicas"] == 32 and out["configured"]["fits"]
     assert out["configured"]["memory"]["generator"]["layout"].startswith("TP8 fp8 x64")
     assert out["configured"]["weight_sync_method"] == "predict"
@@ -143,8 +170,15 @@ def test_configured_layout_is_the_trainers_settings():
     assert inputs.generator_backend == "sglang" and inputs.generator_mem_fraction == cfg.generator.sglang_mem_fraction
     assert inputs.trainer_options.state_sharding == "optimizer"  # optimizer.use_distributed_optimizer
     # Megatron's recompute_granularity None is no recomputation, not the old default "selective"
-    off = trainer_layout(_config("llama3_405b.yaml", "trainer.recompute_granularity=null",
-                                 "trainer.recompute_method=null", "trainer.recompute_num_layers=null"), inputs)
+    off = trainer_layout(
+        _config(
+            "llama3_405b.yaml",
+            "trainer.recompute_granularity=null",
+            "trainer.recompute_method=null",
+            "trainer.recompute_num_layers=null",
+        ),
+        inputs,
+    )
     assert off.recompute == "none"
     plain = inputs_from_config(_config("llama3_405b.yaml", "optimizer.use_distributed_optimizer=false"))
     assert plain.trainer_options.state_sharding == "none"
@@ -157,8 +191,11 @@ def test_plan_recompute_field_is_refused_naming_the_trainer_field():
         plan_section(_config("llama3_405b.yaml", "plan.recompute=selective"))
 
 
-_NO_RECOMPUTE = ("trainer.recompute_granularity=null", "trainer.recompute_method=null",
-                 "trainer.recompute_num_layers=null")
+_NO_RECOMPUTE = (
+    "trainer.recompute_granularity=null",
+    "trainer.recompute_method=null",
+    "trainer.recompute_num_layers=null",
+)
 
 
 def test_a_config_that_does_not_fit_is_refused_naming_activations(capsys):
@@ -169,8 +206,9 @@ def test_a_config_that_does_not_fit_is_refused_naming_activations(capsys):
     assert "PP rank 0: activations" in err and "overflows the 80 GB GPU" in err
     assert "trainer.recompute_granularity=full" in err  # the remedy, priced: it fits
     # the same with sequence parallelism off too: the remedy list starts with it
-    code = megarl_main(["plan", "--config", str(ROOT / "configs/llama3_405b.yaml"), *_NO_RECOMPUTE,
-                        "trainer.sequence_parallel=false"])
+    code = megarl_main(
+        ["plan", "--config", str(ROOT / "configs/llama3_405b.yaml"), *_NO_RECOMPUTE, "trainer.sequence_parallel=false"]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "activations" in err and "fits with trainer.sequence_parallel=true" in err
 
@@ -186,8 +224,11 @@ def test_prepare_only_refuses_a_config_that_does_not_fit(monkeypatch):
 
     monkeypatch.setattr(megarl.model_source, "prepare_model", no_conversion)
     with pytest.raises(ConfigError, match=r"trainer TP8xPP6 VPP3 mb1 no recompute, PP rank 0: activations"):
-        train(str(ROOT / "configs/llama3_405b.yaml"), ["trainer.sequence_parallel=false", *_NO_RECOMPUTE],
-              prepare_only=True)
+        train(
+            str(ROOT / "configs/llama3_405b.yaml"),
+            ["trainer.sequence_parallel=false", *_NO_RECOMPUTE],
+            prepare_only=True,
+        )
 
 
 def test_prepare_only_skips_the_planner_for_cpu_configs(monkeypatch, capsys):
@@ -224,8 +265,10 @@ def test_generator_backend_changes_memory_and_time():
 
 
 def test_plan_config_json_carries_the_paper_scenario(capsys):
-    assert megarl_main(["plan", "--config", str(ROOT / "configs/llama3_70b.yaml"), "--json",
-                        "plan.weight_sync=estimate"]) == 0
+    assert (
+        megarl_main(["plan", "--config", str(ROOT / "configs/llama3_70b.yaml"), "--json", "plan.weight_sync=estimate"])
+        == 0
+    )
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     sc = out["paper_scenario"]
     assert sc["scenario"] == "llamarl-70b" and sc["paper_speedup"] == 3.98

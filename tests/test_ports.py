@@ -17,7 +17,7 @@ def test_a_job_gets_three_free_ports_below_the_ephemeral_range_and_never_the_sam
             with socket.socket() as s:
                 s.bind(("", port))  # raises if taken
     blocks = [set(range(b, b + ports.PORTS_PER_JOB)) for b in bases]
-    assert all(not (a & b) for i, a in enumerate(blocks) for b in blocks[i + 1:])
+    assert all(not (a & b) for i, a in enumerate(blocks) for b in blocks[i + 1 :])
 
 
 def test_a_block_with_its_store_port_taken_is_passed_over(monkeypatch):

@@ -37,8 +37,18 @@ def runs(tiny_hf, tiny_megatron, tmp_path_factory):
     out = tmp_path_factory.mktemp("recompute")
     samples = out / "samples.pt"
     save_samples(make_samples(tiny_hf, vocab_size=300), samples)
-    run_ranks(4, "recompute_worker.py", "--checkpoint", tiny_megatron, "--samples", samples, "--out", out,
-              "--settings", *SETTINGS)
+    run_ranks(
+        4,
+        "recompute_worker.py",
+        "--checkpoint",
+        tiny_megatron,
+        "--samples",
+        samples,
+        "--out",
+        out,
+        "--settings",
+        *SETTINGS,
+    )
     return out
 
 
@@ -62,8 +72,10 @@ def test_recompute_changes_no_number(runs, setting, what):
 def test_recompute_lowers_each_ranks_peak_activations(runs):
     none, selective = peaks(runs, "none"), peaks(runs, "selective")
     full_uniform, full_block = peaks(runs, "full-uniform"), peaks(runs, "full-block")
-    print(f"peak activation bytes per rank: none {none}, selective {selective}, full-uniform {full_uniform}, "
-          f"full-block {full_block}")
+    print(
+        f"peak activation bytes per rank: none {none}, selective {selective}, full-uniform {full_uniform}, "
+        f"full-block {full_block}"
+    )
     # Selective recomputation drops core attention's saved tensors. The core attention is SDPA, one
     # causal call per packed sample (megarl/models/sdpa_attention.py): it saves its output and the
     # keys and values expanded to the query heads, [heads/TP = 2, 64 positions, head dim 16] fp32 =

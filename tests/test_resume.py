@@ -23,8 +23,15 @@ import pytest
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-ARGS = ["--config", str(ROOT / "configs" / "tiny_cpu.yaml"), "run.mode=sync", "run.steps=4", "model.tokenizer=none",
-        "data.train=random:64:1:12", "reward.function=synthetic_parity"]
+ARGS = [
+    "--config",
+    str(ROOT / "configs" / "tiny_cpu.yaml"),
+    "run.mode=sync",
+    "run.steps=4",
+    "model.tokenizer=none",
+    "data.train=random:64:1:12",
+    "reward.function=synthetic_parity",
+]
 
 
 def train_cmd(out: Path):
@@ -72,8 +79,9 @@ def test_sigterm_saves_at_the_step_boundary_and_the_relaunch_continues_bitwise(s
 
 def test_a_second_signal_exits_at_once(tmp_path):
     out = tmp_path / "run"
-    proc = subprocess.Popen(train_cmd(out) + ["run.steps=50"], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        train_cmd(out) + ["run.steps=50"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     metrics = out / "metrics.jsonl"
     deadline = time.monotonic() + 600
     while not metrics.exists():
@@ -92,8 +100,17 @@ def test_a_second_signal_exits_at_once(tmp_path):
 def test_replay_reproduces_the_recorded_losses(straight, tmp_path):
     """`megarl train --replay`: the trainer ranks alone, on the recorded token ids, reproduce each step's loss."""
     out = tmp_path / "replay"
-    cmd = [sys.executable, "-m", "megarl.cli", "train", "--config", str(straight / "config.json"),
-           "--replay", str(straight / "rollouts.jsonl"), f"run.output_dir={out}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "megarl.cli",
+        "train",
+        "--config",
+        str(straight / "config.json"),
+        "--replay",
+        str(straight / "rollouts.jsonl"),
+        f"run.output_dir={out}",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     recorded = [m["loss"] for m in records(straight, "metrics.jsonl")]
@@ -116,12 +133,29 @@ def test_a_stopped_rank_ends_the_job_naming_it(tmp_path, rank, role):
     hang_timeout = 15
     out, scratch = tmp_path / "run", tmp_path / "tmp"
     scratch.mkdir()
-    cmd = [sys.executable, "-m", "megarl.cli", "train", "--config", str(ROOT / "configs" / "tiny_cpu.yaml"),
-           "run.steps=200", f"run.hang_timeout_s={hang_timeout}", "model.tokenizer=none",
-           "data.train=random:64:1:12", "reward.function=synthetic_parity", f"run.output_dir={out}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "megarl.cli",
+        "train",
+        "--config",
+        str(ROOT / "configs" / "tiny_cpu.yaml"),
+        "run.steps=200",
+        f"run.hang_timeout_s={hang_timeout}",
+        "model.tokenizer=none",
+        "data.train=random:64:1:12",
+        "reward.function=synthetic_parity",
+        f"run.output_dir={out}",
+    ]
     # TMPDIR: the launcher's rank directory (runtime/launch.py) lands where this test finds it
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "TMPDIR": str(scratch)})
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "TMPDIR": str(scratch)},
+    )
     metrics = out / "metrics.jsonl"
     deadline = time.monotonic() + 600
     while not (metrics.exists() and metrics.read_text().count("\n") >= 2):  # the loop is running
@@ -147,8 +181,10 @@ def test_a_stopped_rank_ends_the_job_naming_it(tmp_path, rank, role):
             err = proc.communicate(timeout=60)[1]
         except subprocess.TimeoutExpired as late:  # (its output so far comes as bytes)
             err = late.stderr.decode(errors="replace") if isinstance(late.stderr, bytes) else (late.stderr or "")
-        raise AssertionError(f"the job did not end; stopped pid {stopped}; its stderr:\n{err[-4000:]}\n"
-                             + "\n".join(line[:160] for line in tree.splitlines() if "python" in line))
+        raise AssertionError(
+            f"the job did not end; stopped pid {stopped}; its stderr:\n{err[-4000:]}\n"
+            + "\n".join(line[:160] for line in tree.splitlines() if "python" in line)
+        ) from None
     finally:
         if proc.poll() is None:
             proc.kill()

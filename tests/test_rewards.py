@@ -103,7 +103,8 @@ USER_MODULE = "megarl_test_user_reward"
 def user_reward_module(tmp_path_factory):
     """A user reward module on sys.path (the spawned workers inherit sys.path)."""
     root = tmp_path_factory.mktemp("user_reward")
-    (root / f"{USER_MODULE}.py").write_text(textwrap.dedent("""
+    (root / f"{USER_MODULE}.py").write_text(
+        textwrap.dedent("""
         import os, time
 
         def exact(response_text, answer, **kwargs):
@@ -115,7 +116,8 @@ def user_reward_module(tmp_path_factory):
             if response_text == "raise":
                 raise KeyError("boom")
             return float(response_text == answer) + kwargs.get("bonus", 0.0)
-    """))
+    """)
+    )
     sys.path.insert(0, str(root))
     yield f"{USER_MODULE}:exact"
     sys.path.remove(str(root))
@@ -136,8 +138,7 @@ def test_dotted_path_user_reward_loads(user_reward_module):
 
 
 def test_user_reward_scores_with_meta_as_kwargs(user_pool):
-    results = user_pool.score(["7", "8", "7"], ["7", "7", "7"], timeout_s=10.0,
-                              metas=[{}, {}, {"bonus": 0.5}])
+    results = user_pool.score(["7", "8", "7"], ["7", "7", "7"], timeout_s=10.0, metas=[{}, {}, {"bonus": 0.5}])
     assert [r.score for r in results] == [1.0, 0.0, 1.5]
 
 
@@ -173,12 +174,15 @@ def test_score_batch_timeout_with_user_path(user_reward_module):
     assert [(r.score, r.reason) for r in results] == [(0.0, TIMEOUT), (1.0, "ok")]
 
 
-@pytest.mark.parametrize("spec,message", [
-    ("no_such_reward", "not a built-in reward"),
-    ("no_such_package.module:fn", "cannot import module 'no_such_package.module'"),
-    ("megarl.rewards.registry:no_such_fn", "has no attribute 'no_such_fn'"),
-    ("megarl.rewards.registry:FIELD", "not a function"),
-])
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ("no_such_reward", "not a built-in reward"),
+        ("no_such_package.module:fn", "cannot import module 'no_such_package.module'"),
+        ("megarl.rewards.registry:no_such_fn", "has no attribute 'no_such_fn'"),
+        ("megarl.rewards.registry:FIELD", "not a function"),
+    ],
+)
 def test_unresolvable_reward_names_the_field(spec, message):
     with pytest.raises(ConfigError, match="reward.function") as info:
         resolve_reward(spec)

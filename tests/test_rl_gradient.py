@@ -72,8 +72,10 @@ def check(out, run, case, reference):
     ref_sq = sum((ref**2).sum().item() for ref in ref_grads.values())
     overall = (diff_sq / ref_sq) ** 0.5
     worst = max(((ours[k] - ref).norm() / ref.norm()).item() for k, ref in ref_grads.items())
-    print(f"{run} {case}: {record['micro_batches']} micro-batches, relative gradient error {overall:.2e} "
-          f"(worst tensor {worst:.2e}), loss {record['loss_sum'] / record['tokens']:.6f} vs {ref_loss:.6f}")
+    print(
+        f"{run} {case}: {record['micro_batches']} micro-batches, relative gradient error {overall:.2e} "
+        f"(worst tensor {worst:.2e}), loss {record['loss_sum'] / record['tokens']:.6f} vs {ref_loss:.6f}"
+    )
     assert overall <= 1e-5 and worst <= 2e-5
     # the output layer computed logits for the response tokens alone (trainer/response_logits.py),
     # not for the prompts packed with them
@@ -94,18 +96,26 @@ def test_sequence_losses_match_transformers_reference(run, case, megatron_runs, 
     # the batch exercises what the case names: some but not all tokens clipped / masked, and
     # where it acts on whole sequences (gspo's clip, aipo_seq's weight, ppo_mis's mask), some
     # but not all sequences (token-level flags touch every sample of this noisy batch)
-    flags = {"gspo": ["clip_seq"], "aipo_seq": ["clip_seq", "mask"], "ppo_mis": ["clip", "mask_seq"],
-             "dr_grpo": ["clip"], "gmpo": ["clip"]}[case]
+    flags = {
+        "gspo": ["clip_seq"],
+        "aipo_seq": ["clip_seq", "mask"],
+        "ppo_mis": ["clip", "mask_seq"],
+        "dr_grpo": ["clip"],
+        "gmpo": ["clip"],
+    }[case]
     for flag in flags:
         assert 0 < m[f"{flag}_frac"] < 1, (flag, m[f"{flag}_frac"])
 
 
 def test_micro_batch_counts(megatron_runs):
-    counts = [json.loads((megatron_runs / f"{r.replace(':', '_')}_aipo.json").read_text())["micro_batches"]
-              for r in SINGLE]
+    counts = [
+        json.loads((megatron_runs / f"{r.replace(':', '_')}_aipo.json").read_text())["micro_batches"] for r in SINGLE
+    ]
     assert counts == [1, 2, 4]
-    counts = [json.loads((megatron_runs / f"{r.replace(':', '_')}_gspo.json").read_text())["micro_batches"]
-              for r in ("2x2:128", "2x2:64", "2x2:32")]
+    counts = [
+        json.loads((megatron_runs / f"{r.replace(':', '_')}_gspo.json").read_text())["micro_batches"]
+        for r in ("2x2:128", "2x2:64", "2x2:32")
+    ]
     assert counts == [1, 2, 4]
 
 
@@ -118,8 +128,9 @@ def test_mismatch_metrics_and_trainer_logprobs_match_the_reference(tiny_hf, batc
     samples = batch[0]
     model = AutoModelForCausalLM.from_pretrained(tiny_hf, dtype=torch.float32).eval()
     buckets = {0: [], 1: [], 2: []}
-    ratios, ours_logp = [], []
+    ratios = []
     record = json.loads((megatron_runs / "2x2_32_gspo.json").read_text())
+    assert len(record["trainer_logprobs"]) == len(samples)  # one per sample: the zip below drops none
     for s, handed_back in zip(samples, record["trainer_logprobs"]):
         with torch.no_grad():
             logp = response_logprobs(model, s.prompt_tokens, s.response_tokens, 0.8).tolist()
@@ -133,6 +144,5 @@ def test_mismatch_metrics_and_trainer_logprobs_match_the_reference(tiny_hf, batc
         mean = sum(rs) / len(rs)
         assert m[f"tokens_lag{b}"] == len(rs)
         assert m[f"kl_mu_pi_lag{b}"] == pytest.approx(sum(r - 1 - math.log(r) for r in rs) / len(rs), rel=1e-4)
-        assert m[f"ratio_std_lag{b}"] == pytest.approx(math.sqrt(sum((r - mean) ** 2 for r in rs) / len(rs)),
-                                                       rel=1e-4)
+        assert m[f"ratio_std_lag{b}"] == pytest.approx(math.sqrt(sum((r - mean) ** 2 for r in rs) / len(rs)), rel=1e-4)
     assert m["ess"] == pytest.approx(sum(ratios) ** 2 / (len(ratios) * sum(r * r for r in ratios)), rel=1e-4)

@@ -31,8 +31,15 @@ TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
 
 
 def test_config_errors_name_the_field(tmp_path):
-    cfg = load_config(TINY, ["optimizer.lr=3e-4", "generator.backend=sglang", "generator.replicas=2",
-                             "generator.sglang_urls=http://a:1,http://b:2"])
+    cfg = load_config(
+        TINY,
+        [
+            "optimizer.lr=3e-4",
+            "generator.backend=sglang",
+            "generator.replicas=2",
+            "generator.sglang_urls=http://a:1,http://b:2",
+        ],
+    )
     assert cfg.optimizer.lr == 3e-4 and cfg.generator.sglang_urls == ["http://a:1", "http://b:2"]
     cases = {
         "trainer.tp=two": "trainer.tp: expected an integer",
@@ -112,8 +119,9 @@ def test_async_and_sync_loops(tmp_path):
     for mode, layout in (("async", "trainer.pp=1"), ("sync", "trainer.pp=2")):
         # a random model earns no reward on arithmetic: the entropy bonus alone moves the policy, so
         # the ratios of later steps differ from 1 and the ESS check below has something to check
-        summary, metrics, rollouts = _train(tmp_path / mode, f"run.mode={mode}", f"rollout.max_lag={max_lag}", layout,
-                                            "trainer.entropy_coef=0.1")
+        summary, metrics, rollouts = _train(
+            tmp_path / mode, f"run.mode={mode}", f"rollout.max_lag={max_lag}", layout, "trainer.entropy_coef=0.1"
+        )
         results[mode] = summary
         assert [m["step"] for m in metrics] == [1, 2, 3]
         # step 1 trains on samples of the very policy it holds: the engine's behaviour log-probs
@@ -123,8 +131,12 @@ def test_async_and_sync_loops(tmp_path):
         for m in metrics:
             # ESS = (sum r)^2 / (N sum r^2) recomputed from every trained token's recorded ratio
             # r = pi / mu (the trainer's log pi and the generator's log mu, both in rollouts.jsonl)
-            ratios = [math.exp(lp - mu) for x in rollouts if x["step"] == m["step"]
-                      for lp, mu in zip(x["trainer_logprobs"], x["behaviour_logprobs"])]
+            ratios = [
+                math.exp(lp - mu)
+                for x in rollouts
+                if x["step"] == m["step"]
+                for lp, mu in zip(x["trainer_logprobs"], x["behaviour_logprobs"])
+            ]
             assert len(ratios) == m["response_tokens"]
             ess = sum(ratios) ** 2 / (len(ratios) * sum(w * w for w in ratios))
             assert m["ess"] == pytest.approx(ess, rel=1e-5), (m, ess)
@@ -146,8 +158,9 @@ def test_async_and_sync_loops(tmp_path):
 def test_killed_rank_ends_the_job_with_its_name(tmp_path):
     out = tmp_path / "killed"
     cmd = [sys.executable, "-m", "megarl.cli", "train", "--config", TINY, f"run.output_dir={out}", "run.steps=50"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         deadline = time.time() + 600
         while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text().strip():

@@ -22,8 +22,18 @@ def stepped(tiny_hf, tiny_megatron, tmp_path_factory):
     out = tmp_path_factory.mktemp("rl_step")
     samples = make_samples(tiny_hf, vocab_size=300)
     save_samples(samples, out / "samples.pt")
-    run_ranks(2, "rl_step_worker.py", "--checkpoint", tiny_megatron, "--samples", out / "samples.pt",
-              "--out", out, "--layout", "1x2")
+    run_ranks(
+        2,
+        "rl_step_worker.py",
+        "--checkpoint",
+        tiny_megatron,
+        "--samples",
+        out / "samples.pt",
+        "--out",
+        out,
+        "--layout",
+        "1x2",
+    )
     return out, json.loads((out / "metrics.json").read_text()), samples
 
 
@@ -46,11 +56,14 @@ def test_user_loss_by_dotted_path_takes_a_real_step(stepped, tiny_megatron, tiny
     m = metrics["custom"][0]
     assert not m["skipped"] and m["response_tokens"] == 84 and m["samples"] == 8
     # the user loss (AIPO + entropy bonus), written out on transformers, and plain AIPO
-    ours_grads, ours_loss = reference_grads(tiny_hf, samples, dict(name="aipo", params={"rho": RHO},
-                                                                     entropy_coef=ENTROPY_COEF))
+    ours_grads, ours_loss = reference_grads(
+        tiny_hf, samples, dict(name="aipo", params={"rho": RHO}, entropy_coef=ENTROPY_COEF)
+    )
     aipo_grads, aipo_loss = reference_grads(tiny_hf, samples, dict(name="aipo", params={"rho": RHO}))
-    print(f"loss {m['loss']:.6f} (reference {ours_loss:.6f}, AIPO alone {aipo_loss:.6f}); grad norm "
-          f"{m['grad_norm']:.6f} (reference {grad_norm(ours_grads):.6f}, AIPO alone {grad_norm(aipo_grads):.6f})")
+    print(
+        f"loss {m['loss']:.6f} (reference {ours_loss:.6f}, AIPO alone {aipo_loss:.6f}); grad norm "
+        f"{m['grad_norm']:.6f} (reference {grad_norm(ours_grads):.6f}, AIPO alone {grad_norm(aipo_grads):.6f})"
+    )
     assert m["loss"] == pytest.approx(ours_loss, rel=1e-5) and m["loss"] != pytest.approx(aipo_loss, rel=1e-2)
     # the bonus changes the norm little (its gradient is nearly orthogonal to AIPO's) but far more
     # than Megatron and the reference differ
@@ -58,11 +71,17 @@ def test_user_loss_by_dotted_path_takes_a_real_step(stepped, tiny_megatron, tiny
     # importance-ratio metrics from transformers' log-probs of the same tokens
     model = __import__("transformers").AutoModelForCausalLM.from_pretrained(tiny_hf, dtype=torch.float32).eval()
     with torch.no_grad():
-        ratios = [math.exp(lp - mu) for s in samples for lp, mu in zip(
-            response_logprobs(model, s.prompt_tokens, s.response_tokens, 0.8).tolist(), s.behaviour_logprobs)]
+        ratios = [
+            math.exp(lp - mu)
+            for s in samples
+            for lp, mu in zip(
+                response_logprobs(model, s.prompt_tokens, s.response_tokens, 0.8).tolist(), s.behaviour_logprobs
+            )
+        ]
     assert m["ess"] == pytest.approx(sum(ratios) ** 2 / (len(ratios) * sum(r * r for r in ratios)), rel=1e-4)
     assert m["clip_frac"] == sum(r > RHO for r in ratios) / len(ratios) and m["ratio_max"] == pytest.approx(
-        max(ratios), rel=1e-4)
+        max(ratios), rel=1e-4
+    )
     assert m["kl_mu_pi"] == pytest.approx(sum(r - 1 - math.log(r) for r in ratios) / len(ratios), rel=1e-4)
     assert m["tokens_per_s"] > 0
     assert m["packing_efficiency"] == pytest.approx(1.0)  # 16-position samples fill 32-position rows
@@ -101,7 +120,9 @@ def test_kl_penalty_pulls_the_policy_back_to_the_reference(stepped):
     # SGD moves by -lr * g; d KL = g . step = -lr |g|^2 to first order
     predicted = KL_LR * second["grad_norm"] ** 2
     drop = second["kl_ref"] - third["kl_ref"]
-    print(f"KL(pi || ref): {second['kl_ref']:.3e} -> {third['kl_ref']:.3e}, drop {drop:.3e}, "
-          f"first-order prediction {predicted:.3e}")
+    print(
+        f"KL(pi || ref): {second['kl_ref']:.3e} -> {third['kl_ref']:.3e}, drop {drop:.3e}, "
+        f"first-order prediction {predicted:.3e}"
+    )
     assert third["kl_ref"] < 0.9 * second["kl_ref"]
     assert drop == pytest.approx(predicted, rel=0.2)

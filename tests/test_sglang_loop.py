@@ -29,8 +29,14 @@ from tests.conftest import ROOT, _env, server_port
 TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
 SERVER = f"{sys.executable} {ROOT / 'tests' / 'sglang_test_server.py'}"
 STEPS, MAX_LAG = 4, 2
-COMMON = ["generator.backend=sglang", "generator.verify_sync=true", "reward.function=synthetic_parity",
-          f"run.steps={STEPS}", f"rollout.max_lag={MAX_LAG}", "rollout.max_new_tokens=32"]
+COMMON = [
+    "generator.backend=sglang",
+    "generator.verify_sync=true",
+    "reward.function=synthetic_parity",
+    f"run.steps={STEPS}",
+    f"rollout.max_lag={MAX_LAG}",
+    "rollout.max_new_tokens=32",
+]
 
 
 def _env_with(stats: Path) -> dict:
@@ -65,8 +71,15 @@ def _check_run(metrics, rollouts, stats) -> None:
     assert two, "no trained sequence carries two policy versions (no in-flight update)"
     # the server side: SGLang's update protocol ran once per sync, in order, every route validated
     assert stats["updates"] == STEPS and stats["versions"] == [str(v) for v in range(STEPS)]
-    for route in ("/generate", "/pause_generation", "/begin_weight_update", "/update_weights_from_tensor",
-                  "/end_weight_update", "/update_weight_version", "/continue_generation"):
+    for route in (
+        "/generate",
+        "/pause_generation",
+        "/begin_weight_update",
+        "/update_weights_from_tensor",
+        "/end_weight_update",
+        "/update_weight_version",
+        "/continue_generation",
+    ):
         assert stats["requests"].get(route, 0) >= (1 if route == "/generate" else STEPS), (route, stats)
     assert stats["two_version_samples"] > 0
 
@@ -76,8 +89,9 @@ def test_train_launches_and_attaches_sglang_servers(tmp_path):
     # launch: the job starts the server for its replica, through the same code path as SGLang's
     launched = tmp_path / "launch"
     stats = tmp_path / "launch_stats.json"
-    metrics, rollouts = _train(launched, _env_with(stats), f"generator.sglang_launcher={SERVER}",
-                               f"generator.sglang_port={server_port()}")
+    metrics, rollouts = _train(
+        launched, _env_with(stats), f"generator.sglang_launcher={SERVER}", f"generator.sglang_port={server_port()}"
+    )
     _check_run(metrics, rollouts, json.loads(stats.read_text()))
     log = (launched / "sglang" / "replica0.log").read_text()
     assert "--custom-weight-loader megarl.generator.sglang.worker_receiver.pull_shards" in log
@@ -87,15 +101,40 @@ def test_train_launches_and_attaches_sglang_servers(tmp_path):
     attached = tmp_path / "attach"
     stats = tmp_path / "attach_stats.json"
     url = f"http://127.0.0.1:{server_port()}"
-    overrides = [*COMMON, f"run.output_dir={attached}", f"generator.sglang_urls={url}",
-                 f"generator.sglang_launcher={SERVER}"]
-    printed = subprocess.run([sys.executable, "-m", "megarl.cli", "sglang-command", "--config", TINY, "--model-path",
-                              str(launched / "sglang" / "model"), *overrides], cwd=ROOT, env=_env(),
-                             capture_output=True, text=True, check=True).stdout.strip()
+    overrides = [
+        *COMMON,
+        f"run.output_dir={attached}",
+        f"generator.sglang_urls={url}",
+        f"generator.sglang_launcher={SERVER}",
+    ]
+    printed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megarl.cli",
+            "sglang-command",
+            "--config",
+            TINY,
+            "--model-path",
+            str(launched / "sglang" / "model"),
+            *overrides,
+        ],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     assert printed.startswith("MEGARL_SYNC_CONFIG=") and f"--port {url.rsplit(':', 1)[1]}" in printed
-    server = subprocess.Popen(printed.replace("--host 0.0.0.0", "--host 127.0.0.1"), shell=True, cwd=ROOT,
-                              env=_env_with(stats), start_new_session=True, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.STDOUT)
+    server = subprocess.Popen(
+        printed.replace("--host 0.0.0.0", "--host 127.0.0.1"),
+        shell=True,
+        cwd=ROOT,
+        env=_env_with(stats),
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
     try:
         metrics, rollouts = _train(attached, _env_with(stats), f"generator.sglang_urls={url}")
         _check_run(metrics, rollouts, json.loads(stats.read_text()))
@@ -108,10 +147,28 @@ def test_train_launches_and_attaches_sglang_servers(tmp_path):
 def test_killed_server_ends_the_job_naming_it(tmp_path):
     out, stats = tmp_path / "killed", tmp_path / "stats.json"
     port = server_port()
-    cmd = [sys.executable, "-m", "megarl.cli", "train", "--config", TINY, f"run.output_dir={out}", *COMMON,
-           "run.steps=200", f"generator.sglang_launcher={SERVER}", f"generator.sglang_port={port}"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env_with(stats), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "megarl.cli",
+        "train",
+        "--config",
+        TINY,
+        f"run.output_dir={out}",
+        *COMMON,
+        "run.steps=200",
+        f"generator.sglang_launcher={SERVER}",
+        f"generator.sglang_port={port}",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=_env_with(stats),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.time() + 600
         while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text().strip():

@@ -17,10 +17,10 @@ from typing import Any, Dict
 
 import pytest
 
-from tests import sglang_source
 from megarl.errors import MegarlError
 from megarl.generator.interface import ABORTED, GenerationRequest, SamplingParams
 from megarl.generator.sglang import protocol, serving
+from tests import sglang_source
 
 
 @pytest.fixture(autouse=True)
@@ -35,9 +35,14 @@ def _fields(name: str, rel: str = "managers/io_struct.py") -> Dict[str, str]:
     return sglang_source.class_fields(rel, name)
 
 
-REQUEST = GenerationRequest("q7", [5, 6, 7], SamplingParams(temperature=0.7, top_p=1.0, max_new_tokens=9,
-                                                             stop_token_ids=(2,), seed=11), n=2, group_id=3,
-                            meta={"answer": "4"})
+REQUEST = GenerationRequest(
+    "q7",
+    [5, 6, 7],
+    SamplingParams(temperature=0.7, top_p=1.0, max_new_tokens=9, stop_token_ids=(2,), seed=11),
+    n=2,
+    group_id=3,
+    meta={"answer": "4"},
+)
 
 
 def test_generate_request_uses_sglang_field_names():
@@ -99,9 +104,18 @@ def test_launch_arguments_are_sglang_server_args():
 
 
 def test_every_endpoint_megarl_calls_is_an_sglang_route():
-    used = {"/generate", "/pause_generation", "/begin_weight_update", "/update_weights_from_tensor",
-            "/update_weights_from_distributed", "/end_weight_update", "/update_weight_version",
-            "/continue_generation", "/abort_request", "/health"}
+    used = {
+        "/generate",
+        "/pause_generation",
+        "/begin_weight_update",
+        "/update_weights_from_tensor",
+        "/update_weights_from_distributed",
+        "/end_weight_update",
+        "/update_weight_version",
+        "/continue_generation",
+        "/abort_request",
+        "/health",
+    }
     assert used <= sglang_source.http_routes(), used - sglang_source.http_routes()
 
 
@@ -115,10 +129,16 @@ def test_block_fp8_scales_are_renamed_by_sglangs_loader():
 
 
 def _sglang_answer(output_ids, logprobs, meta_extra, finish="length"):
-    return {"text": "", "output_ids": output_ids,
-            "meta_info": {"id": "x", "finish_reason": {"type": finish, "length": len(output_ids)},
-                          "output_token_logprobs": [(lp, t, None) for lp, t in zip(logprobs, output_ids)],
-                          **meta_extra}}
+    return {
+        "text": "",
+        "output_ids": output_ids,
+        "meta_info": {
+            "id": "x",
+            "finish_reason": {"type": finish, "length": len(output_ids)},
+            "output_token_logprobs": [(lp, t, None) for lp, t in zip(logprobs, output_ids)],
+            **meta_extra,
+        },
+    }
 
 
 def test_version_spans_from_sglangs_own_bookkeeping():

@@ -36,8 +36,9 @@ class _Server:
 
 def _backend(server, failures):
     # a URL nobody answers: the watchdog only gets as far as the process check when it is alive
-    return SglangBackend("http://127.0.0.1:9", server=server, on_failure=failures.append, health_interval_s=0.01,
-                         health_timeout_s=0.01)
+    return SglangBackend(
+        "http://127.0.0.1:9", server=server, on_failure=failures.append, health_interval_s=0.01, health_timeout_s=0.01
+    )
 
 
 def test_a_server_stopped_by_close_is_not_reported_as_a_failure():
@@ -56,6 +57,8 @@ def test_a_server_that_dies_ends_the_rank_naming_it_and_its_log():
     assert server.watched.wait(10)
     server.die(-9)
     backend.watchdog.join(10)
-    assert failures == ["SGLang server of generator replica 0 (http://127.0.0.1:9) exited with code -9; "
-                        "its log: /runs/x/sglang/replica0.log"]
+    assert failures == [
+        "SGLang server of generator replica 0 (http://127.0.0.1:9) exited with code -9; "
+        "its log: /runs/x/sglang/replica0.log"
+    ]
     backend.close()

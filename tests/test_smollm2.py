@@ -32,8 +32,19 @@ def test_logits_match_transformers_at_tp1_and_tp3(converted, smollm2_hf, tmp_pat
     ckpt, _ = converted
     tokens = torch.randint(0, 49152, (2, 20), generator=torch.Generator().manual_seed(3))
     torch.save(tokens, tmp_path / "tokens.pt")
-    run_ranks(3, "logits_worker.py", "--checkpoint", ckpt, "--tokens", tmp_path / "tokens.pt", "--out", tmp_path,
-              "--layouts", "1x1", "3x1")
+    run_ranks(
+        3,
+        "logits_worker.py",
+        "--checkpoint",
+        ckpt,
+        "--tokens",
+        tmp_path / "tokens.pt",
+        "--out",
+        tmp_path,
+        "--layouts",
+        "1x1",
+        "3x1",
+    )
     # transformers' model of the GGUF file, its weights as transformers dequantised them (the session's
     # smollm2_hf: the same tensors bitwise, loaded in 0.1 s instead of the GGUF reader's ~27 s)
     model = AutoModelForCausalLM.from_pretrained(smollm2_hf, dtype=torch.float32).eval()

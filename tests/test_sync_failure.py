@@ -40,8 +40,17 @@ EXIT_WITHIN_S = 60
 
 
 def _train(out: Path, *overrides) -> list:
-    return [sys.executable, "-m", "megarl.cli", "train", "--config", TINY, f"run.output_dir={out}",
-            "run.save_every=1", *overrides]
+    return [
+        sys.executable,
+        "-m",
+        "megarl.cli",
+        "train",
+        "--config",
+        TINY,
+        f"run.output_dir={out}",
+        "run.save_every=1",
+        *overrides,
+    ]
 
 
 def _hooked_env(pause_dir: Path, **pauses) -> dict:
@@ -83,13 +92,16 @@ def _kill_and_wait(pid: int, proc: subprocess.Popen) -> tuple:
         _, err = proc.communicate(timeout=EXIT_WITHIN_S + 60)  # past the limit: measured, then failed below
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        raise AssertionError(f"the job was still running {EXIT_WITHIN_S + 60} s after its generator rank was killed")
+        raise AssertionError(
+            f"the job was still running {EXIT_WITHIN_S + 60} s after its generator rank was killed"
+        ) from None
     return proc.returncode, err, time.monotonic() - killed_at
 
 
 def _start(cmd: list, env: dict) -> subprocess.Popen:
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -125,8 +137,9 @@ def test_generator_killed_inside_a_weight_sync_ends_the_job_naming_it(tmp_path):
     assert elapsed < EXIT_WITHIN_S, elapsed
     # the launcher's one-line error names the rank, its executor and its pid, first
     last = err.strip().splitlines()[-1]
-    assert last.startswith(f"error: rank 2 ({GENERATOR}, pid {generator_pid}) was killed by SIGKILL; "
-                           f"the job stopped"), err[-3000:]
+    assert last.startswith(
+        f"error: rank 2 ({GENERATOR}, pid {generator_pid}) was killed by SIGKILL; the job stopped"
+    ), err[-3000:]
     for pid in trainer_pids:  # no rank outlives the job
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
@@ -142,9 +155,25 @@ def test_generator_killed_inside_a_weight_sync_ends_the_job_naming_it(tmp_path):
     assert checkpoint_problems(latest) == []  # every file's size and CRC-32 as the manifest says
     assert verify_checkpoint(latest) is True
     # and it loads: `megarl eval` on the run directory resolves the latest, checks it and decodes with it
-    ev = subprocess.run([sys.executable, "-m", "megarl.cli", "eval", "--checkpoint", str(out), "--data",
-                         "arithmetic:4:1", "--max-new-tokens", "8"], cwd=ROOT, env=_env(), capture_output=True,
-                        text=True, timeout=600)
+    ev = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megarl.cli",
+            "eval",
+            "--checkpoint",
+            str(out),
+            "--data",
+            "arithmetic:4:1",
+            "--max-new-tokens",
+            "8",
+        ],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert ev.returncode == 0, ev.stderr[-3000:]
     result = json.loads(ev.stdout.strip().splitlines()[-1])
     assert result["checkpoint"] == str(latest) and result["n"] == 4
@@ -181,11 +210,15 @@ def test_a_save_underway_when_the_generator_dies_never_becomes_the_latest(tmp_pa
 
     # a relaunch resumes from step 1 through the trainer's own loader, trains step 2 again and
     # saves it complete in place of the interrupted one
-    relaunch = subprocess.run(_train(out, "run.steps=2"), cwd=ROOT, env=_env(), capture_output=True, text=True,
-                              timeout=900)
+    relaunch = subprocess.run(
+        _train(out, "run.steps=2"), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900
+    )
     assert relaunch.returncode == 0, relaunch.stderr[-3000:]
-    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
-             if not json.loads(line).get("eval")]
+    steps = [
+        json.loads(line)["step"]
+        for line in (out / "metrics.jsonl").read_text().splitlines()
+        if not json.loads(line).get("eval")
+    ]
     # step 2's record of the killed launch, then the relaunch's: it resumed from step 1, not from the
     # interrupted save of step 2
     assert steps == [1, 2, 2], steps

@@ -23,9 +23,21 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def train(out: Path, budget_min: float):
-    cmd = [sys.executable, "-m", "megarl.cli", "train", "--config", str(ROOT / "configs" / "tiny_cpu.yaml"),
-           "trainer.tp=1", "run.steps=200", "model.tokenizer=none", "data.train=random:64:1:12",
-           "reward.function=synthetic_parity", f"run.time_budget_min={budget_min}", f"run.output_dir={out}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "megarl.cli",
+        "train",
+        "--config",
+        str(ROOT / "configs" / "tiny_cpu.yaml"),
+        "trainer.tp=1",
+        "run.steps=200",
+        "model.tokenizer=none",
+        "data.train=random:64:1:12",
+        "reward.function=synthetic_parity",
+        f"run.time_budget_min={budget_min}",
+        f"run.output_dir={out}",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
@@ -42,8 +54,11 @@ def latest(out: Path) -> int:
 def test_the_budget_stops_the_run_saves_and_a_relaunch_trains_only_what_is_left(tmp_path):
     out = tmp_path / "run"
     first = train(out, 0.03)
-    found = re.search(r"time budget of 0\.03 min reached after step (\d+) \(([\d.]+) min of training\); "
-                      r"checkpoint of step \1 saved in (\S+)\.", first.stderr)
+    found = re.search(
+        r"time budget of 0\.03 min reached after step (\d+) \(([\d.]+) min of training\); "
+        r"checkpoint of step \1 saved in (\S+)\.",
+        first.stderr,
+    )
     assert found, first.stderr[-3000:]
     k = int(found.group(1))
     assert 1 <= k < 200 and float(found.group(2)) >= 0.03
@@ -63,8 +78,11 @@ def test_the_budget_stops_the_run_saves_and_a_relaunch_trains_only_what_is_left(
 
     # a larger budget: the run resumes from step k and trains for what is left of it
     more = train(out, 0.06)
-    found = re.search(r"time budget of 0\.06 min reached after step (\d+) \([\d.]+ min of training, "
-                      r"[\d.]+ in this launch\)", more.stderr)
+    found = re.search(
+        r"time budget of 0\.06 min reached after step (\d+) \([\d.]+ min of training, "
+        r"[\d.]+ in this launch\)",
+        more.stderr,
+    )
     assert found, more.stderr[-3000:]
     k2 = int(found.group(1))
     assert k < k2 < 200 and latest(out) == k2

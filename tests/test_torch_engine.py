@@ -25,7 +25,9 @@ def smol(smollm2_hf):
 
 
 def engine(hf, max_running=8, dtype=torch.float32, fp8=False, **kw):
-    return TorchEngine(hf.spec, load_generator_params(hf, 1, 0, dtype, fp8), max_running=max_running, max_seq_len=384, **kw)
+    return TorchEngine(
+        hf.spec, load_generator_params(hf, 1, 0, dtype, fp8), max_running=max_running, max_seq_len=384, **kw
+    )
 
 
 def greedy(stops, max_new=MAX_NEW):
@@ -169,8 +171,9 @@ def test_onednn_linears_match_mkl_and_follow_in_place_weight_updates(smol):
     v1 = scaled_params(hf, 1.05)
     updated = engine(hf, linear_path="onednn")
     updated.update_weights(lambda: ([updated.params[k].copy_(v) for k, v in v1.items()], SyncStats(version=1))[1])
-    fresh = TorchEngine(hf.spec, {k: v.clone() for k, v in v1.items()}, max_running=8, max_seq_len=384,
-                        linear_path="mkl")
+    fresh = TorchEngine(
+        hf.spec, {k: v.clone() for k, v in v1.items()}, max_running=8, max_seq_len=384, linear_path="mkl"
+    )
     for eng in (updated, fresh):
         eng.submit([GenerationRequest("x", prompts[4], greedy((), 12))])
     (a,), (b,) = updated.run_until_idle(), fresh.run_until_idle()
@@ -189,8 +192,10 @@ def test_block_fp8_logits_stay_close_to_bf16(smol):
     log_bf16, log_fp8 = torch.log_softmax(out[False], -1), torch.log_softmax(out[True], -1)
     kl = (log_bf16.exp() * (log_bf16 - log_fp8)).sum(-1)  # KL(bf16 || fp8) per position, nats
     agree = (out[True].argmax(-1) == out[False].argmax(-1)).float().mean()
-    print(f"fp8 vs bf16 over {len(ids)} positions: mean KL {kl.mean():.4f} nats (max {kl.max():.3f}), "
-          f"greedy token agreement {agree:.3f}, mean |dlogit| {(out[True] - out[False]).abs().mean():.3f}")
+    print(
+        f"fp8 vs bf16 over {len(ids)} positions: mean KL {kl.mean():.4f} nats (max {kl.max():.3f}), "
+        f"greedy token agreement {agree:.3f}, mean |dlogit| {(out[True] - out[False]).abs().mean():.3f}"
+    )
     # e4m3 keeps 3 mantissa bits: each weight is off by up to 2^-4 relative (~3.6% rms) against
     # bf16's 2^-8, so fp8 perturbs every layer ~16x more than bf16 does; measured against fp32,
     # bf16 costs 0.002 nats/token here and fp8 0.04. Stated tolerance: mean KL(bf16 || fp8)
@@ -207,8 +212,16 @@ def test_tensor_parallel_engine_tp3_matches_transformers(smol, smollm2_hf, tmp_p
 
     _, prompts, stops = smol
     (tmp_path / "prompts.json").write_text(json.dumps({"prompts": prompts, "stops": list(stops)}))
-    run_ranks(3, "engine_worker.py", "--hf", smollm2_hf, "--prompts", tmp_path / "prompts.json",
-              "--out", tmp_path / "out.json")
+    run_ranks(
+        3,
+        "engine_worker.py",
+        "--hf",
+        smollm2_hf,
+        "--prompts",
+        tmp_path / "prompts.json",
+        "--out",
+        tmp_path / "out.json",
+    )
     got = json.loads((tmp_path / "out.json").read_text())
     for i, (tokens, logp) in enumerate(transformers_greedy(smollm2_hf, prompts, MAX_NEW, stops)):
         assert got[str(i)]["tokens"] == tokens, i

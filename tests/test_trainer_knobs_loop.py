@@ -23,8 +23,17 @@ TOKEN_FREE = ["model.tokenizer=none", "data.train=random:64:1:12", "reward.funct
 
 
 def train(out: Path, *overrides):
-    cmd = [sys.executable, "-m", "megarl.cli", "train", "--config", TINY, f"run.output_dir={out}", *TOKEN_FREE,
-           *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "megarl.cli",
+        "train",
+        "--config",
+        TINY,
+        f"run.output_dir={out}",
+        *TOKEN_FREE,
+        *overrides,
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -33,8 +42,9 @@ def train(out: Path, *overrides):
 def test_interleaved_pipeline_trains_async_with_the_weight_sync_verified(tmp_path):
     # TP1 x PP2 x VPP2: each PP rank holds two model chunks (layers 0 and 2, 1 and 3); the sync
     # reads both chunks of each rank and the generator checks every shard's checksum
-    metrics = train(tmp_path, "trainer.tp=1", "trainer.pp=2", "trainer.vpp=2", "generator.verify_sync=true",
-                    "run.steps=3")
+    metrics = train(
+        tmp_path, "trainer.tp=1", "trainer.pp=2", "trainer.vpp=2", "generator.verify_sync=true", "run.steps=3"
+    )
     assert [m["step"] for m in metrics] == [1, 2, 3]
     assert all(m["weight_sync_verified"] for m in metrics)
     assert metrics[0]["kl_mu_pi"] < 1e-6  # step 1: the generator holds exactly the trainer's policy
@@ -43,9 +53,17 @@ def test_interleaved_pipeline_trains_async_with_the_weight_sync_verified(tmp_pat
 
 
 LR, MIN_LR, WARMUP, DECAY, INIT = 1e-3, 1e-4, 2, 6, 2e-4
-SCHEDULE = [f"optimizer.lr={LR}", f"optimizer.min_lr={MIN_LR}", "optimizer.lr_decay_style=cosine",
-            f"optimizer.lr_warmup_iters={WARMUP}", f"optimizer.lr_warmup_init={INIT}", f"optimizer.lr_decay_iters={DECAY}",
-            "run.mode=sync", "trainer.tp=1", "rollout.prompts_per_step=2"]
+SCHEDULE = [
+    f"optimizer.lr={LR}",
+    f"optimizer.min_lr={MIN_LR}",
+    "optimizer.lr_decay_style=cosine",
+    f"optimizer.lr_warmup_iters={WARMUP}",
+    f"optimizer.lr_warmup_init={INIT}",
+    f"optimizer.lr_decay_iters={DECAY}",
+    "run.mode=sync",
+    "trainer.tp=1",
+    "rollout.prompts_per_step=2",
+]
 
 
 def expected_lr(n: int) -> float:
@@ -66,7 +84,9 @@ def test_lr_follows_warmup_and_cosine_and_a_resumed_run_continues_it(tmp_path):
     class Groups:
         param_groups = [{}]
 
-    scheduler = OptimizerParamScheduler(Groups(), INIT, LR, MIN_LR, WARMUP, DECAY, "cosine", 0.0, 0.0, DECAY, "constant")
+    scheduler = OptimizerParamScheduler(
+        Groups(), INIT, LR, MIN_LR, WARMUP, DECAY, "cosine", 0.0, 0.0, DECAY, "constant"
+    )
     megatron = []
     for _ in range(6):
         megatron.append(scheduler.get_lr({}))

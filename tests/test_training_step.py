@@ -53,8 +53,19 @@ def test_step_matches_tp1(layout, trained, tiny_megatron):
 
 
 def test_resume_continues_like_an_unbroken_run(tiny_megatron, tmp_path):
-    run_ranks(4, "resume_worker.py", "--checkpoint", tiny_megatron, "--out", tmp_path,
-              "--save-layout", "2x1", "--resume-layouts", "2x1", "1x2")
+    run_ranks(
+        4,
+        "resume_worker.py",
+        "--checkpoint",
+        tiny_megatron,
+        "--out",
+        tmp_path,
+        "--save-layout",
+        "2x1",
+        "--resume-layouts",
+        "2x1",
+        "1x2",
+    )
     records = json.loads((tmp_path / "records.json").read_text())
     for layout in ("2x1", "1x2"):
         assert records[f"loop_state_{layout}"] == {"policy_version": 1, "iteration": 1}

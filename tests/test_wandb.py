@@ -28,10 +28,24 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
 
 RECORDS = [  # as the controller writes them: numbers, a string, a bool, a NaN
-    {"step": 1, "loss": 0.5, "reward_mean": 0.25, "mode": "async", "weight_sync_verified": True,
-     "kl_mu_pi": float("nan"), "samples": 8},
-    {"step": 2, "loss": 0.125, "reward_mean": 0.75, "mode": "async", "weight_sync_verified": True,
-     "kl_mu_pi": 1e-7, "samples": 8},
+    {
+        "step": 1,
+        "loss": 0.5,
+        "reward_mean": 0.25,
+        "mode": "async",
+        "weight_sync_verified": True,
+        "kl_mu_pi": float("nan"),
+        "samples": 8,
+    },
+    {
+        "step": 2,
+        "loss": 0.125,
+        "reward_mean": 0.75,
+        "mode": "async",
+        "weight_sync_verified": True,
+        "kl_mu_pi": 1e-7,
+        "samples": 8,
+    },
 ]
 SCALARS = {"step", "loss", "reward_mean", "kl_mu_pi", "samples"}
 
@@ -93,8 +107,10 @@ def test_run_wandb_fields_are_checked_by_name():
     assert cfg.run.wandb == {"project": "rl", "name": None, "entity": None, "mode": "disabled"}
     cases = [
         (["run.wandb.mode=offline"], "run.wandb.project: required"),
-        (["run.wandb.project=rl", "run.wandb.projekt=rl"], "run.wandb.projekt: unknown field (known: project, name, "
-                                                           "entity, mode)"),
+        (
+            ["run.wandb.project=rl", "run.wandb.projekt=rl"],
+            "run.wandb.projekt: unknown field (known: project, name, entity, mode)",
+        ),
         (["run.wandb.project=rl", "run.wandb.mode=cloud"], "run.wandb.mode: 'cloud' is not one of"),
         (["run.wandb=rl"], "run.wandb: expected a mapping"),
     ]
@@ -129,8 +145,16 @@ def test_wandb_gets_tensorboard_s_scalars_under_the_same_names(fake_wandb, tmp_p
     (kind, init), *rest = fake_wandb.calls
     assert kind == "init"
     run_id = (out / WANDB_RUN_FILE).read_text().strip()
-    assert init == {"project": "rl", "entity": None, "name": "run", "mode": "offline", "dir": str(out),
-                    "id": run_id, "resume": "allow", "config": {"run": {"steps": 2}}}
+    assert init == {
+        "project": "rl",
+        "entity": None,
+        "name": "run",
+        "mode": "offline",
+        "dir": str(out),
+        "id": run_id,
+        "resume": "allow",
+        "config": {"run": {"steps": 2}},
+    }
     # every metric against megarl's step, not W&B's own counter (a fallback logs a step again)
     assert rest[:2] == [("define_metric", "step", None), ("define_metric", "*", "step")]
     logged = [c[1] for c in rest if c[0] == "log"]
@@ -172,8 +196,8 @@ def _wandb_records(path: Path):
         if 32768 - pos % 32768 < 7:  # block trailer padding
             pos += 32768 - pos % 32768
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
         if kind in (1, 4):  # FULL, LAST
             record = wandb_internal_pb2.Record()
             record.ParseFromString(pending + chunk)
@@ -183,7 +207,7 @@ def _wandb_records(path: Path):
             pending += chunk
 
 
-WRITE_OFFLINE = textwrap.dedent('''
+WRITE_OFFLINE = textwrap.dedent("""
     import json, sys
     from pathlib import Path
     from megarl.metrics import MetricsWriter
@@ -192,18 +216,25 @@ WRITE_OFFLINE = textwrap.dedent('''
     for record in records:
         writer.write(record)
     writer.close()
-''')
+""")
 
 
 def test_real_wandb_offline_logs_what_tensorboard_logs_and_a_relaunch_continues_the_run(tmp_path):
     pytest.importorskip("wandb")
     out = tmp_path / "run"
-    second = [{"step": 2, "loss": 0.0625, "reward_mean": 1.0, "samples": 8},  # a fallback: step 2 again
-              {"step": 3, "loss": 0.03125, "reward_mean": 0.5, "samples": 8}]
+    second = [
+        {"step": 2, "loss": 0.0625, "reward_mean": 1.0, "samples": 8},  # a fallback: step 2 again
+        {"step": 3, "loss": 0.03125, "reward_mean": 0.5, "samples": 8},
+    ]
     for records, start in ((RECORDS, 0), (second, 1)):
-        proc = subprocess.run([sys.executable, "-c", WRITE_OFFLINE, str(out), json.dumps(records), str(start)],
-                              cwd=ROOT, capture_output=True, text=True, timeout=300,
-                              env={**__import__("os").environ, "WANDB_SILENT": "true"})
+        proc = subprocess.run(
+            [sys.executable, "-c", WRITE_OFFLINE, str(out), json.dumps(records), str(start)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**__import__("os").environ, "WANDB_SILENT": "true"},
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
     run_id = (out / WANDB_RUN_FILE).read_text().strip()
     run_files = sorted((out / "wandb").glob("offline-run-*/run-*.wandb"))
@@ -220,10 +251,13 @@ def test_real_wandb_offline_logs_what_tensorboard_logs_and_a_relaunch_continues_
                 items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
                 history.append({k: v for k, v in items.items() if not k.startswith("_")})  # W&B's _step, _runtime
     assert ("*", "step") in metrics
-    expected = [{k: v for k, v in r.items() if k in SCALARS and not (isinstance(v, float) and math.isnan(v))}
-                for r in RECORDS + second]
+    expected = [
+        {k: v for k, v in r.items() if k in SCALARS and not (isinstance(v, float) and math.isnan(v))}
+        for r in RECORDS + second
+    ]
     assert history == expected
     tb = _tensorboard_scalars(out)  # the relaunch's step 2 is the later point in TensorBoard too
     for key in SCALARS - {"kl_mu_pi"}:
-        assert {s: pytest.approx(v, rel=1e-6) for s, v in tb[key].items()} == \
-            {h["step"]: h[key] for h in history if key in h}, key
+        assert {s: pytest.approx(v, rel=1e-6) for s, v in tb[key].items()} == {
+            h["step"]: h[key] for h in history if key in h
+        }, key

@@ -35,10 +35,23 @@ def models(tmp_path_factory):
 
 def run_sync(models, out, extra=(), layouts=LAYOUTS, dst_tps=DST_TPS, trainers=8, generators=4):
     out.mkdir(parents=True, exist_ok=True)
-    common = ["--port", server_port(), "--generators", generators, "--models", *models,
-              "--layouts", *layouts, "--dst-tps", *dst_tps, *extra]
-    run_two_worlds((trainers, "weight_sync_trainer.py", *common),
-                   (generators, "weight_sync_generator.py", *common, "--trainers", trainers, "--out", out))
+    common = [
+        "--port",
+        server_port(),
+        "--generators",
+        generators,
+        "--models",
+        *models,
+        "--layouts",
+        *layouts,
+        "--dst-tps",
+        *dst_tps,
+        *extra,
+    ]
+    run_two_worlds(
+        (trainers, "weight_sync_trainer.py", *common),
+        (generators, "weight_sync_generator.py", *common, "--trainers", trainers, "--out", out),
+    )
     return [r for rank in range(generators) for r in json.loads((out / f"results_rank{rank}.json").read_text())]
 
 
@@ -56,8 +69,11 @@ def test_every_generator_shard_is_bitwise_sglangs(models, tmp_path):
     bad = [(r["case"], r["rank"], r["mismatches"]) for r in results if r["mismatches"]]
     assert not bad, bad[:5]
     # every worker received exactly its own elements (the replicated KV heads being its own)
-    wrong = [(r["case"], r["rank"], r["bytes_received"], r["expected_bytes"]) for r in results
-             if r["bytes_received"] != r["expected_bytes"]]
+    wrong = [
+        (r["case"], r["rank"], r["bytes_received"], r["expected_bytes"])
+        for r in results
+        if r["bytes_received"] != r["expected_bytes"]
+    ]
     assert not wrong, wrong[:5]
     assert {r["version"] for r in results} == set(range(1, 2 * 6 * 3 * 2 + 1))
     # packing: nothing packed -> one message per payload; packed -> fewer messages than planned
@@ -71,11 +87,21 @@ def test_every_generator_shard_is_bitwise_sglangs(models, tmp_path):
 
 def test_fp8_blocks_and_scales(tmp_path_factory, models, tmp_path):
     # head_dim 128: every 128x128 block of a generator weight has one sender, which quantises it
-    aligned = converted(tmp_path_factory.mktemp("aligned"), hidden_size=512, num_attention_heads=4,
-                        num_key_value_heads=2, intermediate_size=1024, num_hidden_layers=2)
+    aligned = converted(
+        tmp_path_factory.mktemp("aligned"),
+        hidden_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+    )
     # thresholds in turn: fp8 bytes direct with their scales packed (4 KiB), all direct (0), the default
-    results = run_sync([aligned, models[0]], tmp_path, extra=["--fp8", "--pack-below", "4096", "0", "-1", "4096"],
-                       layouts=["1x1", "2x1", "4x2"])
+    results = run_sync(
+        [aligned, models[0]],
+        tmp_path,
+        extra=["--fp8", "--pack-below", "4096", "0", "-1", "4096"],
+        layouts=["1x1", "2x1", "4x2"],
+    )
     assert len(results) == 2 * 3 * 3 * 4
     for r in results:
         assert not r["mismatches"] and not r["scale_mismatches"], r
@@ -98,8 +124,15 @@ def test_colocated_pairs_go_through_shared_memory(models, tmp_path):
 
 def test_smollm2_tp3_to_tp1_and_tp1_to_tp3(smollm2_megatron, tmp_path):
     # converted from the GGUF file at TP3; the reference is the HF tensors transformers read from it
-    results = run_sync([smollm2_megatron[0]], tmp_path, extra=["--dtypes", "bf16"], layouts=["3x1", "1x1"],
-                       dst_tps=["1", "3"], trainers=3, generators=3)
+    results = run_sync(
+        [smollm2_megatron[0]],
+        tmp_path,
+        extra=["--dtypes", "bf16"],
+        layouts=["3x1", "1x1"],
+        dst_tps=["1", "3"],
+        trainers=3,
+        generators=3,
+    )
     assert {r["case"].split(":")[1] for r in results} == {"3x1->tp1", "3x1->tp3", "1x1->tp1", "1x1->tp3"}
     for r in results:
         assert not r["mismatches"], r

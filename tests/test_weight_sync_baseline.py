@@ -27,10 +27,25 @@ def converted(base, **overrides):
 def run_baseline(models, out, layouts, dst_tps, extra=()):
     out.mkdir(parents=True, exist_ok=True)
     # a 16 KiB bucket: several buckets per stage, tensors of several params in one bucket
-    common = ["--port", server_port(), "--generators", 4, "--models", *models, "--layouts", *layouts,
-              "--dst-tps", *dst_tps, "--baseline", "--bucket-bytes", 16384, *extra]
-    run_two_worlds((4, "weight_sync_trainer.py", *common),
-                   (4, "weight_sync_generator.py", *common, "--trainers", 4, "--out", out))
+    common = [
+        "--port",
+        server_port(),
+        "--generators",
+        4,
+        "--models",
+        *models,
+        "--layouts",
+        *layouts,
+        "--dst-tps",
+        *dst_tps,
+        "--baseline",
+        "--bucket-bytes",
+        16384,
+        *extra,
+    ]
+    run_two_worlds(
+        (4, "weight_sync_trainer.py", *common), (4, "weight_sync_generator.py", *common, "--trainers", 4, "--out", out)
+    )
     return [r for rank in range(4) for r in json.loads((out / f"results_rank{rank}.json").read_text())]
 
 
@@ -45,4 +60,3 @@ def test_baseline_delivers_sglangs_shard_at_pp2(tmp_path_factory, tmp_path):
     for r in results:
         whole = "->tp1:" in r["case"]
         assert r["bytes_received"] == r["expected_bytes"] if whole else r["bytes_received"] > r["expected_bytes"], r
-

@@ -19,13 +19,17 @@ def tiny(**overrides):
     return LlamaSpec.from_hf_config({**TINY_CONFIG, "model_type": "llama", **overrides})
 
 
-@pytest.mark.parametrize("tp, pp, dp, dst_tp, replicas", [(1, 1, 2, 4, 2), (2, 2, 2, 1, 3), (4, 2, 1, 2, 2), (2, 1, 3, 4, 1)])
+@pytest.mark.parametrize(
+    "tp, pp, dp, dst_tp, replicas", [(1, 1, 2, 4, 2), (2, 2, 2, 1, 3), (4, 2, 1, 2, 2), (2, 1, 3, 4, 1)]
+)
 @pytest.mark.parametrize("tied", [False, True])
 def test_every_destination_element_is_written_exactly_once(tp, pp, dp, dst_tp, replicas, tied):
     spec = tiny(tie_word_embeddings=tied)
     plan = build_plan(spec, TrainerTopology(tp, pp, dp), GeneratorTopology(dst_tp, replicas, first_rank=tp * pp * dp))
     for dst, layout in plan.dst_layouts.items():
-        counts = {t.name: torch.zeros(t.shape[0], t.shape[1] if len(t.shape) > 1 else 1, dtype=torch.int32) for t in layout}
+        counts = {
+            t.name: torch.zeros(t.shape[0], t.shape[1] if len(t.shape) > 1 else 1, dtype=torch.int32) for t in layout
+        }
         for src, transfers in plan.recvs_of(dst).items():
             assert src < tp * pp * dp  # only trainer ranks send
             for t in transfers:
@@ -63,8 +67,9 @@ def test_llama3_405b_plan_at_1024_gpus():
     assert len(sent) == trainer.size and max(sent.values()) / min(sent.values()) < 1.2  # every rank sends, evenly
     p = predict(plan, fp8=True, links=Links())
     # by bandwidth alone, the busiest generator GPU receives ~51 GB of fp8 over a 50 GB/s NIC
-    assert p.busiest_bandwidth_only.bandwidth_s == pytest.approx(max(received.values()) * (1 + 4 / 128**2) / 50e9,
-                                                                 rel=0.05)
+    assert p.busiest_bandwidth_only.bandwidth_s == pytest.approx(
+        max(received.values()) * (1 + 4 / 128**2) / 50e9, rel=0.05
+    )
     # each of the 576 senders quantises 56 replicas' share of the linears: ~80 GB of bf16 at 90 GB/s
     linear = 56 * (spec.num_parameters() - 2 * spec.vocab_size * spec.hidden_size) / 576
     assert p.busiest.direction == "send" and p.busiest.quantised_bytes == pytest.approx(2 * linear, rel=0.05)
@@ -108,8 +113,10 @@ def test_wire_rounds_pack_small_payloads_densely(fp8):
         rounds = wire_rounds(messages, torch.bfloat16, bucket_bytes=8 << 20)
         assert [m for r in rounds for m in r.messages] == messages
         for r in rounds:
-            assert sum(_bytes(s) for m in r.messages for s in payload_specs(m, torch.bfloat16)) <= 8 << 20 or \
-                len(r.messages) == 1
+            assert (
+                sum(_bytes(s) for m in r.messages for s in payload_specs(m, torch.bfloat16)) <= 8 << 20
+                or len(r.messages) == 1
+            )
             items = {(i, j) for i, m in enumerate(r.messages) for j in range(len(payload_specs(m, torch.bfloat16)))}
             packed = [(i, j) for i, j, _ in r.packed]
             assert sorted(packed + list(r.direct)) == sorted(items)  # every payload exactly once
@@ -119,19 +126,27 @@ def test_wire_rounds_pack_small_payloads_densely(fp8):
                 assert at == offset and at % spec_[1].itemsize == 0 and _bytes(spec_) < PACK_BELOW_BYTES
                 offset += _bytes(spec_)
             assert r.pack_bytes == offset and len(r.packed) != 1
-            small_direct = [ij for ij in r.direct
-                            if _bytes(payload_specs(r.messages[ij[0]], torch.bfloat16)[ij[1]]) < PACK_BELOW_BYTES]
+            small_direct = [
+                ij
+                for ij in r.direct
+                if _bytes(payload_specs(r.messages[ij[0]], torch.bfloat16)[ij[1]]) < PACK_BELOW_BYTES
+            ]
             assert not small_direct or (len(small_direct) == 1 and not r.packed)
             total += r.pack_bytes + sum(_bytes(payload_specs(r.messages[i], torch.bfloat16)[j]) for i, j in r.direct)
             packed_any |= bool(r.packed)
             direct_any |= bool(r.direct)
     assert packed_any and direct_any
     # exactly the minimum on the wire: every worker's own elements (fp8: one byte + a scale per block)
-    minimum = sum(t.numel * (1 if fp8 and t.dst_param.endswith(FP8_LINEARS) else 2)
-                  for ts in plan.transfers.values() for t in ts)
-    scales = sum(s[0][0] * s[0][1] * 4 for (src, dst) in plan.transfers
-                 for m in pair_messages(plan, src, dst, fp8, boxes) if m.kind == "fp8"
-                 for s in payload_specs(m, torch.bfloat16)[1:])
+    minimum = sum(
+        t.numel * (1 if fp8 and t.dst_param.endswith(FP8_LINEARS) else 2) for ts in plan.transfers.values() for t in ts
+    )
+    scales = sum(
+        s[0][0] * s[0][1] * 4
+        for (src, dst) in plan.transfers
+        for m in pair_messages(plan, src, dst, fp8, boxes)
+        if m.kind == "fp8"
+        for s in payload_specs(m, torch.bfloat16)[1:]
+    )
     assert total == minimum + scales
 
 

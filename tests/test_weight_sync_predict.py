@@ -48,9 +48,18 @@ def test_per_message_latency_by_hand():
 def test_sender_fp8_quantisation_by_hand():
     # One layer, head_dim 128, every linear one 128 x 128 block: q, k, v, o, gate, up, down = 7
     # blocks the sender quantises (7 x 16384 elements = 229376 bf16 bytes: 229.376 us at 1 GB/s).
-    spec = LlamaSpec.from_hf_config({**TINY_CONFIG, "model_type": "llama", "hidden_size": 128,
-                                     "num_attention_heads": 1, "num_key_value_heads": 1,
-                                     "intermediate_size": 128, "num_hidden_layers": 1, "vocab_size": 256})
+    spec = LlamaSpec.from_hf_config(
+        {
+            **TINY_CONFIG,
+            "model_type": "llama",
+            "hidden_size": 128,
+            "num_attention_heads": 1,
+            "num_key_value_heads": 1,
+            "intermediate_size": 128,
+            "num_hidden_layers": 1,
+            "vocab_size": 256,
+        }
+    )
     plan = one_to_one(spec)
     links = Links(gpus_per_node=1, network_gb_s=1.0, message_latency_us=0.0, fp8_quant_gb_s=1.0)
     p = predict(plan, fp8=True, links=links)
@@ -67,8 +76,9 @@ def test_plan_only_reads_a_run_config(capsys):
     from megarl.bench.weight_sync import WeightSyncBench, run
 
     # configs/tiny_cpu.yaml: model random:tiny, trainer TP2, one generator replica at TP1
-    result = run(WeightSyncBench(plan_only=True, config="configs/tiny_cpu.yaml", dst_replicas=2,
-                                 message_latency_us=7.0))
+    result = run(
+        WeightSyncBench(plan_only=True, config="configs/tiny_cpu.yaml", dst_replicas=2, message_latency_us=7.0)
+    )
     assert result["model"] == "tiny" and result["trainer"].startswith("TP2 x PP1")
     assert result["generator"] == "2 x TP1 = 2 GPUs"  # the flag overrides the config
     assert result["assumptions"]["message_latency_us"] == 7.0 and result["assumptions"]["network_GB_s"] == 50.0

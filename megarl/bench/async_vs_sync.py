@@ -36,8 +36,16 @@ from typing import Dict, Sequence
 
 from megarl.errors import ConfigError
 
-KEYS = ("samples_per_s", "wall_s", "mean_time_generate", "mean_time_train", "mean_time_weight_sync",
-        "mean_idle_generator", "mean_idle_trainer", "mean_lag_mean")
+KEYS = (
+    "samples_per_s",
+    "wall_s",
+    "mean_time_generate",
+    "mean_time_train",
+    "mean_time_weight_sync",
+    "mean_idle_generator",
+    "mean_idle_trainer",
+    "mean_lag_mean",
+)
 THREADS_ENV = "OMP_NUM_THREADS"
 
 
@@ -78,13 +86,20 @@ def run(config: str, overrides: Sequence[str] = (), workdir: str = "runs/bench_a
     sync_dp = ranks // model_parallel
     # every sync rank does both jobs at the async trainer's TP x PP (the colocated copy handles PP),
     # DP over all the ranks; the launcher splits the cores evenly
-    sync_extra = ["run.mode=sync", f"trainer.dp={sync_dp}", "generator.verify_sync=false",
-                  "trainer.cpu_threads=0", "generator.cpu_threads=0"]
+    sync_extra = [
+        "run.mode=sync",
+        f"trainer.dp={sync_dp}",
+        "generator.verify_sync=false",
+        "trainer.cpu_threads=0",
+        "generator.cpu_threads=0",
+    ]
     sync_cfg = load_config(config, list(overrides) + sync_extra)
     cores = os.cpu_count() or 1
-    threads = {"async_trainer": rank_threads(cfg, "trainer", ranks, cores),
-               "async_generator": rank_threads(cfg, "generator", ranks, cores),
-               "sync_rank": rank_threads(sync_cfg, "trainer", ranks, cores)}
+    threads = {
+        "async_trainer": rank_threads(cfg, "trainer", ranks, cores),
+        "async_generator": rank_threads(cfg, "generator", ranks, cores),
+        "sync_rank": rank_threads(sync_cfg, "trainer", ranks, cores),
+    }
     results: Dict[str, dict] = {}
     records: Dict[str, list] = {}
     for mode, extra in (("async", ["run.mode=async"]), ("sync", sync_extra)):
@@ -92,18 +107,27 @@ def run(config: str, overrides: Sequence[str] = (), workdir: str = "runs/bench_a
         if out.exists():
             shutil.rmtree(out)
         with _own_thread_split():
-            results[mode] = train(config, list(overrides) + extra + [f"run.output_dir={out}", "run.progress=false",
-                                                                    "run.save_every=0"])
+            results[mode] = train(
+                config, list(overrides) + extra + [f"run.output_dir={out}", "run.progress=false", "run.save_every=0"]
+            )
         records[mode] = read_metrics(out / "metrics.jsonl")
-    result = {"config": config, "ranks": ranks, "steps": cfg.run.steps,
-              "samples_per_step": cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt,
-              "async": {k: results["async"].get(k) for k in KEYS},
-              "sync": {k: results["sync"].get(k) for k in KEYS},
-              "samples_async": results["async"]["samples"], "samples_sync": results["sync"]["samples"],
-              "ratio_async_over_sync": results["async"]["samples_per_s"] / results["sync"]["samples_per_s"]}
+    result = {
+        "config": config,
+        "ranks": ranks,
+        "steps": cfg.run.steps,
+        "samples_per_step": cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt,
+        "async": {k: results["async"].get(k) for k in KEYS},
+        "sync": {k: results["sync"].get(k) for k in KEYS},
+        "samples_async": results["async"]["samples"],
+        "samples_sync": results["sync"]["samples"],
+        "ratio_async_over_sync": results["async"]["samples_per_s"] / results["sync"]["samples_per_s"],
+    }
     prediction = _predict(cfg, sync_dp, threads, cores, records)
-    result.update(measured_ratio=prediction["measured_ratio"], predicted_ratio=prediction["predicted_ratio"],
-                  prediction=prediction)
+    result.update(
+        measured_ratio=prediction["measured_ratio"],
+        predicted_ratio=prediction["predicted_ratio"],
+        prediction=prediction,
+    )
     (Path(workdir) / "prediction.json").write_text(json.dumps(prediction, indent=1))
     print(json.dumps(result), flush=True)
     return result
@@ -116,6 +140,7 @@ def _predict(cfg, sync_dp: int, threads: dict, cores: int, records: Dict[str, li
 
     layouts = layouts_from_config(cfg, sync_dp, threads, cores)
     spec = LlamaSpec.from_dict(prepare_model(cfg.model).spec)
-    p = predict(layouts, records["async"], records["sync"], spec, cfg.data.max_prompt_tokens,
-                cfg.rollout.max_new_tokens)
+    p = predict(
+        layouts, records["async"], records["sync"], spec, cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens
+    )
     return {**p.to_dict(), "tables": p.tables}

@@ -41,11 +41,21 @@ def core_attention_pair(dtype: torch.dtype, heads: int = 9, groups: int = 3, hea
 
     from megarl.models.sdpa_attention import SdpaDotProductAttention
 
-    config = TransformerConfig(num_layers=1, hidden_size=heads * head_dim, num_attention_heads=heads,
-                               num_query_groups=groups, kv_channels=head_dim, bf16=dtype == torch.bfloat16,
-                               params_dtype=dtype, attention_dropout=0.0, hidden_dropout=0.0)
-    return {name: cls(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
-            for name, cls in (("megatron", DotProductAttention), ("sdpa", SdpaDotProductAttention))}
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=heads * head_dim,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        kv_channels=head_dim,
+        bf16=dtype == torch.bfloat16,
+        params_dtype=dtype,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+    )
+    return {
+        name: cls(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+        for name, cls in (("megatron", DotProductAttention), ("sdpa", SdpaDotProductAttention))
+    }
 
 
 def _call(layer, q, k, v, mask, grad):
@@ -61,8 +71,14 @@ def run(b: AttentionBench) -> dict:
     init_megatron(ParallelLayout(1, 1))
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[b.dtype]
     layers = core_attention_pair(dtype, b.heads, b.groups, b.head_dim)
-    result = {"dtype": b.dtype, "threads": torch.get_num_threads(), "heads": b.heads, "groups": b.groups,
-              "head_dim": b.head_dim, "sample_len": b.sample_len}
+    result = {
+        "dtype": b.dtype,
+        "threads": torch.get_num_threads(),
+        "heads": b.heads,
+        "groups": b.groups,
+        "head_dim": b.head_dim,
+        "sample_len": b.sample_len,
+    }
     for seq in b.seqs:
         g = torch.Generator().manual_seed(seq)
         q = torch.randn(seq, 1, b.heads, b.head_dim, generator=g).to(dtype)
@@ -70,7 +86,7 @@ def run(b: AttentionBench) -> dict:
         grad = torch.randn(seq, 1, b.heads * b.head_dim, generator=g).to(dtype)
         mask = _segments_mask(torch.arange(seq) // b.sample_len)
         times = {name: [] for name in layers}
-        for name, layer in layers.items():  # warm-up
+        for layer in layers.values():  # warm-up
             _call(layer, q, k, v, mask, grad)
         for _ in range(b.reps):
             for name, layer in layers.items():  # alternated: drift on a shared machine hits both
@@ -78,10 +94,16 @@ def run(b: AttentionBench) -> dict:
                 _call(layer, q, k, v, mask, grad)
                 times[name].append(time.perf_counter() - start)
         ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
-        result[str(seq)] = {"megatron_ms": ms["megatron"], "sdpa_ms": ms["sdpa"],
-                            "sdpa_speedup": ms["megatron"] / ms["sdpa"]}
-        print(f"core attention fwd+bwd, {seq}-position row ({b.dtype}): Megatron {ms['megatron']:.2f} ms, "
-              f"SDPA {ms['sdpa']:.2f} ms ({ms['megatron'] / ms['sdpa']:.2f}x)", flush=True)
+        result[str(seq)] = {
+            "megatron_ms": ms["megatron"],
+            "sdpa_ms": ms["sdpa"],
+            "sdpa_speedup": ms["megatron"] / ms["sdpa"],
+        }
+        print(
+            f"core attention fwd+bwd, {seq}-position row ({b.dtype}): Megatron {ms['megatron']:.2f} ms, "
+            f"SDPA {ms['sdpa']:.2f} ms ({ms['megatron'] / ms['sdpa']:.2f}x)",
+            flush=True,
+        )
     print(json.dumps(result), flush=True)
     shutdown()
     return result

@@ -31,9 +31,13 @@ import torch
 from megarl.generator.interface import GenerationRequest, SamplingParams
 
 QUESTIONS = [
-    "What is {a} + {b}?", "Compute {a} times {b}.", "A shop has {a} apples and sells {b}. How many are left?",
-    "Is {a} larger than {b}? Explain briefly.", "Write a short poem about the number {a}.",
-    "Give {b} reasons to learn arithmetic.", "What is {a} minus {b}? Show your work.",
+    "What is {a} + {b}?",
+    "Compute {a} times {b}.",
+    "A shop has {a} apples and sells {b}. How many are left?",
+    "Is {a} larger than {b}? Explain briefly.",
+    "Write a short poem about the number {a}.",
+    "Give {b} reasons to learn arithmetic.",
+    "What is {a} minus {b}? Show your work.",
     "Tom has {a} marbles and gets {b} more. How many does he have?",
 ]
 
@@ -69,12 +73,19 @@ def _transformers_run(model, prompts, max_new: int, batch: int, stops) -> tuple:
         ids = torch.zeros(len(chunk), width, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, p in enumerate(chunk):  # left padding, as generate expects
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
         start = time.perf_counter()
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False, pad_token_id=0,
-                                 eos_token_id=list(stops) or None, min_new_tokens=0 if stops else max_new)
+            out = model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=max_new,
+                do_sample=False,
+                pad_token_id=0,
+                eos_token_id=list(stops) or None,
+                min_new_tokens=0 if stops else max_new,
+            )
         seconds += time.perf_counter() - start
         for row in out[:, width:].tolist():
             ends = [i for i, t in enumerate(row) if t in stops]
@@ -113,8 +124,14 @@ def run(b: GenerateBench) -> dict:
     from megarl.generator.weights import load_generator_params
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[b.dtype]
-    result = {"model": "SmolLM2-135M-Instruct", "backend": b.backend, "batch": b.batch, "dtype": b.dtype,
-              "max_new_tokens": b.max_new_tokens, "threads": torch.get_num_threads()}
+    result = {
+        "model": "SmolLM2-135M-Instruct",
+        "backend": b.backend,
+        "batch": b.batch,
+        "dtype": b.dtype,
+        "max_new_tokens": b.max_new_tokens,
+        "threads": torch.get_num_threads(),
+    }
     with tempfile.TemporaryDirectory() as tmp:
         gguf = smollm2_gguf_path()
         model_dir = materialize_gguf(gguf.parent, gguf.name, f"{tmp}/hf")
@@ -123,14 +140,21 @@ def run(b: GenerateBench) -> dict:
         stops = stop_ids(tokenizer)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
         hf = SafetensorsCheckpoint(model_dir)
-        engine = TorchEngine(hf.spec, load_generator_params(hf, 1, 0, dtype), max_running=b.batch,
-                             max_seq_len=max(len(p) for p in prompts) + b.max_new_tokens + 1)
+        engine = TorchEngine(
+            hf.spec,
+            load_generator_params(hf, 1, 0, dtype),
+            max_running=b.batch,
+            max_seq_len=max(len(p) for p in prompts) + b.max_new_tokens + 1,
+        )
         for name, chunk, stop in (("equal_work", prompts[: b.batch], ()), ("rollouts", prompts, stops)):
             hf_s, hf_tokens = _transformers_run(model, chunk, b.max_new_tokens, b.batch, stop)
             engine_s, engine_tokens, decode_s, decode_tokens = _engine_run(engine, chunk, b.max_new_tokens, stop)
             result[name] = {
-                "prompts": len(chunk), "transformers_tokens": hf_tokens, "engine_tokens": engine_tokens,
-                "transformers_tokens_per_s": hf_tokens / hf_s, "engine_tokens_per_s": engine_tokens / engine_s,
+                "prompts": len(chunk),
+                "transformers_tokens": hf_tokens,
+                "engine_tokens": engine_tokens,
+                "transformers_tokens_per_s": hf_tokens / hf_s,
+                "engine_tokens_per_s": engine_tokens / engine_s,
                 "engine_over_transformers": (engine_tokens / engine_s) / (hf_tokens / hf_s),
             }
             if name == "equal_work":  # one batch: after the first (prefill) step, decode alone
@@ -140,8 +164,9 @@ def run(b: GenerateBench) -> dict:
         if b.vllm_python:
             result["vllm_cpu"] = _vllm_run(b, model_dir, prompts[: b.batch], f"{tmp}/vllm_job.json")
             if "tokens_per_s" in result["vllm_cpu"]:
-                result["vllm_cpu"]["engine_over_vllm"] = (result["equal_work"]["engine_tokens_per_s"]
-                                                          / result["vllm_cpu"]["tokens_per_s"])
+                result["vllm_cpu"]["engine_over_vllm"] = (
+                    result["equal_work"]["engine_tokens_per_s"] / result["vllm_cpu"]["tokens_per_s"]
+                )
     print(json.dumps(result), flush=True)
     return result
 
@@ -155,12 +180,14 @@ def _add_roofline(result: dict, spec, b: GenerateBench, prompts) -> None:
     result["roofline"] = roof
     for name in ("equal_work", "rollouts"):
         result[name]["engine_fraction_of_roofline"] = result[name]["engine_tokens_per_s"] / roof["tokens_per_s"]
-        result[name]["transformers_fraction_of_roofline"] = (result[name]["transformers_tokens_per_s"]
-                                                             / roof["tokens_per_s"])
+        result[name]["transformers_fraction_of_roofline"] = (
+            result[name]["transformers_tokens_per_s"] / roof["tokens_per_s"]
+        )
     result["engine_fraction_of_roofline"] = result["equal_work"]["engine_fraction_of_roofline"]
     # The decode roofline counts decode FLOPs only; the runs above also prefill their prompts.
-    result["engine_decode_fraction_of_roofline"] = (result["equal_work"]["engine_decode_tokens_per_s"]
-                                                    / roof["tokens_per_s"])
+    result["engine_decode_fraction_of_roofline"] = (
+        result["equal_work"]["engine_decode_tokens_per_s"] / roof["tokens_per_s"]
+    )
 
 
 def _vllm_run(b: GenerateBench, model_dir, prompts, job_path: str) -> dict:
@@ -170,11 +197,21 @@ def _vllm_run(b: GenerateBench, model_dir, prompts, job_path: str) -> dict:
     runner = Path(__file__).with_name("vllm_cpu_runner.py")
     if not Path(b.vllm_python).exists():
         return {"error": f"--vllm-python {b.vllm_python}: no such interpreter"}
-    Path(job_path).write_text(json.dumps({"model_dir": str(model_dir), "prompts": [list(p) for p in prompts],
-                                          "max_new_tokens": b.max_new_tokens, "batch": b.batch, "dtype": b.vllm_dtype}))
+    Path(job_path).write_text(
+        json.dumps(
+            {
+                "model_dir": str(model_dir),
+                "prompts": [list(p) for p in prompts],
+                "max_new_tokens": b.max_new_tokens,
+                "batch": b.batch,
+                "dtype": b.vllm_dtype,
+            }
+        )
+    )
     try:
-        proc = subprocess.run([b.vllm_python, str(runner), job_path], capture_output=True, text=True,
-                              timeout=b.vllm_timeout_s)
+        proc = subprocess.run(
+            [b.vllm_python, str(runner), job_path], capture_output=True, text=True, timeout=b.vllm_timeout_s
+        )
     except subprocess.TimeoutExpired:
         return {"error": f"vLLM did not finish within {b.vllm_timeout_s} s"}
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]

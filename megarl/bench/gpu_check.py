@@ -35,11 +35,19 @@ PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e
 def check_config(a, out_dir: str) -> dict:
     cuda = a.device == "cuda"
     dtype = "bf16" if cuda else "fp32"
-    generator = {"backend": a.backend, "tp": 1, "replicas": 1, "max_running": a.max_running,
-                 "max_seq_len": a.prompt_len + a.max_new_tokens, "dtype": dtype, "fp8": a.backend == "sglang"}
+    generator = {
+        "backend": a.backend,
+        "tp": 1,
+        "replicas": 1,
+        "max_running": a.max_running,
+        "max_seq_len": a.prompt_len + a.max_new_tokens,
+        "dtype": dtype,
+        "fp8": a.backend == "sglang",
+    }
     if a.backend == "sglang":
-        generator.update(sglang_port=a.sglang_port, sglang_mem_fraction=a.sglang_mem_fraction,
-                         sglang_startup_timeout_s=600)
+        generator.update(
+            sglang_port=a.sglang_port, sglang_mem_fraction=a.sglang_mem_fraction, sglang_startup_timeout_s=600
+        )
         if a.sglang_launcher:
             generator["sglang_launcher"] = a.sglang_launcher
     trainer = {"tp": 1, "max_tokens_per_microbatch": max(a.microbatch_tokens, a.prompt_len + a.max_new_tokens)}
@@ -54,8 +62,13 @@ def check_config(a, out_dir: str) -> dict:
         "trainer": trainer,
         "optimizer": {"lr": 1e-5},
         "generator": generator,
-        "rollout": {"prompts_per_step": a.prompts_per_step, "samples_per_prompt": a.samples, "temperature": 1.0,
-                    "max_new_tokens": a.max_new_tokens, "max_lag": 2},
+        "rollout": {
+            "prompts_per_step": a.prompts_per_step,
+            "samples_per_prompt": a.samples,
+            "temperature": 1.0,
+            "max_new_tokens": a.max_new_tokens,
+            "max_lag": 2,
+        },
         "reward": {"function": "synthetic_parity"},
         "data": {"train": f"random:4096:1:{a.prompt_len}", "max_prompt_tokens": a.prompt_len},
         "run": {"mode": "async", "steps": a.steps, "output_dir": out_dir, "progress": False},
@@ -78,15 +91,20 @@ def summarize(run_dir: Path, device_name: str, parameters: int) -> dict:
     sync_s = _median(m["weight_sync_transfer_s"] for m in synced)
     sync_bytes = synced[0]["weight_sync_bytes"] if synced else 0
     return {
-        "device": device_name, "parameters_B": round(parameters / 1e9, 3), "steps": len(metrics),
+        "device": device_name,
+        "parameters_B": round(parameters / 1e9, 3),
+        "steps": len(metrics),
         "trainer_tokens_per_s": train_tps,
         "trainer_mfu": 6 * parameters * train_tps / peak if peak and train_tps else None,
         "generator_tokens_per_s": _median(m["generator_tokens_per_s"] for m in timed),
-        "sync_seconds": sync_s, "sync_GB": sync_bytes / 1e9,
+        "sync_seconds": sync_s,
+        "sync_GB": sync_bytes / 1e9,
         "sync_GB_per_s": sync_bytes / 1e9 / sync_s if sync_s else None,
         "sync_step_seconds": _median(m["time_weight_sync"] for m in synced),
-        "lag_mean": statistics.mean(m["lag_mean"] for m in metrics), "lag_max": max(m["lag_max"] for m in metrics),
-        "kl_step1": metrics[0]["kl_mu_pi"], "ess_step1": metrics[0]["ess"],
+        "lag_mean": statistics.mean(m["lag_mean"] for m in metrics),
+        "lag_max": max(m["lag_max"] for m in metrics),
+        "kl_step1": metrics[0]["kl_mu_pi"],
+        "ess_step1": metrics[0]["ess"],
         "sequences_with_two_versions": sum(len(set(r["versions"])) > 1 for r in rollouts),
         "samples_per_s": summary["samples_per_s"],
         # the trainer rank's peak allocated memory over a step (weights, grads, optimizer, activations)
@@ -111,8 +129,12 @@ def main(argv=None, backend: str = "torch") -> dict:
     p.add_argument("--sglang-port", type=int, default=30000)
     p.add_argument("--sglang-mem-fraction", type=float, default=0.35, help="SGLang's share: the trainer shares the GPU")
     p.add_argument("--sglang-launcher", default="", help="the server command (default: python -m sglang.launch_server)")
-    p.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
-                   help="trainer activation recomputation (full: uniform, 1 layer per group)")
+    p.add_argument(
+        "--recompute",
+        default="none",
+        choices=["none", "selective", "full"],
+        help="trainer activation recomputation (full: uniform, 1 layer per group)",
+    )
     p.add_argument("--sequence-parallel", action="store_true", help="trainer.sequence_parallel (needs TE)")
     p.add_argument("--workdir", help="keep the run here (default: a temporary directory)")
     a = p.parse_args(argv)
@@ -130,8 +152,9 @@ def main(argv=None, backend: str = "torch") -> dict:
         if a.device == "cpu":
             env["CUDA_VISIBLE_DEVICES"] = ""
         # the user's command: its output goes to stderr so that stdout carries the one JSON line
-        proc = subprocess.run([sys.executable, "-m", "megarl.cli", "train", "--config", str(config)],
-                              stdout=sys.stderr, env=env)
+        proc = subprocess.run(
+            [sys.executable, "-m", "megarl.cli", "train", "--config", str(config)], stdout=sys.stderr, env=env
+        )
         if proc.returncode != 0:
             raise SystemExit(f"gpu_check: `megarl train --config {config}` failed with exit code {proc.returncode}")
         result = {"backend": a.backend, **summarize(run_dir, device_name, spec.num_parameters())}

@@ -43,11 +43,23 @@ def demo_spec():
     except Exception:  # noqa: BLE001 -- the package is optional here; its config.json, hard-coded:
         from megarl.models.spec import LlamaSpec
 
-        return LlamaSpec.from_hf_config(dict(
-            model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-            num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152,
-            tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=8192,
-        ), source="SmolLM2-135M-Instruct (hard-coded)")
+        return LlamaSpec.from_hf_config(
+            dict(
+                model_type="llama",
+                hidden_size=576,
+                intermediate_size=1536,
+                num_hidden_layers=30,
+                num_attention_heads=9,
+                num_key_value_heads=3,
+                head_dim=64,
+                vocab_size=49152,
+                tie_word_embeddings=True,
+                rms_norm_eps=1e-5,
+                rope_theta=100000.0,
+                max_position_embeddings=8192,
+            ),
+            source="SmolLM2-135M-Instruct (hard-coded)",
+        )
 
 
 def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> dict:
@@ -79,8 +91,16 @@ def measure(spec, b: MachineBench = MachineBench()) -> dict:
         for dtype in ("fp32", "bf16"):
             attention.setdefault(dtype, {})[key] = {
                 "decode": rl.attention_gflops(spec, dtype, b.decode_rows, 1, b.context, False, t, b.min_time),
-                "train": rl.attention_gflops(spec, dtype, max(1, b.train_rows // b.train_row_tokens),
-                                             b.train_row_tokens, b.train_row_tokens, True, t, b.min_time),
+                "train": rl.attention_gflops(
+                    spec,
+                    dtype,
+                    max(1, b.train_rows // b.train_row_tokens),
+                    b.train_row_tokens,
+                    b.train_row_tokens,
+                    True,
+                    t,
+                    b.min_time,
+                ),
             }
         for path in rl.PATHS:
             gemm.setdefault(path, {})[key] = {
@@ -93,17 +113,26 @@ def measure(spec, b: MachineBench = MachineBench()) -> dict:
         dtype = "bf16" if rl.PATH_DTYPE[path] == torch.bfloat16 else "fp32"
         att = attention[dtype][key]
         roof[path] = {
-            "decode": rl.decode_from_rates(spec, gemm[path][key]["decode"], att["decode"], bandwidth[key], dtype,
-                                           b.decode_rows, b.context),
+            "decode": rl.decode_from_rates(
+                spec, gemm[path][key]["decode"], att["decode"], bandwidth[key], dtype, b.decode_rows, b.context
+            ),
             "train": rl.train_from_rates(spec, gemm[path][key]["train"], att["train"], b.train_row_tokens),
         }
     fastest = {}
     for phase in ("decode", "train"):
         path = max(rl.PATHS, key=lambda p: roof[p][phase]["tokens_per_s"])
-        fastest[phase] = {"path": path, "tokens_per_s": roof[path][phase]["tokens_per_s"],
-                          "gemm_gflops": roof[path][phase]["gemm_gflops"]}
-    return {"gemm_gflops": gemm, "attention_gflops": attention, "bandwidth_gb_s": bandwidth,
-            "roofline": roof, "fastest": fastest}
+        fastest[phase] = {
+            "path": path,
+            "tokens_per_s": roof[path][phase]["tokens_per_s"],
+            "gemm_gflops": roof[path][phase]["gemm_gflops"],
+        }
+    return {
+        "gemm_gflops": gemm,
+        "attention_gflops": attention,
+        "bandwidth_gb_s": bandwidth,
+        "roofline": roof,
+        "fastest": fastest,
+    }
 
 
 def run(b: MachineBench = MachineBench(), spec=None, model: str = "SmolLM2-135M-Instruct") -> dict:
@@ -112,12 +141,19 @@ def run(b: MachineBench = MachineBench(), spec=None, model: str = "SmolLM2-135M-
     spec = spec or demo_spec()
     result = {
         "model": model,
-        "shapes": {"linears": {n: [k, o, c] for n, k, o, c in rl.linear_shapes(spec)},
-                   "matmul_params": rl.matmul_params(spec), "decode_rows": b.decode_rows,
-                   "train_rows": b.train_rows, "train_max_out": b.train_max_out, "context": b.context,
-                   "train_row_tokens": b.train_row_tokens},
-        "torch": torch.__version__, "threads": torch.get_num_threads(),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu": cpu_flags(),
+        "shapes": {
+            "linears": {n: [k, o, c] for n, k, o, c in rl.linear_shapes(spec)},
+            "matmul_params": rl.matmul_params(spec),
+            "decode_rows": b.decode_rows,
+            "train_rows": b.train_rows,
+            "train_max_out": b.train_max_out,
+            "context": b.context,
+            "train_row_tokens": b.train_row_tokens,
+        },
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu": cpu_flags(),
     }
     result.update(measure(spec, b))
     result["seconds"] = time.perf_counter() - start

@@ -42,8 +42,13 @@ def linear_shapes(spec) -> list:
     """(name, in_features, out_features, count per token) of every matmul with weights."""
     h, heads, d = spec.hidden_size, spec.num_attention_heads, spec.head_dim
     n = spec.num_layers
-    return [("qkv", h, spec.qkv_rows, n), ("o", heads * d, h, n), ("gate_up", h, 2 * spec.ffn_hidden_size, n),
-            ("down", spec.ffn_hidden_size, h, n), ("lm_head", h, spec.vocab_size, 1)]
+    return [
+        ("qkv", h, spec.qkv_rows, n),
+        ("o", heads * d, h, n),
+        ("gate_up", h, 2 * spec.ffn_hidden_size, n),
+        ("down", spec.ffn_hidden_size, h, n),
+        ("lm_head", h, spec.vocab_size, 1),
+    ]
 
 
 def matmul_params(spec) -> int:
@@ -93,21 +98,24 @@ def gemm_gflops(path: str, rows: int, k: int, n: int, threads=None, min_time: fl
     g = torch.Generator().manual_seed(seed)
     dtype = PATH_DTYPE[path]
     x = torch.randn(rows, k, generator=g).to(dtype)
-    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
     if path == "fp32-onednn":
         packed = torch.ops.mkldnn._reorder_linear_weight(w, rows)
 
         def fn():
             return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
     else:
+
         def fn():
             return F.linear(x, w)
+
     with _Threads(threads):
         return _timed_rate(fn, 2.0 * rows * k * n, min_time)
 
 
-def attention_gflops(spec, dtype: str, batch: int, queries: int, keys: int, causal: bool, threads=None,
-                     min_time: float = 0.1) -> float:
+def attention_gflops(
+    spec, dtype: str, batch: int, queries: int, keys: int, causal: bool, threads=None, min_time: float = 0.1
+) -> float:
     """GFLOP/s of scaled_dot_product_attention (grouped-query) at the given shape, useful FLOPs only.
 
     At decode (one query per sequence) the faster of two forms of the same product: SDPA's
@@ -151,14 +159,15 @@ def decode_attention_forms(spec, q, k, v) -> dict:
     if native.load() is not None and d % 16 == 0 and k.is_contiguous() and v.is_contiguous():
         slots, lengths = torch.arange(batch), torch.full((batch,), keys)
         flat = q.reshape(batch, spec.num_attention_heads, d)
-        forms["engine_native"] = lambda: native.decode_attention(flat, k, v, slots, lengths,
-                                                                 1.0 / d ** 0.5).reshape(q.shape)
+        forms["engine_native"] = lambda: native.decode_attention(flat, k, v, slots, lengths, 1.0 / d**0.5).reshape(
+            q.shape
+        )
     return forms
 
 
 def bandwidth_gb_s(threads=None, megabytes: int = 256, repeats: int = 5) -> float:
     """Streaming read (sum) of an fp32 tensor far larger than any cache: best of ``repeats``."""
-    x = torch.ones(megabytes * 2 ** 20 // 4)
+    x = torch.ones(megabytes * 2**20 // 4)
     best = float("inf")
     with _Threads(threads):
         x.sum()
@@ -171,12 +180,15 @@ def bandwidth_gb_s(threads=None, megabytes: int = 256, repeats: int = 5) -> floa
 
 def linear_rates(spec, path: str, rows: int, threads=None, max_out=None, min_time: float = 0.1) -> dict:
     """{linear name: GFLOP/s} at ``rows`` rows; out features capped at ``max_out`` (a slice) if given."""
-    return {name: gemm_gflops(path, rows, k, min(n, max_out or n), threads, min_time)
-            for name, k, n, _ in linear_shapes(spec)}
+    return {
+        name: gemm_gflops(path, rows, k, min(n, max_out or n), threads, min_time)
+        for name, k, n, _ in linear_shapes(spec)
+    }
 
 
-def decode_from_rates(spec, rates: dict, attention_rate: float, bandwidth: float, dtype: str, batch: int,
-                      context: int) -> dict:
+def decode_from_rates(
+    spec, rates: dict, attention_rate: float, bandwidth: float, dtype: str, batch: int, context: int
+) -> dict:
     """Decode tokens/s allowed by measured rates (GFLOP/s per linear, attention GFLOP/s, GB/s)."""
     gemm_s = sum(c * 2.0 * batch * k * n / (rates[name] * 1e9) for name, k, n, c in linear_shapes(spec))
     attn_flops = decode_attention_flops(spec, batch, context)
@@ -188,11 +200,19 @@ def decode_from_rates(spec, rates: dict, attention_rate: float, bandwidth: float
     step_s = max(gemm_s + attn_s, memory_s)
     gemm_flops = 2.0 * batch * matmul_params(spec)
     return {
-        "batch": batch, "context": context, "matmul_params": matmul_params(spec),
-        "flops_per_token": (gemm_flops + attn_flops) / batch, "gemm_gflops": gemm_flops / gemm_s / 1e9,
-        "attention_gflops": attention_rate, "bandwidth_gb_s": bandwidth, "weight_bytes": weight_bytes,
-        "kv_bytes": kv_bytes, "compute_s_per_step": gemm_s + attn_s, "memory_s_per_step": memory_s,
-        "bound": "compute" if gemm_s + attn_s >= memory_s else "memory", "tokens_per_s": batch / step_s,
+        "batch": batch,
+        "context": context,
+        "matmul_params": matmul_params(spec),
+        "flops_per_token": (gemm_flops + attn_flops) / batch,
+        "gemm_gflops": gemm_flops / gemm_s / 1e9,
+        "attention_gflops": attention_rate,
+        "bandwidth_gb_s": bandwidth,
+        "weight_bytes": weight_bytes,
+        "kv_bytes": kv_bytes,
+        "compute_s_per_step": gemm_s + attn_s,
+        "memory_s_per_step": memory_s,
+        "bound": "compute" if gemm_s + attn_s >= memory_s else "memory",
+        "tokens_per_s": batch / step_s,
     }
 
 
@@ -202,9 +222,11 @@ def train_from_rates(spec, rates: dict, attention_rate: float, row_tokens: int) 
     attn_flops = 3.0 * causal_attention_flops(spec, 1, row_tokens) / row_tokens
     attn_s = attn_flops / (attention_rate * 1e9)
     return {
-        "row_tokens": row_tokens, "matmul_params": matmul_params(spec),
+        "row_tokens": row_tokens,
+        "matmul_params": matmul_params(spec),
         "flops_per_token": 6.0 * matmul_params(spec) + attn_flops,
-        "gemm_gflops": 6.0 * matmul_params(spec) / gemm_s / 1e9, "attention_gflops": attention_rate,
+        "gemm_gflops": 6.0 * matmul_params(spec) / gemm_s / 1e9,
+        "attention_gflops": attention_rate,
         "tokens_per_s": 1.0 / (gemm_s + attn_s),
     }
 
@@ -219,22 +241,44 @@ def decode_roofline(spec, dtype: str, batch: int, context: int, threads=None, mi
     with _Threads(threads):
         bandwidth = bandwidth_gb_s(repeats=3)
         attention = attention_gflops(spec, dtype, batch, 1, context, False, min_time=min_time)
-        per_path = {p: decode_from_rates(spec, linear_rates(spec, p, batch, min_time=min_time), attention,
-                                         bandwidth, dtype, batch, context) for p in DTYPE_PATHS[dtype]}
+        per_path = {
+            p: decode_from_rates(
+                spec, linear_rates(spec, p, batch, min_time=min_time), attention, bandwidth, dtype, batch, context
+            )
+            for p in DTYPE_PATHS[dtype]
+        }
         path, best = _best(per_path)
-        return {"dtype": dtype, "path": path, "threads": torch.get_num_threads(), **best,
-                "tokens_per_s_by_path": {p: r["tokens_per_s"] for p, r in per_path.items()}}
+        return {
+            "dtype": dtype,
+            "path": path,
+            "threads": torch.get_num_threads(),
+            **best,
+            "tokens_per_s_by_path": {p: r["tokens_per_s"] for p, r in per_path.items()},
+        }
 
 
-def train_roofline(spec, dtype: str, tokens_per_row: int, train_rows: int = 2048, threads=None,
-                   min_time: float = 0.05) -> dict:
+def train_roofline(
+    spec, dtype: str, tokens_per_row: int, train_rows: int = 2048, threads=None, min_time: float = 0.05
+) -> dict:
     """Measure (a few seconds) and return training tokens/s of ``dtype``'s fastest GEMM path on this machine."""
     with _Threads(threads):
         rows = max(1, train_rows // tokens_per_row)
         attention = attention_gflops(spec, dtype, rows, tokens_per_row, tokens_per_row, True, min_time=min_time)
-        per_path = {p: train_from_rates(spec, linear_rates(spec, p, train_rows, max_out=TRAIN_MAX_OUT,
-                                                           min_time=min_time), attention, tokens_per_row)
-                    for p in DTYPE_PATHS[dtype]}
+        per_path = {
+            p: train_from_rates(
+                spec,
+                linear_rates(spec, p, train_rows, max_out=TRAIN_MAX_OUT, min_time=min_time),
+                attention,
+                tokens_per_row,
+            )
+            for p in DTYPE_PATHS[dtype]
+        }
         path, best = _best(per_path)
-        return {"dtype": dtype, "path": path, "threads": torch.get_num_threads(), "gemm_rows": train_rows, **best,
-                "tokens_per_s_by_path": {p: r["tokens_per_s"] for p, r in per_path.items()}}
+        return {
+            "dtype": dtype,
+            "path": path,
+            "threads": torch.get_num_threads(),
+            "gemm_rows": train_rows,
+            **best,
+            "tokens_per_s_by_path": {p: r["tokens_per_s"] for p, r in per_path.items()},
+        }

@@ -162,8 +162,10 @@ def _transformers_step_time(gguf: Path, batch, advantages, s: BenchSettings) -> 
 
 def _padding_efficiency(batch, per_micro_batch: int) -> float:
     lengths = [len(x.prompt_tokens) + len(x.response_tokens) for x in batch]
-    padded = sum(max(lengths[i : i + per_micro_batch]) * len(lengths[i : i + per_micro_batch])
-                 for i in range(0, len(lengths), per_micro_batch))
+    padded = sum(
+        max(lengths[i : i + per_micro_batch]) * len(lengths[i : i + per_micro_batch])
+        for i in range(0, len(lengths), per_micro_batch)
+    )
     return sum(lengths) / padded
 
 

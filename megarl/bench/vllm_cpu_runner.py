@@ -29,11 +29,17 @@ def main(job_path: str) -> None:
     prompts = job["prompts"]
     max_len = max(len(p) for p in prompts) + job["max_new_tokens"] + 8
     start = time.perf_counter()
-    llm = LLM(model=job["model_dir"], dtype={"bf16": "bfloat16", "fp32": "float32"}[job["dtype"]],
-              max_num_seqs=job["batch"], max_model_len=max_len, skip_tokenizer_init=True, seed=0,
-              enforce_eager=bool(job.get("enforce_eager", False)),
-              # the directory materialised from the GGUF has architectures: null; vLLM would resolve LlamaModel
-              hf_overrides={"architectures": ["LlamaForCausalLM"]})
+    llm = LLM(
+        model=job["model_dir"],
+        dtype={"bf16": "bfloat16", "fp32": "float32"}[job["dtype"]],
+        max_num_seqs=job["batch"],
+        max_model_len=max_len,
+        skip_tokenizer_init=True,
+        seed=0,
+        enforce_eager=bool(job.get("enforce_eager", False)),
+        # the directory materialised from the GGUF has architectures: null; vLLM would resolve LlamaModel
+        hf_overrides={"architectures": ["LlamaForCausalLM"]},
+    )
     params = SamplingParams(temperature=0.0, max_tokens=job["max_new_tokens"], ignore_eos=True, detokenize=False)
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False)
     llm.generate([{"prompt_token_ids": p} for p in prompts[: job["batch"]]], warm, use_tqdm=False)
@@ -42,9 +48,21 @@ def main(job_path: str) -> None:
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     seconds = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    print(json.dumps({"vllm": vllm.__version__, "dtype": job["dtype"], "prompts": len(prompts), "tokens": tokens,
-                      "seconds": seconds, "tokens_per_s": tokens / seconds, "setup_s": setup_s,
-                      "first_tokens": [list(o.outputs[0].token_ids[:8]) for o in outs[:2]]}), flush=True)
+    print(
+        json.dumps(
+            {
+                "vllm": vllm.__version__,
+                "dtype": job["dtype"],
+                "prompts": len(prompts),
+                "tokens": tokens,
+                "seconds": seconds,
+                "tokens_per_s": tokens / seconds,
+                "setup_s": setup_s,
+                "first_tokens": [list(o.outputs[0].token_ids[:8]) for o in outs[:2]],
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

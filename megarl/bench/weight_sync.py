@@ -71,9 +71,15 @@ def resolved(b: WeightSyncBench) -> WeightSyncBench:
 
         cfg = load_config(b.config)
         section = plan_section(cfg)
-        values.update(model=model_preset(cfg, section), src_tp=cfg.trainer.tp, src_pp=cfg.trainer.pp,
-                      src_dp=cfg.trainer.dp, src_vpp=cfg.trainer.vpp, dst_tp=cfg.generator.tp,
-                      dst_replicas=cfg.generator.replicas)
+        values.update(
+            model=model_preset(cfg, section),
+            src_tp=cfg.trainer.tp,
+            src_pp=cfg.trainer.pp,
+            src_dp=cfg.trainer.dp,
+            src_vpp=cfg.trainer.vpp,
+            dst_tp=cfg.generator.tp,
+            dst_replicas=cfg.generator.replicas,
+        )
         if not b.fp8:
             b = replace(b, fp8=bool(cfg.generator.fp8))
     return replace(b, **{k: getattr(b, k) if getattr(b, k) is not None else v for k, v in values.items()})
@@ -128,46 +134,68 @@ def plan_only(b: WeightSyncBench) -> dict:
     plan_s = time.perf_counter() - start
     links = links_of(b)
     per_rank = rank_bytes(plan, b.fp8, links)
-    recv = [sum(v for k, v in per_rank[r].items() if k.startswith("recv")) for r in range(trainer.size, trainer.size + generator.size)]
+    recv = [
+        sum(v for k, v in per_rank[r].items() if k.startswith("recv"))
+        for r in range(trainer.size, trainer.size + generator.size)
+    ]
     send = [sum(v for k, v in per_rank[r].items() if k.startswith("send")) for r in range(trainer.size)]
     p = predict(plan, b.fp8, links, bucket_bytes=b.bucket_bytes)
     busy = p.busiest
     result = {
-        "model": b.model, "config": b.config, "parameters_B": spec.num_parameters() / 1e9,
+        "model": b.model,
+        "config": b.config,
+        "parameters_B": spec.num_parameters() / 1e9,
         "trainer": f"TP{b.src_tp} x PP{b.src_pp}{f' (VPP{b.src_vpp})' if b.src_vpp > 1 else ''} x DP{b.src_dp} "
-                   f"= {trainer.size} GPUs",
-        "generator": f"{b.dst_replicas} x TP{b.dst_tp} = {generator.size} GPUs", "fp8": b.fp8,
+        f"= {trainer.size} GPUs",
+        "generator": f"{b.dst_replicas} x TP{b.dst_tp} = {generator.size} GPUs",
+        "fp8": b.fp8,
         "plan_seconds": round(plan_s, 2),
         "transfers": sum(len(v) for v in plan.transfers.values()),
-        "max_bytes_per_receiving_gpu": max(recv), "min_bytes_per_receiving_gpu": min(recv),
-        "max_bytes_per_sending_gpu": max(send), "min_bytes_per_sending_gpu": min(send),
+        "max_bytes_per_receiving_gpu": max(recv),
+        "min_bytes_per_receiving_gpu": min(recv),
+        "max_bytes_per_sending_gpu": max(send),
+        "min_bytes_per_sending_gpu": min(send),
         "predicted_seconds": p.seconds,
         "kind": "prediction from a model (predict.py), not a measurement",
         "breakdown": {  # of the GPU that sets the time
-            "rank": busy.rank, "role": "generator" if busy.rank >= trainer.size else "trainer",
-            "direction": busy.direction, "bandwidth_s": busy.bandwidth_s, "latency_s": busy.latency_s,
-            "quantise_s": busy.quantise_s, "network_bytes": busy.network_bytes, "nvlink_bytes": busy.nvlink_bytes,
-            "messages": busy.messages, "quantised_bf16_bytes": busy.quantised_bytes,
+            "rank": busy.rank,
+            "role": "generator" if busy.rank >= trainer.size else "trainer",
+            "direction": busy.direction,
+            "bandwidth_s": busy.bandwidth_s,
+            "latency_s": busy.latency_s,
+            "quantise_s": busy.quantise_s,
+            "network_bytes": busy.network_bytes,
+            "nvlink_bytes": busy.nvlink_bytes,
+            "messages": busy.messages,
+            "quantised_bf16_bytes": busy.quantised_bytes,
         },
         "bandwidth_only_seconds": p.busiest_bandwidth_only.bandwidth_s,
         "max_messages_per_rank": p.max_messages,
-        "assumptions": {"gpus_per_node": links.gpus_per_node, "nvlink_GB_s": links.nvlink_gb_s,
-                        "network_GB_s": links.network_gb_s, "message_latency_us": links.message_latency_us,
-                        "fp8_quant_GB_s": links.fp8_quant_gb_s, "bucket_MB": b.bucket_mb,
-                        "quantisation_overlapped": False},
+        "assumptions": {
+            "gpus_per_node": links.gpus_per_node,
+            "nvlink_GB_s": links.nvlink_gb_s,
+            "network_GB_s": links.network_gb_s,
+            "message_latency_us": links.message_latency_us,
+            "fp8_quant_GB_s": links.fp8_quant_gb_s,
+            "bucket_MB": b.bucket_mb,
+            "quantisation_overlapped": False,
+        },
     }
-    print(f"weight sync, {b.model}: trainer {result['trainer']} -> generator {result['generator']}"
-          f"{' (fp8)' if b.fp8 else ''}\n"
-          f"  predicted {p.seconds:.3f} s -- a model, not a measurement: busiest GPU = {result['breakdown']['role']} "
-          f"sync rank {busy.rank} ({busy.direction}): bandwidth {busy.bandwidth_s:.3f} s "
-          f"({busy.network_bytes / 1e9:.2f} GB network, {busy.nvlink_bytes / 1e9:.2f} GB NVLink) + "
-          f"{busy.messages} messages x {links.message_latency_us:g} us = {busy.latency_s * 1e3:.1f} ms + "
-          f"fp8 quantisation {busy.quantised_bytes / 1e9:.2f} GB bf16 / {links.fp8_quant_gb_s:g} GB/s = "
-          f"{busy.quantise_s * 1e3:.1f} ms\n"
-          f"  assumptions: {links.gpus_per_node} GPUs per node, NVLink {links.nvlink_gb_s:g} GB/s, network "
-          f"{links.network_gb_s:g} GB/s per GPU, {links.message_latency_us:g} us per point-to-point message, "
-          f"fp8 quantisation {links.fp8_quant_gb_s:g} GB/s of bf16 per GPU (not overlapped), "
-          f"{b.bucket_mb} MB rounds; most messages of one rank: {p.max_messages}", flush=True)
+    print(
+        f"weight sync, {b.model}: trainer {result['trainer']} -> generator {result['generator']}"
+        f"{' (fp8)' if b.fp8 else ''}\n"
+        f"  predicted {p.seconds:.3f} s -- a model, not a measurement: busiest GPU = {result['breakdown']['role']} "
+        f"sync rank {busy.rank} ({busy.direction}): bandwidth {busy.bandwidth_s:.3f} s "
+        f"({busy.network_bytes / 1e9:.2f} GB network, {busy.nvlink_bytes / 1e9:.2f} GB NVLink) + "
+        f"{busy.messages} messages x {links.message_latency_us:g} us = {busy.latency_s * 1e3:.1f} ms + "
+        f"fp8 quantisation {busy.quantised_bytes / 1e9:.2f} GB bf16 / {links.fp8_quant_gb_s:g} GB/s = "
+        f"{busy.quantise_s * 1e3:.1f} ms\n"
+        f"  assumptions: {links.gpus_per_node} GPUs per node, NVLink {links.nvlink_gb_s:g} GB/s, network "
+        f"{links.network_gb_s:g} GB/s per GPU, {links.message_latency_us:g} us per point-to-point message, "
+        f"fp8 quantisation {links.fp8_quant_gb_s:g} GB/s of bf16 per GPU (not overlapped), "
+        f"{b.bucket_mb} MB rounds; most messages of one rank: {p.max_messages}",
+        flush=True,
+    )
     print(json.dumps(result), flush=True)
     return result
 
@@ -189,8 +217,9 @@ def _groups(b: WeightSyncBench, port: int, sync_rank: int, trainer_size: int, ge
     for s in range(b.src_pp):
         rank = stage_member(s)
         if rank is not None:
-            stages[s] = init_sync_group("127.0.0.1", port, 1 + generators, rank, group_name=f"baseline-pp_{s}",
-                                        store=store)
+            stages[s] = init_sync_group(
+                "127.0.0.1", port, 1 + generators, rank, group_name=f"baseline-pp_{s}", store=store
+            )
     return sync, stages
 
 
@@ -217,7 +246,10 @@ def _trainer_rank(b: WeightSyncBench, port: int, out_dir: str, generators: int) 
     init_megatron(ParallelLayout(b.src_tp, b.src_pp))
     config = transformer_config(spec, b.src_tp, b.src_pp, params_dtype=torch.bfloat16, perform_initialization=False)
     chunks = build_model_chunks(spec, config)
-    tp_rank, pp_rank = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
+    tp_rank, pp_rank = (
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_pipeline_model_parallel_rank(),
+    )
     with torch.no_grad():  # any finite values do for timing (Megatron's initialiser is slow on CPU), but
         # consistent ones: replicated tensors (norms) equal on every TP rank, DP replicas equal
         for i, p in enumerate(chunks[0].parameters()):
@@ -227,11 +259,21 @@ def _trainer_rank(b: WeightSyncBench, port: int, out_dir: str, generators: int) 
     trainer = TrainerTopology(b.src_tp, b.src_pp, dist.get_world_size() // (b.src_tp * b.src_pp))
     generator = GeneratorTopology(b.dst_tp, b.dst_replicas, first_rank=trainer.size)
     sources = {trainer.rank(0, 0, s): s for s in range(trainer.pp)}
-    sync, stages = _groups(b, port, rank, trainer.size, generators,
-                           lambda s: 0 if sources.get(rank) == s else None)
+    sync, stages = _groups(b, port, rank, trainer.size, generators, lambda s: 0 if sources.get(rank) == s else None)
     plan = build_plan(spec, trainer, generator)
-    ours = TrainerSync(spec, trainer, generator, chunks, sync, rank, fp8=b.fp8, wire_dtype=torch.bfloat16,
-                       verify=b.verify, plan=plan, bucket_bytes=b.bucket_bytes)
+    ours = TrainerSync(
+        spec,
+        trainer,
+        generator,
+        chunks,
+        sync,
+        rank,
+        fp8=b.fp8,
+        wire_dtype=torch.bfloat16,
+        verify=b.verify,
+        plan=plan,
+        bucket_bytes=b.bucket_bytes,
+    )
     params = megatron_params(chunks)
     tp_group = parallel_state.get_tensor_model_parallel_group()
     stage_group = stages.get(sources.get(rank))
@@ -244,13 +286,30 @@ def _trainer_rank(b: WeightSyncBench, port: int, out_dir: str, generators: int) 
         times.append(time.perf_counter() - start)
         dist.barrier(group=sync)
         start = time.perf_counter()
-        base = gather_broadcast_send(spec, trainer, rank, params, tp_group, stage_group, torch.bfloat16,
-                                     b.bucket_bytes, fp8=_baseline_fp8(b, spec))
+        base = gather_broadcast_send(
+            spec,
+            trainer,
+            rank,
+            params,
+            tp_group,
+            stage_group,
+            torch.bfloat16,
+            b.bucket_bytes,
+            fp8=_baseline_fp8(b, spec),
+        )
         dist.barrier(group=sync)
         base_times.append(time.perf_counter() - start)
-    Path(out_dir, f"trainer{rank}.json").write_text(json.dumps(
-        {"seconds": times[1:], "baseline_seconds": base_times[1:], "wire_messages": stats.wire_messages,
-         "pairs": len(ours.sender.peers), "baseline": base}))
+    Path(out_dir, f"trainer{rank}.json").write_text(
+        json.dumps(
+            {
+                "seconds": times[1:],
+                "baseline_seconds": base_times[1:],
+                "wire_messages": stats.wire_messages,
+                "pairs": len(ours.sender.peers),
+                "baseline": base,
+            }
+        )
+    )
     shutdown()
 
 
@@ -270,9 +329,20 @@ def _generator_rank(b: WeightSyncBench, port: int, out_dir: str, trainer_size: i
     sync, stages = _groups(b, port, sync_rank, trainer.size, generator.size, lambda s: 1 + rank)
     replica, tp_rank = divmod(rank, b.dst_tp)
     params = allocate_generator_params(spec, b.dst_tp, tp_rank, torch.bfloat16, b.fp8)
-    ours = GeneratorSync(spec, trainer, generator, replica, tp_rank, params, sync, fp8=b.fp8,
-                         wire_dtype=torch.bfloat16, verify=b.verify, plan=build_plan(spec, trainer, generator),
-                         bucket_bytes=b.bucket_bytes)
+    ours = GeneratorSync(
+        spec,
+        trainer,
+        generator,
+        replica,
+        tp_rank,
+        params,
+        sync,
+        fp8=b.fp8,
+        wire_dtype=torch.bfloat16,
+        verify=b.verify,
+        plan=build_plan(spec, trainer, generator),
+        bucket_bytes=b.bucket_bytes,
+    )
     base_params = allocate_generator_params(spec, b.dst_tp, tp_rank, torch.bfloat16, _baseline_fp8(b, spec))
     stats, base = None, None
     for i in range(b.iters + 1):
@@ -280,17 +350,36 @@ def _generator_rank(b: WeightSyncBench, port: int, out_dir: str, trainer_size: i
         stats = ours.pull(expected_version=i)
         dist.barrier(group=sync)
         dist.barrier(group=sync)
-        base = gather_broadcast_receive(spec, trainer, b.dst_tp, tp_rank, base_params,
-                                        [stages[s] for s in range(trainer.pp)], torch.bfloat16, b.bucket_bytes,
-                                        fp8=_baseline_fp8(b, spec))
+        base = gather_broadcast_receive(
+            spec,
+            trainer,
+            b.dst_tp,
+            tp_rank,
+            base_params,
+            [stages[s] for s in range(trainer.pp)],
+            torch.bfloat16,
+            b.bucket_bytes,
+            fp8=_baseline_fp8(b, spec),
+        )
         dist.barrier(group=sync)
     same = set(params) == set(base_params) and all(
-        torch.equal(params[n].view(torch.uint8) if params[n].dtype == torch.float8_e4m3fn else params[n],
-                    base_params[n].view(torch.uint8) if base_params[n].dtype == torch.float8_e4m3fn else base_params[n])
-        for n in params)
-    Path(out_dir, f"generator{rank}.json").write_text(json.dumps(
-        {"received": stats.bytes_received, "wire_messages": stats.wire_messages, "pairs": len(ours.receiver.peers),
-         "baseline": base, "same_weights": same}))
+        torch.equal(
+            params[n].view(torch.uint8) if params[n].dtype == torch.float8_e4m3fn else params[n],
+            base_params[n].view(torch.uint8) if base_params[n].dtype == torch.float8_e4m3fn else base_params[n],
+        )
+        for n in params
+    )
+    Path(out_dir, f"generator{rank}.json").write_text(
+        json.dumps(
+            {
+                "received": stats.bytes_received,
+                "wire_messages": stats.wire_messages,
+                "pairs": len(ours.receiver.peers),
+                "baseline": base,
+                "same_weights": same,
+            }
+        )
+    )
     shutdown()
 
 
@@ -303,8 +392,10 @@ def run(b: WeightSyncBench) -> dict:
         raise ConfigError("--config goes with --plan-only (the measured run takes --model and the layout flags)")
     b = resolved(b)
     if b.src_vpp > 1:
-        raise ConfigError(f"--src-vpp {b.src_vpp}: the measured run builds one model chunk per PP rank; "
-                          "virtual stages go with --plan-only")
+        raise ConfigError(
+            f"--src-vpp {b.src_vpp}: the measured run builds one model chunk per PP rank; "
+            "virtual stages go with --plan-only"
+        )
     from megarl.runtime.distributed import free_port
     from megarl.runtime.launch import run_worlds
     from megarl.weight_sync.planner import GeneratorTopology, TrainerTopology, build_plan
@@ -315,12 +406,19 @@ def run(b: WeightSyncBench) -> dict:
     generators = b.dst_tp * b.dst_replicas
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="megarl_bench_") as out:
-        run_worlds([(_trainer_rank, trainer_size, (b, port, out, generators)),
-                    (_generator_rank, generators, (b, port, out, trainer_size))])
+        run_worlds(
+            [
+                (_trainer_rank, trainer_size, (b, port, out, generators)),
+                (_generator_rank, generators, (b, port, out, trainer_size)),
+            ]
+        )
         ts = [json.loads(Path(out, f"trainer{r}.json").read_text()) for r in range(trainer_size)]
         gens = [json.loads(Path(out, f"generator{r}.json").read_text()) for r in range(generators)]
-    plan = build_plan(spec, TrainerTopology(b.src_tp, b.src_pp, b.src_dp),
-                      GeneratorTopology(b.dst_tp, b.dst_replicas, first_rank=trainer_size))
+    plan = build_plan(
+        spec,
+        TrainerTopology(b.src_tp, b.src_pp, b.src_dp),
+        GeneratorTopology(b.dst_tp, b.dst_replicas, first_rank=trainer_size),
+    )
     # every worker's own shard, once (fp8 weights at one byte plus their scales)
     minimum = int(sum(transfer_bytes(t.dst_param, t.numel, b.fp8) for ts_ in plan.transfers.values() for t in ts_))
     t0 = ts[0]
@@ -328,20 +426,29 @@ def run(b: WeightSyncBench) -> dict:
     gathered = sum(t["baseline"]["gathered_bytes"] for t in ts)
     broadcast = sum(g["baseline"]["received_bytes"] for g in gens)
     result = {
-        "model": b.model, "parameters_M": round(spec.num_parameters() / 1e6, 1),
-        "trainer": f"TP{b.src_tp} x PP{b.src_pp} x DP{b.src_dp}", "generator": f"{b.dst_replicas} x TP{b.dst_tp}",
-        "fp8": b.fp8, "verify": b.verify, "iters": b.iters, "bucket_MB": b.bucket_mb,
-        "bytes_moved": sum(g["received"] for g in gens), "min_bytes": minimum,
-        "seconds": ours_s, "seconds_each": t0["seconds"],
+        "model": b.model,
+        "parameters_M": round(spec.num_parameters() / 1e6, 1),
+        "trainer": f"TP{b.src_tp} x PP{b.src_pp} x DP{b.src_dp}",
+        "generator": f"{b.dst_replicas} x TP{b.dst_tp}",
+        "fp8": b.fp8,
+        "verify": b.verify,
+        "iters": b.iters,
+        "bucket_MB": b.bucket_mb,
+        "bytes_moved": sum(g["received"] for g in gens),
+        "min_bytes": minimum,
+        "seconds": ours_s,
+        "seconds_each": t0["seconds"],
         "wire_messages": sum(g["wire_messages"] for g in gens),  # data point-to-point messages, all receivers
         "max_wire_messages_per_receiver": max(g["wire_messages"] for g in gens),
         "header_messages": sum(g["pairs"] for g in gens),
         "baseline_bytes_moved": gathered + broadcast,
-        "baseline_gathered_bytes": gathered, "baseline_broadcast_bytes_received": broadcast,
+        "baseline_gathered_bytes": gathered,
+        "baseline_broadcast_bytes_received": broadcast,
         "baseline_all_gathers_per_trainer_rank": max(t["baseline"]["all_gathers"] for t in ts),
         "baseline_broadcasts_per_worker": gens[0]["baseline"]["broadcasts"],
         "baseline_fp8": _baseline_fp8(b, spec),
-        "baseline_seconds": base_s, "baseline_seconds_each": t0["baseline_seconds"],
+        "baseline_seconds": base_s,
+        "baseline_seconds_each": t0["baseline_seconds"],
         "baseline_same_weights": all(g["same_weights"] for g in gens),
         "speedup_vs_gather_broadcast": base_s / ours_s,
     }

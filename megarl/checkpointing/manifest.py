@@ -117,12 +117,22 @@ def finish_manifest(staging: Path, world: int, iteration: Optional[int]) -> dict
     files.update(checksum_files(staging, [n for n in present if n not in files]))
     stale = sorted(set(files) - set(present))
     if stale:  # a part named a file that is not there: the save itself went wrong
-        raise CheckpointError(f"{staging}: files summed by a rank are gone before the manifest was written: {stale[:5]}")
-    manifest = {"format": FORMAT, "algorithm": ALGORITHM, "iteration": iteration, "written_by_ranks": world,
-                "files": {n: files[n] for n in present}}
+        raise CheckpointError(
+            f"{staging}: files summed by a rank are gone before the manifest was written: {stale[:5]}"
+        )
+    manifest = {
+        "format": FORMAT,
+        "algorithm": ALGORITHM,
+        "iteration": iteration,
+        "written_by_ranks": world,
+        "files": {n: files[n] for n in present},
+    }
     _write_atomic(staging / MANIFEST_FILE, json.dumps(manifest, indent=1, sort_keys=True))
-    return {"files": len(present), "bytes": sum(f["size"] for f in files.values()),
-            "seconds": slowest + time.perf_counter() - start}
+    return {
+        "files": len(present),
+        "bytes": sum(f["size"] for f in files.values()),
+        "seconds": slowest + time.perf_counter() - start,
+    }
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -177,8 +187,7 @@ def _share(files: Dict[str, dict], rank: int, world: int) -> List[str]:
     return mine
 
 
-def checkpoint_problems(ckpt_dir: Path, checksums: bool = True, group=None,
-                        reuse: bool = False) -> Optional[List[str]]:
+def checkpoint_problems(ckpt_dir: Path, checksums: bool = True, group=None, reuse: bool = False) -> Optional[List[str]]:
     """What is wrong with a checkpoint's files (empty: nothing); None: it has no manifest.
 
     With ``group`` (a torch.distributed group every member of which calls this) the
@@ -202,8 +211,10 @@ def checkpoint_problems(ckpt_dir: Path, checksums: bool = True, group=None,
             continue
         stamp.append(_stat_key(ckpt_dir / name, st))
         if st.st_size != want["size"]:
-            problems.append(f"{name}: {st.st_size} bytes, {MANIFEST_FILE} says {want['size']} "
-                            f"({'truncated' if st.st_size < want['size'] else 'grown'})")
+            problems.append(
+                f"{name}: {st.st_size} bytes, {MANIFEST_FILE} says {want['size']} "
+                f"({'truncated' if st.st_size < want['size'] else 'grown'})"
+            )
         else:
             intact[name] = want
     if checksums:
@@ -249,8 +260,9 @@ def describe(problems: List[str], limit: int = 3) -> str:
     return "; ".join(problems[:limit]) + more
 
 
-def verify_checkpoint(ckpt_dir: os.PathLike, checksums: bool = True, group=None, what: str = "checkpoint",
-                      reuse: bool = False) -> bool:
+def verify_checkpoint(
+    ckpt_dir: os.PathLike, checksums: bool = True, group=None, what: str = "checkpoint", reuse: bool = False
+) -> bool:
     """Raise CheckpointError naming the files that disagree with the manifest.
 
     True: verified (sizes, and CRC-32s if ``checksums``); False: no manifest to check
@@ -271,8 +283,12 @@ def warn_unverifiable(ckpt_dir: Path) -> None:
     if key in _warned_unverifiable or not _is_first_rank():
         return
     _warned_unverifiable.add(key)
-    print(f"megarl: warning: {ckpt_dir} has no {MANIFEST_FILE} (written before megarl kept manifests): "
-          f"its files cannot be verified", file=sys.stderr, flush=True)
+    print(
+        f"megarl: warning: {ckpt_dir} has no {MANIFEST_FILE} (written before megarl kept manifests): "
+        f"its files cannot be verified",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _is_first_rank() -> bool:

@@ -70,8 +70,9 @@ def resolve_checkpoint_dir(path: os.PathLike, what: str = "--megatron", verify: 
     if verify not in ("none", "sizes", "checksums", "checksums_once"):
         raise ValueError(f"verify={verify!r}")
     if verify != "none":
-        manifest.verify_checkpoint(path, checksums=verify != "sizes", group=group, what=what,
-                                   reuse=verify == "checksums_once")
+        manifest.verify_checkpoint(
+            path, checksums=verify != "sizes", group=group, what=what, reuse=verify == "checksums_once"
+        )
     return path
 
 
@@ -174,9 +175,12 @@ def save_state(
 
             for path in prune_checkpoints(root, keep, iteration):
                 print(f"megarl: deleted checkpoint {path} (run.keep_checkpoints={keep})", file=sys.stderr, flush=True)
-        print(f"megarl: checkpoint {final} complete: {summary['files']} files, {summary['bytes'] / 2**30:.3f} GiB "
-              f"in {time.perf_counter() - start:.2f} s, of which the manifest (CRC-32) {summary['seconds']:.2f} s",
-              file=sys.stderr, flush=True)
+        print(
+            f"megarl: checkpoint {final} complete: {summary['files']} files, {summary['bytes'] / 2**30:.3f} GiB "
+            f"in {time.perf_counter() - start:.2f} s, of which the manifest (CRC-32) {summary['seconds']:.2f} s",
+            file=sys.stderr,
+            flush=True,
+        )
     dist.barrier()
     from megarl.runtime.cpu_memory import release_freed_memory
 

@@ -71,15 +71,20 @@ def find_resumable_checkpoint(root: os.PathLike, group=None, report: bool = True
             for why in skipped:
                 print(f"megarl: warning: not resuming from {why}", file=sys.stderr, flush=True)
             if skipped:
-                print(f"megarl: warning: resuming from the previous complete checkpoint {path} "
-                      f"(iteration {iteration})", file=sys.stderr, flush=True)
+                print(
+                    f"megarl: warning: resuming from the previous complete checkpoint {path} (iteration {iteration})",
+                    file=sys.stderr,
+                    flush=True,
+                )
             if not point.verified:
                 warn_unverifiable(path)
         return point
     if skipped:
-        raise CheckpointError(f"{root}: no checkpoint there is intact, so the run cannot resume: "
-                              f"{' | '.join(skipped)}. Move the damaged ones away (or the whole "
-                              f"directory, to start afresh)")
+        raise CheckpointError(
+            f"{root}: no checkpoint there is intact, so the run cannot resume: "
+            f"{' | '.join(skipped)}. Move the damaged ones away (or the whole "
+            f"directory, to start afresh)"
+        )
     return None
 
 

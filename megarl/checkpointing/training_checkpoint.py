@@ -57,8 +57,9 @@ def save_training_state(
     return save_state(state, root, spec, iteration, tokenizer_files, keep=keep_checkpoints)
 
 
-def load_training_state(chunks: List[torch.nn.Module], optimizer, path: os.PathLike,
-                        verify: str = "checksums_once") -> Dict[str, Any]:
+def load_training_state(
+    chunks: List[torch.nn.Module], optimizer, path: os.PathLike, verify: str = "checksums_once"
+) -> Dict[str, Any]:
     """Load weights and optimizer state saved at any layout; return the loop state.
 
     ``path``: a root (its tracker's iteration) or one iteration directory. Collective over the
@@ -69,8 +70,9 @@ def load_training_state(chunks: List[torch.nn.Module], optimizer, path: os.PathL
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    ckpt_dir = resolve_checkpoint_dir(path, what="checkpoint", verify=verify,
-                                      group=dist.group.WORLD if dist.is_initialized() else None)
+    ckpt_dir = resolve_checkpoint_dir(
+        path, what="checkpoint", verify=verify, group=dist.group.WORLD if dist.is_initialized() else None
+    )
     state = model_sharded_state_dict(chunks)
     optimizer_state.apply()
     optimizer_state.init_adam_state_for_loading(optimizer)

@@ -24,12 +24,17 @@ def hf_to_megatron_from_args(a: argparse.Namespace) -> HfToMegatron:
 
 
 def add_megatron_to_hf_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--megatron", required=True, help="checkpoint root (with latest_checkpointed_iteration.txt) or iteration dir")
+    p.add_argument(
+        "--megatron", required=True, help="checkpoint root (with latest_checkpointed_iteration.txt) or iteration dir"
+    )
     p.add_argument("--output", required=True, help="output HF directory (must be empty or absent)")
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="output dtype (auto: as stored)")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file to write")
-    p.add_argument("--fp8", action="store_true",
-                   help="block-fp8 linear layers with 128x128 weight_scale_inv (SGLang's format; others bf16)")
+    p.add_argument(
+        "--fp8",
+        action="store_true",
+        help="block-fp8 linear layers with 128x128 weight_scale_inv (SGLang's format; others bf16)",
+    )
 
 
 def megatron_to_hf_from_args(a: argparse.Namespace) -> MegatronToHf:

@@ -36,7 +36,6 @@ from megarl.models.hf_mapping import tensor_mappings, to_hf
 from megarl.weight_sync.fp8 import BLOCK_FP8_QUANT_CONFIG
 
 
-
 @dataclass(frozen=True)
 class MegatronToHf:
     megatron: str
@@ -48,12 +47,20 @@ class MegatronToHf:
 
 
 # HF names of the weights SGLang serves in block fp8 (it fuses q/k/v and gate/up on load)
-FP8_HF_LINEARS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
-                  "up_proj.weight", "down_proj.weight")
+FP8_HF_LINEARS = (
+    "q_proj.weight",
+    "k_proj.weight",
+    "v_proj.weight",
+    "o_proj.weight",
+    "gate_proj.weight",
+    "up_proj.weight",
+    "down_proj.weight",
+)
 
 
-def _add_tensor(writer: "ShardedSafetensorsWriter", name: str, tensor: torch.Tensor, dtype: torch.dtype,
-                fp8: bool) -> None:
+def _add_tensor(
+    writer: "ShardedSafetensorsWriter", name: str, tensor: torch.Tensor, dtype: torch.dtype, fp8: bool
+) -> None:
     if fp8 and name.startswith("model.layers.") and name.endswith(FP8_HF_LINEARS):
         from megarl.weight_sync import fp8 as fp8_format
 

@@ -11,6 +11,14 @@ from megarl.data.datasets import (
 )
 
 __all__ = [
-    "PromptRecord", "PromptStream", "TokenizedPrompt", "add_data_args", "generate_arithmetic",
-    "load_prompts", "parse_record", "run_data", "tokenize_prompts", "write_jsonl",
+    "PromptRecord",
+    "PromptStream",
+    "TokenizedPrompt",
+    "add_data_args",
+    "generate_arithmetic",
+    "load_prompts",
+    "parse_record",
+    "run_data",
+    "tokenize_prompts",
+    "write_jsonl",
 ]

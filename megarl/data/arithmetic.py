@@ -29,8 +29,28 @@ MAX_DIGITS = 6
 
 ANSWER_INSTRUCTION = "Put your final answer in \\boxed{}."
 
-_NAMES = ["Ava", "Ben", "Chloe", "Dev", "Emma", "Farid", "Grace", "Hugo", "Iris", "Jon", "Kai", "Lena",
-          "Mia", "Noah", "Omar", "Priya", "Quinn", "Rosa", "Sam", "Tara"]
+_NAMES = [
+    "Ava",
+    "Ben",
+    "Chloe",
+    "Dev",
+    "Emma",
+    "Farid",
+    "Grace",
+    "Hugo",
+    "Iris",
+    "Jon",
+    "Kai",
+    "Lena",
+    "Mia",
+    "Noah",
+    "Omar",
+    "Priya",
+    "Quinn",
+    "Rosa",
+    "Sam",
+    "Tara",
+]
 _ITEMS = ["apples", "marbles", "stickers", "books", "coins", "pencils", "shells", "cards", "stamps", "beads"]
 _CONTAINERS = ["boxes", "bags", "jars", "crates", "baskets", "shelves"]
 
@@ -60,7 +80,7 @@ def _operand(rng: random.Random, digits: int) -> int:
     # almost every operand would have the maximum number of digits.
     width = rng.randint(1, digits)
     low = 0 if width == 1 else 10 ** (width - 1)
-    return rng.randint(max(low, 1), 10 ** width - 1)
+    return rng.randint(max(low, 1), 10**width - 1)
 
 
 def make_problem(rng: random.Random, digits: int) -> Dict:
@@ -111,8 +131,10 @@ def generate_heldout(n: int, seed: int, exclude: List[Dict], digits: int = 2) ->
             out.append(problem)
             if len(out) == n:
                 return out
-    raise ConfigError(f"arithmetic held-out set: could not find {n} problems outside the {len(exclude)} excluded "
-                      f"with {digits}-digit operands")
+    raise ConfigError(
+        f"arithmetic held-out set: could not find {n} problems outside the {len(exclude)} excluded "
+        f"with {digits}-digit operands"
+    )
 
 
 def arithmetic_records(spec: str) -> List[Dict]:
@@ -127,7 +149,9 @@ def arithmetic_records(spec: str) -> List[Dict]:
             return generate_heldout(int(parts[1]), int(parts[2]), generate_arithmetic(int(parts[4]), int(parts[5])))
     except ValueError:
         pass
-    raise ConfigError(f"{spec!r}: expected arithmetic:<n>:<seed> or arithmetic:<n>:<seed>:heldout:<train n>:<train seed>")
+    raise ConfigError(
+        f"{spec!r}: expected arithmetic:<n>:<seed> or arithmetic:<n>:<seed>:heldout:<train n>:<train seed>"
+    )
 
 
 def write_jsonl(records: List[Dict], path) -> None:
@@ -145,12 +169,17 @@ def write_jsonl(records: List[Dict], path) -> None:
 
 # -- CLI: megarl data arithmetic ----------------------------------------------------------------
 
+
 def add_data_args(parser) -> None:
     """Arguments of the ``arithmetic`` subparser of ``megarl data``."""
     parser.add_argument("--n", type=int, required=True, help="number of problems")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    parser.add_argument("--digits", type=int, default=2,
-                        help=f"most digits per operand, 1-{MAX_DIGITS} (default 2; each operand gets 1..D)")
+    parser.add_argument(
+        "--digits",
+        type=int,
+        default=2,
+        help=f"most digits per operand, 1-{MAX_DIGITS} (default 2; each operand gets 1..D)",
+    )
     parser.add_argument("--out", required=True, help="output .jsonl file")
 
 

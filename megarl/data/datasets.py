@@ -93,8 +93,9 @@ def _read_parquet(path: str) -> Iterator[PromptRecord]:
     try:
         import pyarrow.parquet as pq
     except ImportError as exc:
-        raise ConfigError(f"{path}: reading .parquet prompt files needs pyarrow (pip install pyarrow), "
-                          f"or convert the file to .jsonl") from exc
+        raise ConfigError(
+            f"{path}: reading .parquet prompt files needs pyarrow (pip install pyarrow), or convert the file to .jsonl"
+        ) from exc
     for row, raw in enumerate(pq.read_table(path).to_pylist(), start=1):
         yield parse_record(raw, f"{path}:row {row}")
 
@@ -105,8 +106,10 @@ def parse_record(raw: Any, where: str) -> PromptRecord:
         raise ConfigError(f"{where}: a record must be a JSON object, got {type(raw).__name__}")
     has_prompt, has_messages = raw.get("prompt") is not None, raw.get("messages") is not None
     if has_prompt == has_messages:
-        raise ConfigError(f"{where}: a record needs exactly one of the fields 'prompt' or 'messages'"
-                          + (" (it has both)" if has_prompt else ""))
+        raise ConfigError(
+            f"{where}: a record needs exactly one of the fields 'prompt' or 'messages'"
+            + (" (it has both)" if has_prompt else "")
+        )
     if has_prompt:
         if not isinstance(raw["prompt"], str) or not raw["prompt"].strip():
             raise ConfigError(f"{where}: field 'prompt' must be a non-empty string")
@@ -163,8 +166,13 @@ def tokenize_prompts(records: Sequence[PromptRecord], tokenizer, max_prompt_toke
         kept.append(TokenizedPrompt(ids=ids, record=record))
     dropped = len(records) - len(kept)
     if dropped:
-        logger.warning("dropped %d of %d prompts longer than max_prompt_tokens=%d (longest %d tokens)",
-                       dropped, len(records), max_prompt_tokens, longest_dropped)
+        logger.warning(
+            "dropped %d of %d prompts longer than max_prompt_tokens=%d (longest %d tokens)",
+            dropped,
+            len(records),
+            max_prompt_tokens,
+            longest_dropped,
+        )
     if not kept:
         raise ConfigError(f"max_prompt_tokens: all {len(records)} prompts are longer than {max_prompt_tokens} tokens")
     return kept
@@ -210,17 +218,26 @@ class PromptStream:
         return [next(self) for _ in range(n)]
 
     def state_dict(self) -> Dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
-                "shuffle": int(self.shuffle), "num_items": len(self.items)}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "shuffle": int(self.shuffle),
+            "num_items": len(self.items),
+        }
 
     def load_state_dict(self, state: Dict[str, int]) -> None:
         # A different prompt set or seed would silently replay or skip prompts.
         if state["num_items"] != len(self.items):
-            raise ConfigError(f"prompt stream: the checkpoint was taken over {state['num_items']} prompts, "
-                              f"this run has {len(self.items)} (did the prompt file change?)")
+            raise ConfigError(
+                f"prompt stream: the checkpoint was taken over {state['num_items']} prompts, "
+                f"this run has {len(self.items)} (did the prompt file change?)"
+            )
         if state["seed"] != self.seed or bool(state["shuffle"]) != self.shuffle:
-            raise ConfigError(f"prompt stream: the checkpoint used seed {state['seed']} (shuffle "
-                              f"{bool(state['shuffle'])}), this run seed {self.seed} (shuffle {self.shuffle})")
+            raise ConfigError(
+                f"prompt stream: the checkpoint used seed {state['seed']} (shuffle "
+                f"{bool(state['shuffle'])}), this run seed {self.seed} (shuffle {self.shuffle})"
+            )
         if not 0 <= state["position"] <= len(self.items):
             raise ConfigError(f"prompt stream: position {state['position']} is out of range")
         self.epoch = state["epoch"]

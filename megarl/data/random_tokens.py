@@ -32,9 +32,12 @@ def parse_spec(source: str) -> tuple:
 def random_token_prompts(source: str, vocab_size: int, max_prompt_tokens: int) -> List[TokenizedPrompt]:
     n, seed, length = parse_spec(source)
     if length > max_prompt_tokens:
-        raise ConfigError(f"data.train: {source!r}: prompts of {length} tokens exceed data.max_prompt_tokens="
-                          f"{max_prompt_tokens}")
+        raise ConfigError(
+            f"data.train: {source!r}: prompts of {length} tokens exceed data.max_prompt_tokens={max_prompt_tokens}"
+        )
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab_size, (n, length), generator=g).tolist()
-    return [TokenizedPrompt(row, PromptRecord([{"role": "user", "content": ""}], "", source=f"{source}#{i}"))
-            for i, row in enumerate(ids)]
+    return [
+        TokenizedPrompt(row, PromptRecord([{"role": "user", "content": ""}], "", source=f"{source}#{i}"))
+        for i, row in enumerate(ids)
+    ]

@@ -37,7 +37,7 @@ class BatchMaker:
             out = self.generator.generate(train_version, missing, drain)
             if self.reward is not None:
                 scored = self.reward.score(out.pop("groups"))
-                groups = [scored["samples"][i:i + self.n] for i in range(0, len(scored["samples"]), self.n)]
+                groups = [scored["samples"][i : i + self.n] for i in range(0, len(scored["samples"]), self.n)]
                 informative = [g for g in groups if not self.filter or len({s.reward for s in g}) > 1]
                 filtered += len(groups) - len(informative)
                 if merged is not None:
@@ -50,8 +50,10 @@ class BatchMaker:
         else:
             from megarl.errors import MegarlError
 
-            raise MegarlError(f"rollout.filter_groups: after {MAX_ROUNDS} rounds every new group still had one reward "
-                              f"for all its samples; the reward does not vary (turn filter_groups off?)")
+            raise MegarlError(
+                f"rollout.filter_groups: after {MAX_ROUNDS} rounds every new group still had one reward "
+                f"for all its samples; the reward does not vary (turn filter_groups off?)"
+            )
         if self.reward is None:
             return None
         merged["samples"] = [s for g in kept for s in g]

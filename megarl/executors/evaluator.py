@@ -46,17 +46,30 @@ class ReplicaEvaluator:
         scored = self.reward.score(groups)["samples"]
         k = self.cfg.eval_samples
         per = 1 + (k if k > 1 else 0)
-        sums = {"n": len(groups), "correct": 0, "greedy_reward": 0.0, "sampled_reward": 0.0, "pass": 0,
-                "seconds": 0.0, "responses": []}
+        sums = {
+            "n": len(groups),
+            "correct": 0,
+            "greedy_reward": 0.0,
+            "sampled_reward": 0.0,
+            "pass": 0,
+            "seconds": 0.0,
+            "responses": [],
+        }
         for i, prompt in enumerate(self.prompts):
-            greedy, sampled = scored[i * per], scored[i * per + 1:(i + 1) * per]
+            greedy, sampled = scored[i * per], scored[i * per + 1 : (i + 1) * per]
             sums["correct"] += greedy.reward >= 1.0
             sums["greedy_reward"] += greedy.reward
             sums["sampled_reward"] += sum(s.reward for s in sampled)
             sums["pass"] += any(s.reward >= 1.0 for s in sampled)
-            sums["responses"].append({"prompt_index": i, "answer": prompt.record.answer,
-                                      "response": greedy.meta.get("response_text"), "reward": greedy.reward,
-                                      "response_tokens": greedy.response_tokens})
+            sums["responses"].append(
+                {
+                    "prompt_index": i,
+                    "answer": prompt.record.answer,
+                    "response": greedy.meta.get("response_text"),
+                    "reward": greedy.reward,
+                    "response_tokens": greedy.response_tokens,
+                }
+            )
         sums["seconds"] = time.perf_counter() - start
         self.store.set(KEY.format(step, self.replica), json.dumps(sums))
 
@@ -82,10 +95,14 @@ class EvalCollector:
 
     def _record(self, step: int, posts: List[Dict]) -> dict:
         n = sum(p["n"] for p in posts)
-        record = {"step": step, "eval": True, "eval_n": n,
-                  "eval_accuracy": sum(p["correct"] for p in posts) / n,
-                  "eval_greedy_reward_mean": sum(p["greedy_reward"] for p in posts) / n,
-                  "eval_time_s": max(p["seconds"] for p in posts)}
+        record = {
+            "step": step,
+            "eval": True,
+            "eval_n": n,
+            "eval_accuracy": sum(p["correct"] for p in posts) / n,
+            "eval_greedy_reward_mean": sum(p["greedy_reward"] for p in posts) / n,
+            "eval_time_s": max(p["seconds"] for p in posts),
+        }
         if self.samples > 1:
             record[f"eval_reward_mean@{self.samples}"] = sum(p["sampled_reward"] for p in posts) / (n * self.samples)
             record[f"eval_pass@{self.samples}"] = sum(p["pass"] for p in posts) / n

@@ -54,8 +54,19 @@ class _InFlight:
 
 
 class GeneratorExecutor:
-    def __init__(self, rollout, max_running: int, seed: int, backend: GeneratorBackend, prompts, stop_ids,
-                 replica: int, groups_per_step: int, tp_rank: int = 0, tp_group=None):
+    def __init__(
+        self,
+        rollout,
+        max_running: int,
+        seed: int,
+        backend: GeneratorBackend,
+        prompts,
+        stop_ids,
+        replica: int,
+        groups_per_step: int,
+        tp_rank: int = 0,
+        tp_group=None,
+    ):
         """``rollout``: the config's RolloutConfig section; ``prompts``: tokenized prompts;
         ``groups_per_step``: this replica's share of a batch."""
         from megarl.data.datasets import PromptStream
@@ -100,10 +111,21 @@ class GeneratorExecutor:
     def _make_request(self, gid: int, index: int, prompt) -> GenerationRequest:
         r = self.rollout
         self.prompt_of[gid] = index
-        params = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
-                                stop_token_ids=self.stop_ids, seed=(self.seed * 7919 + gid) % (2 ** 31))
-        return GenerationRequest(f"g{gid}", list(prompt.ids), params, n=r.samples_per_prompt, group_id=gid,
-                                 meta={"answer": prompt.record.answer, **prompt.record.meta})
+        params = SamplingParams(
+            temperature=r.temperature,
+            top_p=r.top_p,
+            max_new_tokens=r.max_new_tokens,
+            stop_token_ids=self.stop_ids,
+            seed=(self.seed * 7919 + gid) % (2**31),
+        )
+        return GenerationRequest(
+            f"g{gid}",
+            list(prompt.ids),
+            params,
+            n=r.samples_per_prompt,
+            group_id=gid,
+            meta={"answer": prompt.record.answer, **prompt.record.meta},
+        )
 
     def _submit(self, requests: List[GenerationRequest]) -> None:
         version = self.version
@@ -137,8 +159,10 @@ class GeneratorExecutor:
                     self.doomed.discard(c.group_id)
                 continue
             if c.finish_reason == ABORTED:
-                raise MegarlError(f"generator replica {self.replica}: sample {c.request_id}#{c.sample_index} was "
-                                  f"aborted although megarl did not abort it")
+                raise MegarlError(
+                    f"generator replica {self.replica}: sample {c.request_id}#{c.sample_index} was "
+                    f"aborted although megarl did not abort it"
+                )
             group = self.groups.setdefault(c.group_id, [])
             group.append(c)
             if len(group) == n:
@@ -147,8 +171,11 @@ class GeneratorExecutor:
 
     def _abort_doomed(self, train_version: int) -> None:
         """Abort groups in flight that cannot be trained within max_lag (see the module doc)."""
-        doomed = [gid for gid, entry in self.pending.items()
-                  if gid not in self.doomed and train_version - entry.submitted_version > self.rollout.max_lag]
+        doomed = [
+            gid
+            for gid, entry in self.pending.items()
+            if gid not in self.doomed and train_version - entry.submitted_version > self.rollout.max_lag
+        ]
         if not doomed:
             return
         self.backend.abort([self.pending[gid].request_id for gid in doomed])
@@ -183,9 +210,14 @@ class GeneratorExecutor:
         ready, self.ready = self.ready[:n_groups], self.ready[n_groups:]
         for group in ready:
             self.prompt_of.pop(group[0].group_id, None)
-        return {"groups": ready, "time_generate": time.perf_counter() - start,
-                "engine_version": self.version, "stale_dropped": self.stale_dropped,
-                "stale_aborted": self.stale_aborted, "in_flight": self.in_flight}
+        return {
+            "groups": ready,
+            "time_generate": time.perf_counter() - start,
+            "engine_version": self.version,
+            "stale_dropped": self.stale_dropped,
+            "stale_aborted": self.stale_aborted,
+            "in_flight": self.in_flight,
+        }
 
     def generate_until(self, stop, next_train_version: int) -> int:
         """Keep decoding (groups that finish wait for the next batch) until ``stop()`` says the
@@ -230,13 +262,22 @@ class GeneratorExecutor:
         for i, prompt in enumerate(prompts):
             meta = {"answer": prompt.record.answer, **prompt.record.meta}
             greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=self.stop_ids)
-            requests.append(GenerationRequest(f"eval{tag}-{i}", list(prompt.ids), greedy, n=1, group_id=-1 - 2 * i,
-                                              meta=meta))
+            requests.append(
+                GenerationRequest(f"eval{tag}-{i}", list(prompt.ids), greedy, n=1, group_id=-1 - 2 * i, meta=meta)
+            )
             if samples > 1:
-                sampled = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=max_new_tokens,
-                                         stop_token_ids=self.stop_ids, seed=(self.seed * 7919 + 104729 * i) % 2 ** 31)
-                requests.append(GenerationRequest(f"eval{tag}-{i}s", list(prompt.ids), sampled, n=samples,
-                                                  group_id=-2 - 2 * i, meta=meta))
+                sampled = SamplingParams(
+                    temperature=r.temperature,
+                    top_p=r.top_p,
+                    max_new_tokens=max_new_tokens,
+                    stop_token_ids=self.stop_ids,
+                    seed=(self.seed * 7919 + 104729 * i) % 2**31,
+                )
+                requests.append(
+                    GenerationRequest(
+                        f"eval{tag}-{i}s", list(prompt.ids), sampled, n=samples, group_id=-2 - 2 * i, meta=meta
+                    )
+                )
         total = sum(req.n for req in requests)
         self.eval_done = []
         self.in_flight += total
@@ -264,9 +305,13 @@ class GeneratorExecutor:
         prompt. In sync mode nothing is ever in flight at a step boundary.
         """
         redo = sorted((gid, i) for gid, i in self.prompt_of.items() if gid not in self.doomed)
-        return {"stream": self.stream.state_dict(), "next_group": self.next_group,
-                "requeue": [list(x) for x in redo + self.requeued],
-                "stale_dropped": self.stale_dropped, "stale_aborted": self.stale_aborted}
+        return {
+            "stream": self.stream.state_dict(),
+            "next_group": self.next_group,
+            "requeue": [list(x) for x in redo + self.requeued],
+            "stale_dropped": self.stale_dropped,
+            "stale_aborted": self.stale_aborted,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.stream.load_state_dict(state["stream"])
@@ -276,4 +321,3 @@ class GeneratorExecutor:
 
     def close(self) -> None:
         self.backend.close()
-

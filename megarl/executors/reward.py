@@ -40,5 +40,8 @@ class RewardExecutor:
             s = c.to_sample(reward=res.score)
             s.meta.update(response_text=text, reward_reason=res.reason)
             samples.append(s)
-        return {"samples": samples, "time_reward": time.perf_counter() - start,
-                "reward_timeouts": sum(r.reason != "ok" for r in results)}
+        return {
+            "samples": samples,
+            "time_reward": time.perf_counter() - start,
+            "reward_timeouts": sum(r.reason != "ok" for r in results),
+        }

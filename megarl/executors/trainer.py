@@ -8,7 +8,6 @@ reaches the generators is the weight synchronizer's business
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import List, Optional, Sequence
 
@@ -28,8 +27,10 @@ def check_lag(samples: Sequence[Sample], version: int, max_lag: int) -> List[int
     for i, s in enumerate(samples):
         oldest = min(s.policy_versions)
         if version - oldest > max_lag:
-            raise StaleSampleError(f"sample {i} (group {s.group_id}) has a token of policy version {oldest}; "
-                                   f"the trainer is at {version} and rollout.max_lag={max_lag}")
+            raise StaleSampleError(
+                f"sample {i} (group {s.group_id}) has a token of policy version {oldest}; "
+                f"the trainer is at {version} and rollout.max_lag={max_lag}"
+            )
         if any(b < a for a, b in zip(s.policy_versions, s.policy_versions[1:])):
             raise StaleSampleError(f"sample {i} (group {s.group_id}): policy versions decrease along the sequence")
         lags += [version - v for v in s.policy_versions]
@@ -38,9 +39,13 @@ def check_lag(samples: Sequence[Sample], version: int, max_lag: int) -> List[int
 
 def megatron_model_settings(t) -> dict:
     """The trainer section's TransformerConfig settings, by Megatron-Core's own names."""
-    settings = dict(sequence_parallel=t.sequence_parallel, context_parallel_size=t.cp,
-                    recompute_granularity=t.recompute_granularity, recompute_method=t.recompute_method,
-                    recompute_num_layers=t.recompute_num_layers)
+    settings = dict(
+        sequence_parallel=t.sequence_parallel,
+        context_parallel_size=t.cp,
+        recompute_granularity=t.recompute_granularity,
+        recompute_method=t.recompute_method,
+        recompute_num_layers=t.recompute_num_layers,
+    )
     if t.recompute_modules is not None:
         settings["recompute_modules"] = list(t.recompute_modules)
     return settings
@@ -52,19 +57,28 @@ def loss_config(cfg):
     from megarl.trainer.losses import bind_loss_params
 
     t = cfg.trainer
-    return LossConfig(name=t.loss, params=bind_loss_params(t.loss, t.loss_params), temperature=cfg.rollout.temperature,
-                      kl_coef=t.kl_coef, kl_estimator=t.kl_estimator, advantage_estimator=t.advantage_estimator,
-                      normalize_advantage_std=t.normalize_advantage_std, agg=t.loss_agg, entropy_coef=t.entropy_coef,
-                      max_new_tokens=cfg.rollout.max_new_tokens, overlong=t.overlong,
-                      overlong_buffer=t.overlong_buffer,
-                      # the lag buckets of the mismatch metrics: sync mode trains on lag 0 only
-                      max_lag=cfg.rollout.max_lag if cfg.run.mode == "async" else 0)
+    return LossConfig(
+        name=t.loss,
+        params=bind_loss_params(t.loss, t.loss_params),
+        temperature=cfg.rollout.temperature,
+        kl_coef=t.kl_coef,
+        kl_estimator=t.kl_estimator,
+        advantage_estimator=t.advantage_estimator,
+        normalize_advantage_std=t.normalize_advantage_std,
+        agg=t.loss_agg,
+        entropy_coef=t.entropy_coef,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        overlong=t.overlong,
+        overlong_buffer=t.overlong_buffer,
+        # the lag buckets of the mismatch metrics: sync mode trains on lag 0 only
+        max_lag=cfg.rollout.max_lag if cfg.run.mode == "async" else 0,
+    )
 
 
 class TrainerExecutor:
     def __init__(self, cfg, job, prepared, resume_dir: Optional[Path]):
-        from megarl.models.megatron_llama import build_model_chunks, transformer_config
         from megarl.models.loading import load_llama
+        from megarl.models.megatron_llama import build_model_chunks, transformer_config
         from megarl.models.spec import LlamaSpec
         from megarl.runtime.distributed import ParallelLayout, init_megatron
         from megarl.trainer.features import gradient_accumulation_fusion
@@ -76,8 +90,11 @@ class TrainerExecutor:
         # saved with every checkpoint, so `megarl eval` and exports find the tokenizer beside the weights
         from megarl.generator.tokenizer import NO_TOKENIZER
 
-        self.tokenizer_files = [] if prepared.tokenizer == NO_TOKENIZER else sorted(
-            p for p in Path(prepared.tokenizer).iterdir() if p.is_file())
+        self.tokenizer_files = (
+            []
+            if prepared.tokenizer == NO_TOKENIZER
+            else sorted(p for p in Path(prepared.tokenizer).iterdir() if p.is_file())
+        )
         layout = ParallelLayout(t.tp, t.pp, t.vpp if t.vpp > 1 else None)
         init_megatron(layout, seed=cfg.run.seed)
         dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
@@ -91,8 +108,9 @@ class TrainerExecutor:
             self.spec, chunks = load_llama(prepared.checkpoint, layout, params_dtype=dtype, **model_settings)
         else:  # random:<preset>: Megatron's own initialisation, seeded
             self.spec = LlamaSpec.from_dict(prepared.spec)
-            config = transformer_config(self.spec, t.tp, t.pp, layout.vp, params_dtype=dtype,
-                                        perform_initialization=True, **model_settings)
+            config = transformer_config(
+                self.spec, t.tp, t.pp, layout.vp, params_dtype=dtype, perform_initialization=True, **model_settings
+            )
             chunks = build_model_chunks(self.spec, config)
         settings = OptimizerSettings.from_config(cfg.optimizer)
         self.ddp = wrap_ddp(chunks, settings, wgrad_fusion=wgrad_fusion)
@@ -110,8 +128,15 @@ class TrainerExecutor:
                 self.lr_scheduler.load_state_dict(self.loop_state["opt_param_scheduler"])
         loss = loss_config(cfg)
         ref = load_llama(prepared.checkpoint, layout, params_dtype=dtype, **model_settings)[1] if t.kl_coef else None
-        self.trainer = PolicyTrainer(self.ddp, self.optimizer, self.spec.vocab_size, loss,
-                                     t.max_tokens_per_microbatch, ref_chunks=ref, lr_scheduler=self.lr_scheduler)
+        self.trainer = PolicyTrainer(
+            self.ddp,
+            self.optimizer,
+            self.spec.vocab_size,
+            loss,
+            t.max_tokens_per_microbatch,
+            ref_chunks=ref,
+            lr_scheduler=self.lr_scheduler,
+        )
         from megarl.models.megatron_llama import transformer_engine_usable
 
         # Transformer Engine's layer spec fuses the norms into the linears: other parameter names
@@ -142,8 +167,13 @@ class TrainerExecutor:
     def save_checkpoint(self, root: Path, step: int, loop_state: dict) -> Path:
         from megarl.checkpointing.training_checkpoint import save_training_state
 
-        return save_training_state(self.chunks, self.optimizer, root, self.spec, step,
-                                   keep_checkpoints=self.cfg.run.keep_checkpoints,
-                                   loop_state=dict(loop_state, version=self.version,
-                                                   opt_param_scheduler=self.lr_scheduler.state_dict()),
-                                   tokenizer_files=self.tokenizer_files)
+        return save_training_state(
+            self.chunks,
+            self.optimizer,
+            root,
+            self.spec,
+            step,
+            keep_checkpoints=self.cfg.run.keep_checkpoints,
+            loop_state=dict(loop_state, version=self.version, opt_param_scheduler=self.lr_scheduler.state_dict()),
+            tokenizer_files=self.tokenizer_files,
+        )

@@ -29,8 +29,15 @@ class ReplicaPlacement:
     local_rank: int = 0  # the first GPU of a launched server (its node-local rank)
 
 
-def build_backend(g, spec, placement: ReplicaPlacement, samples_per_prompt: int, run_dir=None, store=None,
-                  on_failure: Optional[Callable[[str], None]] = None) -> GeneratorBackend:
+def build_backend(
+    g,
+    spec,
+    placement: ReplicaPlacement,
+    samples_per_prompt: int,
+    run_dir=None,
+    store=None,
+    on_failure: Optional[Callable[[str], None]] = None,
+) -> GeneratorBackend:
     """``g``: the config's GeneratorConfig section."""
     if g.backend == "torch":
         return _torch_engine(g, spec, placement)
@@ -45,8 +52,16 @@ def _torch_engine(g, spec, p: ReplicaPlacement) -> GeneratorBackend:
 
     dtype = torch.bfloat16 if g.dtype == "bf16" else torch.float32
     params = allocate_generator_params(spec, p.tp, p.tp_rank, dtype, g.fp8, device=p.device)
-    return TorchEngine(spec, params, max_running=g.max_running, max_seq_len=g.max_seq_len, tp=p.tp,
-                       tp_rank=p.tp_rank, group=p.tp_group, recompute_kv_on_update=g.recompute_kv_on_update)
+    return TorchEngine(
+        spec,
+        params,
+        max_running=g.max_running,
+        max_seq_len=g.max_seq_len,
+        tp=p.tp,
+        tp_rank=p.tp_rank,
+        group=p.tp_group,
+        recompute_kv_on_update=g.recompute_kv_on_update,
+    )
 
 
 def _sglang(g, p: ReplicaPlacement, samples_per_prompt: int, run_dir, store, on_failure) -> GeneratorBackend:
@@ -65,6 +80,12 @@ def _sglang(g, p: ReplicaPlacement, samples_per_prompt: int, run_dir, store, on_
         server = start_replica_server(g, p.replica, model_dir, run_dir, base_gpu_id=p.local_rank)
         url = server.url
     # the executor keeps max_running samples in flight plus one group queued: one thread each
-    return SglangBackend(url, p.replica, max_inflight=g.max_running + samples_per_prompt,
-                         request_timeout_s=g.sglang_request_timeout_s, health_timeout_s=g.sglang_health_timeout_s,
-                         server=server, on_failure=on_failure)
+    return SglangBackend(
+        url,
+        p.replica,
+        max_inflight=g.max_running + samples_per_prompt,
+        request_timeout_s=g.sglang_request_timeout_s,
+        health_timeout_s=g.sglang_health_timeout_s,
+        server=server,
+        on_failure=on_failure,
+    )

@@ -86,8 +86,15 @@ class Completion:
         return spans
 
     def to_sample(self, reward: float = 0.0) -> Sample:
-        return Sample(list(self.prompt_ids), list(self.output_ids), list(self.logprobs), list(self.versions),
-                      reward=reward, group_id=self.group_id, meta=dict(self.meta, finish_reason=self.finish_reason))
+        return Sample(
+            list(self.prompt_ids),
+            list(self.output_ids),
+            list(self.logprobs),
+            list(self.versions),
+            reward=reward,
+            group_id=self.group_id,
+            meta=dict(self.meta, finish_reason=self.finish_reason),
+        )
 
 
 class GeneratorBackend(abc.ABC):

@@ -31,8 +31,9 @@ def _filtered_log_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor
     return torch.log_softmax(x, dim=-1)
 
 
-def sample(logits: torch.Tensor, params: List[SamplingParams], generators: List[Optional[torch.Generator]]
-           ) -> Tuple[List[int], List[float]]:
+def sample(
+    logits: torch.Tensor, params: List[SamplingParams], generators: List[Optional[torch.Generator]]
+) -> Tuple[List[int], List[float]]:
     """One token per row of ``logits`` [B, V]; returns (tokens, behaviour log-probs).
 
     Rows are batched where the math is row-wise anyway (greedy rows; rows with only a

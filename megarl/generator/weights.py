@@ -18,8 +18,14 @@ from megarl.weight_sync.endpoints import allocate_generator_params
 from megarl.weight_sync.layouts import sglang_rank_layout
 
 
-def load_generator_params(hf: SafetensorsCheckpoint, tp: int, tp_rank: int, dtype: torch.dtype = torch.bfloat16,
-                          fp8: bool = False, device="cpu") -> Dict[str, torch.Tensor]:
+def load_generator_params(
+    hf: SafetensorsCheckpoint,
+    tp: int,
+    tp_rank: int,
+    dtype: torch.dtype = torch.bfloat16,
+    fp8: bool = False,
+    device="cpu",
+) -> Dict[str, torch.Tensor]:
     spec = hf.spec
     params = allocate_generator_params(spec, tp, tp_rank, dtype, fp8, device)
     for t in sglang_rank_layout(spec, tp, tp_rank):

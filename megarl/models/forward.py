@@ -39,8 +39,15 @@ def full_logits(chunks: List[torch.nn.Module], tokens: torch.Tensor, vocab_size:
     for chunk in chunks:
         chunk.eval()
     with torch.no_grad():
-        collected = run_schedule(chunks, forward_step, [None], tokens.shape[1], tokens.shape[0],
-                                 forward_only=True, collect_non_loss_data=True)
+        collected = run_schedule(
+            chunks,
+            forward_step,
+            [None],
+            tokens.shape[1],
+            tokens.shape[0],
+            forward_only=True,
+            collect_non_loss_data=True,
+        )
     if not mpu.is_pipeline_last_stage(ignore_virtual=True):
         return None
     return collected[0]

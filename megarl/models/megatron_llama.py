@@ -174,4 +174,3 @@ def _apply_llama3_rope_parameters(model, spec: LlamaSpec) -> None:
         high_freq_factor=scaling.high_freq_factor,
         original_max_position_embeddings=scaling.original_max_position_embeddings,
     )
-

@@ -10,32 +10,81 @@ from __future__ import annotations
 from megarl.errors import ConfigError
 from megarl.models.spec import LlamaSpec
 
-_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192, "rope_theta": 500000.0}
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+    "rope_theta": 500000.0,
+}
 
 PRESETS = {
-    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                      num_key_value_heads=8, vocab_size=128256),
-    "llama3-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-                       num_key_value_heads=8, vocab_size=128256),
-    "llama3-405b": dict(hidden_size=16384, intermediate_size=53248, num_hidden_layers=126, num_attention_heads=128,
-                        num_key_value_heads=8, vocab_size=128256),
+    "llama3-8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    ),
+    "llama3-70b": dict(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    ),
+    "llama3-405b": dict(
+        hidden_size=16384,
+        intermediate_size=53248,
+        num_hidden_layers=126,
+        num_attention_heads=128,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    ),
     # Llama 3.2 1B's shape with an untied head (the sync moves both ends): the one-GPU checks' model
-    "llama3-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                      num_key_value_heads=8, vocab_size=128256),
+    "llama3-1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    ),
     # head_dim 128 and ffn/TP a multiple of 128 like Llama 3, so block-fp8 boxes align as at scale
-    "llama-mini": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=8,
-                       num_key_value_heads=4, vocab_size=32000),
-    "tiny": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=300),
+    "llama-mini": dict(
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=32000,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=300,
+    ),
 }
 
 
 def preset_config(name: str) -> dict:
     if name not in PRESETS:
         raise ConfigError(f"model preset {name!r} is unknown; choose one of {sorted(PRESETS)}")
-    config = dict(model_type="llama", hidden_act="silu", rms_norm_eps=1e-5, max_position_embeddings=131072,
-                  tie_word_embeddings=False, rope_parameters=dict(_LLAMA3_ROPE), **PRESETS[name])
+    config = dict(
+        model_type="llama",
+        hidden_act="silu",
+        rms_norm_eps=1e-5,
+        max_position_embeddings=131072,
+        tie_word_embeddings=False,
+        rope_parameters=dict(_LLAMA3_ROPE),
+        **PRESETS[name],
+    )
     if name in ("llama-mini", "tiny"):
         config.update(max_position_embeddings=4096, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     return config

@@ -50,15 +50,27 @@ from megatron.core.transformer.enums import AttnMaskType
 
 class SdpaDotProductAttention(DotProductAttention):
     def _sdpa_applies(self, attention_bias, packed_seq_params) -> bool:
-        return (attention_bias is None and packed_seq_params is None and self.softmax_offset is None
-                and self.scale_mask_softmax.window_size is None and not self.config.apply_query_key_layer_scaling
-                and not (self.training and self.attention_dropout.p > 0))
+        return (
+            attention_bias is None
+            and packed_seq_params is None
+            and self.softmax_offset is None
+            and self.scale_mask_softmax.window_size is None
+            and not self.config.apply_query_key_layer_scaling
+            and not (self.training and self.attention_dropout.p > 0)
+        )
 
-    def forward(self, query, key, value, attention_mask: Optional[torch.Tensor],
-                attn_mask_type: Optional[AttnMaskType] = None, attention_bias=None, packed_seq_params=None):
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ):
         if not self._sdpa_applies(attention_bias, packed_seq_params):
-            return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
-                                   packed_seq_params)
+            return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)
         groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
         if groups > 1:  # [sk, b, ng, hn] -> [sk, b, np, hn], as Megatron's forward does
             key = key.repeat_interleave(groups, dim=2)
@@ -71,8 +83,15 @@ class SdpaDotProductAttention(DotProductAttention):
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         segments = causal_segments(attention_mask) if attention_mask is not None else None
         if segments is not None:
-            context = torch.cat([F.scaled_dot_product_attention(q[:, :, a:e], k[:, :, a:e], v[:, :, a:e], is_causal=True,
-                                                                scale=self.softmax_scale) for a, e in segments], dim=2)
+            context = torch.cat(
+                [
+                    F.scaled_dot_product_attention(
+                        q[:, :, a:e], k[:, :, a:e], v[:, :, a:e], is_causal=True, scale=self.softmax_scale
+                    )
+                    for a, e in segments
+                ],
+                dim=2,
+            )
         elif attention_mask is not None:
             context = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, scale=self.softmax_scale)
         else:

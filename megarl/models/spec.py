@@ -136,9 +136,13 @@ class LlamaSpec:
                 raise UnsupportedModelError(f"{source}: {field}={cfg[field]} is not supported (Llama has no biases)")
         for field in _MOE_FIELDS:
             if cfg.get(field):
-                raise UnsupportedModelError(f"{source}: {field}={cfg[field]}: mixture-of-experts models are not supported")
+                raise UnsupportedModelError(
+                    f"{source}: {field}={cfg[field]}: mixture-of-experts models are not supported"
+                )
         if cfg.get("hidden_act", "silu") != "silu":
-            raise UnsupportedModelError(f"{source}: hidden_act={cfg['hidden_act']!r} is not supported (Llama uses 'silu')")
+            raise UnsupportedModelError(
+                f"{source}: hidden_act={cfg['hidden_act']!r} is not supported (Llama uses 'silu')"
+            )
         if cfg.get("pretraining_tp", 1) not in (1, None):
             raise UnsupportedModelError(f"{source}: pretraining_tp={cfg['pretraining_tp']} is not supported")
         required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")

@@ -46,8 +46,9 @@ BYTES = 2.0  # bf16 activations
 LOGIT_BYTES = 4.0  # fp32 logits for the vocab-parallel log-probs
 
 
-def layer_parts(shape, layout: TrainerLayout, options: TrainerOptions, seq_len: float,
-                modules: Tuple[str, ...] = ()) -> Dict[str, float]:
+def layer_parts(
+    shape, layout: TrainerLayout, options: TrainerOptions, seq_len: float, modules: Tuple[str, ...] = ()
+) -> Dict[str, float]:
     """Bytes one layer keeps per token of its micro-batch on one TP rank, by part (see the module doc)."""
     t, h, te = layout.tp, shape.hidden, options.transformer_impl == "transformer_engine"
     q = shape.heads * shape.head_dim
@@ -88,8 +89,9 @@ def chunks_in_flight(layout: TrainerLayout, micro_batches: int, rank: int) -> in
     return max(1, min((pp - rank - 1) * 2 + (vpp - 1) * pp + 1, micro_batches * vpp))
 
 
-def chunk_bytes(shape, layout: TrainerLayout, options: TrainerOptions, layers: int, tokens: float,
-                seq_len: float) -> Tuple[float, float]:
+def chunk_bytes(
+    shape, layout: TrainerLayout, options: TrainerOptions, layers: int, tokens: float, seq_len: float
+) -> Tuple[float, float]:
     """(bytes kept per micro-batch chunk of `layers` layers, transient bytes of one rebuild)."""
     full = layer_bytes(shape, layout, options, seq_len)
     if layout.recompute == "none":
@@ -106,8 +108,9 @@ def chunk_bytes(shape, layout: TrainerLayout, options: TrainerOptions, layers: i
     return kept * tokens, (full * tokens if recomputed else 0.0)
 
 
-def stage_activations(shape, layout: TrainerLayout, options: TrainerOptions, tokens: float, seq_len: float,
-                      micro_batches: int, rank: int) -> float:
+def stage_activations(
+    shape, layout: TrainerLayout, options: TrainerOptions, tokens: float, seq_len: float, micro_batches: int, rank: int
+) -> float:
     """Peak activation bytes on PP rank `rank` (tokens: one micro-batch's, before CP splits it)."""
     layers = -(-shape.layers // (layout.pp * layout.vpp))  # the largest (virtual) stage's
     local = tokens / layout.cp
@@ -135,8 +138,9 @@ def state_parts(shape, layout: TrainerLayout, options: TrainerOptions, dp: int) 
     return parts
 
 
-def trainer_parts(shape, layout: TrainerLayout, options: TrainerOptions, dp: int, tokens: float,
-                  seq_len: float, micro_batches: int) -> Tuple[str, Dict[str, float]]:
+def trainer_parts(
+    shape, layout: TrainerLayout, options: TrainerOptions, dp: int, tokens: float, seq_len: float, micro_batches: int
+) -> Tuple[str, Dict[str, float]]:
     """The fullest GPU of a replica: PP rank 0 (most micro-batches in flight) or the last (logits)."""
     best = None
     for rank in sorted({0, layout.pp - 1}):

@@ -25,61 +25,106 @@ from megarl.errors import ConfigError
 from megarl.plan.hardware import H100, Hardware
 from megarl.plan.inputs import FixedLayout, GeneratorLayout, LengthDistribution, PlanInputs, TrainerLayout
 from megarl.plan.llamarl_model import plan_from_inputs, theorem_setting
-from megarl.plan.pipeline_appendix import (DEFAULT_LAGS, PAPER_CASE, AppendixInputs, knee_lag, speedup_curve,
-                                           table_utilisation)
+from megarl.plan.pipeline_appendix import (
+    DEFAULT_LAGS,
+    PAPER_CASE,
+    AppendixInputs,
+    knee_lag,
+    speedup_curve,
+    table_utilisation,
+)
 from megarl.plan.report import appendix_json, appendix_text, compare_text, dumps, plan_json, plan_text
 
 
 def add_plan_args(parser: argparse.ArgumentParser) -> None:
     run = parser.add_argument_group("a run config")
     run.add_argument("--config", default=None, help="plan a `megarl train` config (its plan: section for the cluster)")
-    run.add_argument("--dry-run-topology", action="store_true",
-                     help="with --config: build and check its ranks, groups and weight-sync plan; start nothing")
+    run.add_argument(
+        "--dry-run-topology",
+        action="store_true",
+        help="with --config: build and check its ranks, groups and weight-sync plan; start nothing",
+    )
     run.add_argument("overrides", nargs="*", default=[], help="with --config: overrides, e.g. plan.gpus=512")
     mode = parser.add_argument_group("mode")
     mode.add_argument("--pipeline-appendix", action="store_true", help="PipelineRL App. A: speed-up vs max lag")
-    mode.add_argument("--compare-paper", action="store_true",
-                      help="the papers' scenarios and the planner's defaults next to the papers' numbers")
-    mode.add_argument("--scenario", default=None,
-                      help="a paper's setting (megarl/plan/scenarios.py): llamarl-8b, llamarl-70b, llamarl-405b, "
-                           "pipelinerl or all")
-    mode.add_argument("--theorem-setting", action="store_true",
-                      help="price the baseline with the async generator's eta (Theorem 7.5's setting)")
+    mode.add_argument(
+        "--compare-paper",
+        action="store_true",
+        help="the papers' scenarios and the planner's defaults next to the papers' numbers",
+    )
+    mode.add_argument(
+        "--scenario",
+        default=None,
+        help="a paper's setting (megarl/plan/scenarios.py): llamarl-8b, llamarl-70b, llamarl-405b, pipelinerl or all",
+    )
+    mode.add_argument(
+        "--theorem-setting",
+        action="store_true",
+        help="price the baseline with the async generator's eta (Theorem 7.5's setting)",
+    )
     mode.add_argument("--json", action="store_true", help="print one JSON line instead of tables")
     job = parser.add_argument_group("job")
     job.add_argument("--model", default="llama3-8b", help="preset: llama3-8b, llama3-70b, llama3-405b, llama-mini")
     job.add_argument("--gpus", type=int, default=None, help="N (default 256; 128 with --pipeline-appendix)")
     job.add_argument("--gpus-per-node", type=int, default=8)
-    job.add_argument("--batch", type=int, default=None,
-                     help="samples per step (default prompts x samples-per-prompt; 128 with --pipeline-appendix)")
+    job.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help="samples per step (default prompts x samples-per-prompt; 128 with --pipeline-appendix)",
+    )
     job.add_argument("--prompts", type=int, default=512)
     job.add_argument("--samples-per-prompt", type=int, default=4)
     job.add_argument("--prompt-tokens", type=int, default=512)
-    job.add_argument("--response-dist", default="uniform", choices=["uniform", "exponential"],
-                     help="uniform on [min, max], or a truncated exponential of --response-tokens-mean capped at max")
+    job.add_argument(
+        "--response-dist",
+        default="uniform",
+        choices=["uniform", "exponential"],
+        help="uniform on [min, max], or a truncated exponential of --response-tokens-mean capped at max",
+    )
     job.add_argument("--response-tokens-min", type=int, default=None, help="uniform: default 512")
-    job.add_argument("--response-tokens-max", type=int, default=None,
-                     help="default 4096 (uniform), 16384 (exponential)")
+    job.add_argument(
+        "--response-tokens-max", type=int, default=None, help="default 4096 (uniform), 16384 (exponential)"
+    )
     job.add_argument("--response-tokens-mean", type=float, default=2048.0, help="exponential only")
     job.add_argument("--gpu-memory-gb", type=float, default=80.0)
     job.add_argument("--trainer-precision", default="bf16", choices=["bf16"])
     job.add_argument("--generator-precision", default="fp8", choices=["fp8", "bf16"])
-    job.add_argument("--sync-generator-precision", default=None, choices=["fp8", "bf16"],
-                     help="baseline's generation precision (default: the trainer's)")
+    job.add_argument(
+        "--sync-generator-precision",
+        default=None,
+        choices=["fp8", "bf16"],
+        help="baseline's generation precision (default: the trainer's)",
+    )
     job.add_argument("--sync-batching", default="static", choices=["static", "continuous"])
-    job.add_argument("--sync-offload-trainer-state", action="store_true",
-                     help="baseline frees grads and optimizer state while generating")
+    job.add_argument(
+        "--sync-offload-trainer-state",
+        action="store_true",
+        help="baseline frees grads and optimizer state while generating",
+    )
     job.add_argument("--max-lag-steps", type=float, default=1.0, help="async sequences in flight, in batches")
     job.add_argument("--max-pp", type=int, default=16)
-    job.add_argument("--allow-uneven-pp", action="store_true",
-                     help="also search PP sizes that do not divide the layers (Megatron runs them, megarl refuses)")
+    job.add_argument(
+        "--allow-uneven-pp",
+        action="store_true",
+        help="also search PP sizes that do not divide the layers (Megatron runs them, megarl refuses)",
+    )
     job.add_argument("--measured", default=None, help="JSON of measured seconds/sample (see megarl/plan/measured.py)")
-    job.add_argument("--weight-sync", default=None, choices=["predict", "estimate", "skip"],
-                     help="predict (default): megarl's transfer planner for the chosen layout (needs torch; "
-                          "seconds at 405B); with --config the default is plan.weight_sync")
+    job.add_argument(
+        "--weight-sync",
+        default=None,
+        choices=["predict", "estimate", "skip"],
+        help="predict (default): megarl's transfer planner for the chosen layout (needs torch; "
+        "seconds at 405B); with --config the default is plan.weight_sync",
+    )
     fields = ", ".join(f.name for f in dataclasses.fields(Hardware))
-    job.add_argument("--hardware", action="append", default=[], metavar="FIELD=VALUE",
-                     help=f"override a hardware number, e.g. train_mfu=0.35 ({fields})")
+    job.add_argument(
+        "--hardware",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help=f"override a hardware number, e.g. train_mfu=0.35 ({fields})",
+    )
     fixed = parser.add_argument_group("evaluate one asynchronous layout instead of searching")
     fixed.add_argument("--trainer-gpus", type=int, default=None, help="theta x N; giving it fixes the layout")
     fixed.add_argument("--trainer-tp", type=int, default=8)
@@ -124,17 +169,33 @@ def inputs_from_args(args, model: Optional[str] = None, gpus: Optional[int] = No
         prompts = args.batch // samples
     layout = None
     if args.trainer_gpus is not None:
-        layout = FixedLayout(TrainerLayout(args.trainer_tp, args.trainer_pp, args.micro_batch, args.recompute),
-                             GeneratorLayout(args.generator_tp), args.trainer_gpus, args.generator_batch)
+        layout = FixedLayout(
+            TrainerLayout(args.trainer_tp, args.trainer_pp, args.micro_batch, args.recompute),
+            GeneratorLayout(args.generator_tp),
+            args.trainer_gpus,
+            args.generator_batch,
+        )
     inputs = PlanInputs(
-        model=model or args.model, gpus=gpus or args.gpus or 256, gpus_per_node=args.gpus_per_node, prompts=prompts,
-        samples_per_prompt=samples, prompt_tokens=args.prompt_tokens, lengths=_lengths(args, 512, 4096),
-        gpu_memory_gb=args.gpu_memory_gb, trainer_precision=args.trainer_precision,
-        generator_precision=args.generator_precision, sync_generator_precision=args.sync_generator_precision,
-        sync_batching=args.sync_batching, sync_offload_trainer_state=args.sync_offload_trainer_state,
-        max_lag_steps=args.max_lag_steps, layout=layout, measured=args.measured,
+        model=model or args.model,
+        gpus=gpus or args.gpus or 256,
+        gpus_per_node=args.gpus_per_node,
+        prompts=prompts,
+        samples_per_prompt=samples,
+        prompt_tokens=args.prompt_tokens,
+        lengths=_lengths(args, 512, 4096),
+        gpu_memory_gb=args.gpu_memory_gb,
+        trainer_precision=args.trainer_precision,
+        generator_precision=args.generator_precision,
+        sync_generator_precision=args.sync_generator_precision,
+        sync_batching=args.sync_batching,
+        sync_offload_trainer_state=args.sync_offload_trainer_state,
+        max_lag_steps=args.max_lag_steps,
+        layout=layout,
+        measured=args.measured,
         weight_sync=args.weight_sync or "predict",
-        hardware=_hardware(args), max_pp=args.max_pp, uneven_pp=args.allow_uneven_pp,
+        hardware=_hardware(args),
+        max_pp=args.max_pp,
+        uneven_pp=args.allow_uneven_pp,
     )
     return theorem_setting(inputs) if args.theorem_setting else inputs
 
@@ -148,9 +209,14 @@ def appendix_from_args(args) -> AppendixInputs:
         except (OSError, ValueError, AttributeError) as err:
             raise ConfigError(f"--utilisation {args.utilisation}: {err}") from None
     return AppendixInputs(
-        gpus=args.gpus or PAPER_CASE["gpus"], batch=args.batch or PAPER_CASE["batch"],
-        lengths=_lengths(args, 1, 8192), params=args.params, hardware=_hardware(args),
-        max_inflight=args.max_inflight, utilisation=utilisation, train_tokens_s=args.train_tokens_s,
+        gpus=args.gpus or PAPER_CASE["gpus"],
+        batch=args.batch or PAPER_CASE["batch"],
+        lengths=_lengths(args, 1, 8192),
+        params=args.params,
+        hardware=_hardware(args),
+        max_inflight=args.max_inflight,
+        utilisation=utilisation,
+        train_tokens_s=args.train_tokens_s,
     ).validate()
 
 
@@ -198,18 +264,33 @@ def run_plan(args) -> dict:
 # Flags that mean something with --config; every other flag is refused there rather than silently
 # ignored, with the config field that replaces it where there is one.
 CONFIG_FLAGS = ("config", "dry_run_topology", "overrides", "json", "weight_sync")
-CONFIG_REPLACES = {"model": "plan.model", "gpus": "plan.gpus", "gpus_per_node": "plan.gpus_per_node",
-                   "batch": "rollout.prompts_per_step", "prompts": "rollout.prompts_per_step",
-                   "samples_per_prompt": "rollout.samples_per_prompt", "prompt_tokens": "plan.prompt_tokens",
-                   "response_dist": "plan.response_dist", "response_tokens_min": "plan.response_tokens_min",
-                   "response_tokens_max": "plan.response_tokens_max",
-                   "response_tokens_mean": "plan.response_tokens_mean", "gpu_memory_gb": "plan.gpu_memory_gb",
-                   "generator_precision": "generator.fp8", "max_lag_steps": "plan.max_lag_steps",
-                   "max_pp": "plan.max_pp", "measured": "plan.measured", "hardware": "plan.hardware.FIELD",
-                   "trainer_gpus": "trainer.dp", "trainer_tp": "trainer.tp", "trainer_pp": "trainer.pp",
-                   "micro_batch": "trainer.max_tokens_per_microbatch", "recompute": "trainer.recompute_granularity",
-                   "generator_tp": "generator.tp", "generator_batch": "generator.max_running",
-                   "scenario": "plan.model (its paper scenario is part of the config's plan)"}
+CONFIG_REPLACES = {
+    "model": "plan.model",
+    "gpus": "plan.gpus",
+    "gpus_per_node": "plan.gpus_per_node",
+    "batch": "rollout.prompts_per_step",
+    "prompts": "rollout.prompts_per_step",
+    "samples_per_prompt": "rollout.samples_per_prompt",
+    "prompt_tokens": "plan.prompt_tokens",
+    "response_dist": "plan.response_dist",
+    "response_tokens_min": "plan.response_tokens_min",
+    "response_tokens_max": "plan.response_tokens_max",
+    "response_tokens_mean": "plan.response_tokens_mean",
+    "gpu_memory_gb": "plan.gpu_memory_gb",
+    "generator_precision": "generator.fp8",
+    "max_lag_steps": "plan.max_lag_steps",
+    "max_pp": "plan.max_pp",
+    "measured": "plan.measured",
+    "hardware": "plan.hardware.FIELD",
+    "trainer_gpus": "trainer.dp",
+    "trainer_tp": "trainer.tp",
+    "trainer_pp": "trainer.pp",
+    "micro_batch": "trainer.max_tokens_per_microbatch",
+    "recompute": "trainer.recompute_granularity",
+    "generator_tp": "generator.tp",
+    "generator_batch": "generator.max_running",
+    "scenario": "plan.model (its paper scenario is part of the config's plan)",
+}
 
 
 def run_config_plan(args) -> dict:
@@ -224,8 +305,10 @@ def run_config_plan(args) -> dict:
     for name, value in default.items():
         if name not in CONFIG_FLAGS and getattr(args, name, value) != value:
             flag, instead = "--" + name.replace("_", "-"), CONFIG_REPLACES.get(name)
-            raise ConfigError(f"{flag}: not with --config" + (f"; set {instead} in the config or as an override "
-                                                              f"({instead}=...)" if instead else ""))
+            raise ConfigError(
+                f"{flag}: not with --config"
+                + (f"; set {instead} in the config or as an override ({instead}=...)" if instead else "")
+            )
     overrides = list(args.overrides)
     if args.weight_sync is not None:
         overrides.append(f"plan.weight_sync={args.weight_sync}")
@@ -256,14 +339,24 @@ def compare_paper(args) -> dict:
         inputs = replace(inputs_from_args(args, model=model, gpus=LLAMARL_GPUS[model]), layout=None)
         plan = plan_from_inputs(inputs)
         plans[model] = plan_json(plan)
-        rows.append({"case": f"planner defaults, {model}", "gpus": inputs.gpus, "predicted": plan.speedup,
-                     "paper": paper, "sync": f"{plan.best_sync.step_seconds:.1f}",
-                     "async": f"{plan.best_async.step_seconds:.1f}", "lengths": inputs.lengths.describe()})
+        rows.append(
+            {
+                "case": f"planner defaults, {model}",
+                "gpus": inputs.gpus,
+                "predicted": plan.speedup,
+                "paper": paper,
+                "sync": f"{plan.best_sync.step_seconds:.1f}",
+                "async": f"{plan.best_async.step_seconds:.1f}",
+                "lengths": inputs.lengths.describe(),
+            }
+        )
     if not args.json:
         print(scenarios_text(scenarios) + "\n\n" + compare_text(rows), flush=True)
-    return {"scenarios": scenarios,
-            "defaults": [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()} for row in rows],
-            "plans": plans}
+    return {
+        "scenarios": scenarios,
+        "defaults": [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()} for row in rows],
+        "plans": plans,
+    }
 
 
 def main(argv=None) -> int:

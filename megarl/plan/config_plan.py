@@ -40,10 +40,22 @@ from typing import Any, Dict, List, Optional, Union
 from megarl.errors import ConfigError
 from megarl.plan.costs import MemoryBreakdown
 from megarl.plan.hardware import GB, H100, Hardware
-from megarl.plan.inputs import (FixedLayout, GeneratorLayout, LengthDistribution, PlanInputs, TrainerLayout,
-                                TrainerOptions)
-from megarl.plan.llamarl_model import (AsyncLayout, PlanResult, balanced_split, build_costs, evaluate_layout,
-                                       plan_from_inputs)
+from megarl.plan.inputs import (
+    FixedLayout,
+    GeneratorLayout,
+    LengthDistribution,
+    PlanInputs,
+    TrainerLayout,
+    TrainerOptions,
+)
+from megarl.plan.llamarl_model import (
+    AsyncLayout,
+    PlanResult,
+    balanced_split,
+    build_costs,
+    evaluate_layout,
+    plan_from_inputs,
+)
 
 
 @dataclass(frozen=True)
@@ -69,12 +81,15 @@ class PlanSection:
 
 _INTS = ("gpus", "gpus_per_node", "prompt_tokens", "response_tokens_min", "response_tokens_max", "max_pp")
 _FLOATS = ("gpu_memory_gb", "response_tokens_mean", "max_lag_steps")
-_CHOICES = {"response_dist": ("uniform", "exponential"), "weight_sync": ("predict", "estimate", "skip"),
-            "transformer_impl": ("transformer_engine", "local")}
+_CHOICES = {
+    "response_dist": ("uniform", "exponential"),
+    "weight_sync": ("predict", "estimate", "skip"),
+    "transformer_impl": ("transformer_engine", "local"),
+}
 # Fields the plan section once had, now read from the trainer's own settings.
 _MOVED = {
     "recompute": "the planner prices the trainer's own setting: set trainer.recompute_granularity "
-                 "(null | selective | full, with trainer.recompute_method / recompute_num_layers / recompute_modules)",
+    "(null | selective | full, with trainer.recompute_method / recompute_num_layers / recompute_modules)",
     "micro_batch": "the planner packs samples as the trainer does: set trainer.max_tokens_per_microbatch",
 }
 
@@ -135,8 +150,10 @@ def model_preset(cfg, section: Optional[PlanSection] = None) -> str:
     if name is None and cfg.model.source.startswith("random:"):
         name = cfg.model.source.partition(":")[2]
     if name is None:
-        raise ConfigError(f"plan.model: name the model's preset ({', '.join(sorted(PRESETS))}) so planning does "
-                          f"not need the checkpoint at model.source={cfg.model.source!r}")
+        raise ConfigError(
+            f"plan.model: name the model's preset ({', '.join(sorted(PRESETS))}) so planning does "
+            f"not need the checkpoint at model.source={cfg.model.source!r}"
+        )
     if name not in PRESETS:
         raise ConfigError(f"plan.model: {name!r} is not a preset; choose one of {sorted(PRESETS)}")
     return name
@@ -159,9 +176,13 @@ def trainer_options(cfg, section: PlanSection) -> TrainerOptions:
     """The optimizer section in the planner's terms: bytes of state per parameter, its sharding, overlap."""
     o = cfg.optimizer
     state = 12.0 if o.optimizer == "adam" else 4.0 + (4.0 if o.sgd_momentum > 0 else 0.0)  # fp32 master (+ moments)
-    return TrainerOptions(state_sharding="optimizer" if o.use_distributed_optimizer else "none",
-                          optimizer_bytes=state, overlap_grad_reduce=o.overlap_grad_reduce,
-                          overlap_param_gather=o.overlap_param_gather, transformer_impl=section.transformer_impl)
+    return TrainerOptions(
+        state_sharding="optimizer" if o.use_distributed_optimizer else "none",
+        optimizer_bytes=state,
+        overlap_grad_reduce=o.overlap_grad_reduce,
+        overlap_param_gather=o.overlap_param_gather,
+        transformer_impl=section.transformer_impl,
+    )
 
 
 def inputs_from_config(cfg, section: Optional[PlanSection] = None) -> PlanInputs:
@@ -183,15 +204,27 @@ def inputs_from_config(cfg, section: Optional[PlanSection] = None) -> PlanInputs
     else:
         lengths = LengthDistribution.uniform(min(section.response_tokens_min, longest), longest)
     return PlanInputs(
-        model=model_preset(cfg, section), gpus=section.gpus or gpus_used(cfg),
-        gpus_per_node=section.gpus_per_node, prompts=r.prompts_per_step, samples_per_prompt=r.samples_per_prompt,
-        prompt_tokens=section.prompt_tokens or cfg.data.max_prompt_tokens, lengths=lengths,
-        gpu_memory_gb=section.gpu_memory_gb, trainer_precision=trainer_precision,
-        generator_precision=generator_precision, max_lag_steps=section.max_lag_steps, measured=section.measured,
-        weight_sync=section.weight_sync, hardware=section_hardware(section), max_pp=section.max_pp,
-        equal_prompt_shares=cfg.run.mode == "async", trainer_options=trainer_options(cfg, section),
-        generator_backend=g.backend, generator_mem_fraction=g.sglang_mem_fraction,
-        generator_dtype="bf16", generator_max_seq_len=g.max_seq_len if g.backend == "torch" else None,
+        model=model_preset(cfg, section),
+        gpus=section.gpus or gpus_used(cfg),
+        gpus_per_node=section.gpus_per_node,
+        prompts=r.prompts_per_step,
+        samples_per_prompt=r.samples_per_prompt,
+        prompt_tokens=section.prompt_tokens or cfg.data.max_prompt_tokens,
+        lengths=lengths,
+        gpu_memory_gb=section.gpu_memory_gb,
+        trainer_precision=trainer_precision,
+        generator_precision=generator_precision,
+        max_lag_steps=section.max_lag_steps,
+        measured=section.measured,
+        weight_sync=section.weight_sync,
+        hardware=section_hardware(section),
+        max_pp=section.max_pp,
+        equal_prompt_shares=cfg.run.mode == "async",
+        trainer_options=trainer_options(cfg, section),
+        generator_backend=g.backend,
+        generator_mem_fraction=g.sglang_mem_fraction,
+        generator_dtype="bf16",
+        generator_max_seq_len=g.max_seq_len if g.backend == "torch" else None,
     )
 
 
@@ -200,15 +233,23 @@ def trainer_layout(cfg, inputs: PlanInputs) -> TrainerLayout:
     t = cfg.trainer
     rows = t.max_tokens_per_microbatch
     return TrainerLayout(
-        t.tp, t.pp, max(1, int(rows // (inputs.prompt_tokens + inputs.lengths.mean))),
-        recompute=t.recompute_granularity or "none", sequence_parallel=t.sequence_parallel, cp=t.cp, vpp=t.vpp,
-        recompute_method=t.recompute_method, recompute_num_layers=t.recompute_num_layers,
+        t.tp,
+        t.pp,
+        max(1, int(rows // (inputs.prompt_tokens + inputs.lengths.mean))),
+        recompute=t.recompute_granularity or "none",
+        sequence_parallel=t.sequence_parallel,
+        cp=t.cp,
+        vpp=t.vpp,
+        recompute_method=t.recompute_method,
+        recompute_num_layers=t.recompute_num_layers,
         recompute_modules=tuple(t.recompute_modules) if t.recompute_modules is not None else ("core_attn",),
-        micro_batch_tokens=rows)
+        micro_batch_tokens=rows,
+    )
 
 
-def configured_layout(cfg, inputs: PlanInputs, section: Optional[PlanSection] = None,
-                      notes: Optional[List[str]] = None) -> FixedLayout:
+def configured_layout(
+    cfg, inputs: PlanInputs, section: Optional[PlanSection] = None, notes: Optional[List[str]] = None
+) -> FixedLayout:
     """The config's own layout in the planner's terms. SGLang runs at most the requests its KV pool
     holds (the rest wait), so its sequences in flight are min(max_running, what fits); the torch
     engine allocates all max_running slots at start, fitting or not."""
@@ -221,10 +262,13 @@ def configured_layout(cfg, inputs: PlanInputs, section: Optional[PlanSection] = 
         if 0 < room < sequences:
             sequences = room
             if notes is not None:
-                notes.append(f"SGLang's KV pool holds {room} of generator.max_running={g.max_running} sequences "
-                             f"per replica at the mean context; the rest wait (priced at {room})")
-    return FixedLayout(trainer_layout(cfg, inputs), GeneratorLayout(g.tp), trainer_gpus=cfg.trainer_size(),
-                       generator_batch=sequences)
+                notes.append(
+                    f"SGLang's KV pool holds {room} of generator.max_running={g.max_running} sequences "
+                    f"per replica at the mean context; the rest wait (priced at {room})"
+                )
+    return FixedLayout(
+        trainer_layout(cfg, inputs), GeneratorLayout(g.tp), trainer_gpus=cfg.trainer_size(), generator_batch=sequences
+    )
 
 
 # -- does the configured layout fit? -------------------------------------------------------------
@@ -243,19 +287,29 @@ def _trainer_remedies(costs, layout: TrainerLayout, dp: int, batch: int, part: s
         if layout.recompute != "selective" and costs.options.transformer_impl == "local":
             tries.append(("trainer.recompute_granularity=selective", replace(layout, recompute="selective")))
         if layout.recompute != "full":
-            tries.append(("trainer.recompute_granularity=selective with trainer.recompute_modules=[core_attn, mlp]",
-                          replace(layout, recompute="selective", recompute_modules=("core_attn", "mlp"))))
-            tries.append(("trainer.recompute_granularity=full (recompute_method=uniform, recompute_num_layers=1)",
-                          replace(layout, recompute="full", recompute_method="uniform", recompute_num_layers=1)))
+            tries.append(
+                (
+                    "trainer.recompute_granularity=selective with trainer.recompute_modules=[core_attn, mlp]",
+                    replace(layout, recompute="selective", recompute_modules=("core_attn", "mlp")),
+                )
+            )
+            tries.append(
+                (
+                    "trainer.recompute_granularity=full (recompute_method=uniform, recompute_num_layers=1)",
+                    replace(layout, recompute="full", recompute_method="uniform", recompute_num_layers=1),
+                )
+            )
     out = []
     for text, candidate in tries:
         memory = costs.trainer_memory(candidate, dp, batch)
         out.append(f"{text} ({_gb(memory.total)}{'' if memory.fits else ', still too much'})")
-    advice = {"weights": "a larger trainer.tp or trainer.pp (the weights are split over TP x PP)",
-              "grads": "a larger trainer.tp or trainer.pp (gradients are split over TP x PP)",
-              "optimizer": "optimizer.use_distributed_optimizer=true or a larger trainer.dp / tp / pp",
-              "activations": "a larger trainer.tp or trainer.pp",
-              "logits": "a larger trainer.tp (the logits are split over TP)"}
+    advice = {
+        "weights": "a larger trainer.tp or trainer.pp (the weights are split over TP x PP)",
+        "grads": "a larger trainer.tp or trainer.pp (gradients are split over TP x PP)",
+        "optimizer": "optimizer.use_distributed_optimizer=true or a larger trainer.dp / tp / pp",
+        "activations": "a larger trainer.tp or trainer.pp",
+        "logits": "a larger trainer.tp (the logits are split over TP)",
+    }
     if part in advice:
         out.append(advice[part])
     return out
@@ -265,9 +319,11 @@ def _generator_remedies(cfg, part: str) -> List[str]:
     g = cfg.generator
     if part == "kv_cache":
         if g.backend == "torch":
-            return [f"a smaller generator.max_running (now {g.max_running}) or generator.max_seq_len "
-                    f"(now {g.max_seq_len}): the torch engine allocates every slot at start",
-                    "or generator.backend=sglang (a paged pool: only what is in flight)"]
+            return [
+                f"a smaller generator.max_running (now {g.max_running}) or generator.max_seq_len "
+                f"(now {g.max_seq_len}): the torch engine allocates every slot at start",
+                "or generator.backend=sglang (a paged pool: only what is in flight)",
+            ]
         return ["a larger generator.tp (not even one sequence fits SGLang's KV pool)"]
     if part in ("weights", "dequant_workspace"):
         return ["a larger generator.tp"] + ([] if g.fp8 else ["or generator.fp8=true"])
@@ -277,8 +333,10 @@ def _generator_remedies(cfg, part: str) -> List[str]:
 def overflow_message(memory: MemoryBreakdown, remedies: List[str]) -> str:
     part = memory.overflow
     parts = " + ".join(f"{k} {v / GB:.1f}" for k, v in memory.parts.items() if v)
-    text = (f"{memory.role} {memory.layout}: {part} {_gb(memory.parts[part])} overflows the "
-            f"{memory.capacity / GB:g} GB GPU ({parts} = {_gb(memory.total)})")
+    text = (
+        f"{memory.role} {memory.layout}: {part} {_gb(memory.parts[part])} overflows the "
+        f"{memory.capacity / GB:g} GB GPU ({parts} = {_gb(memory.total)})"
+    )
     return text + ("; fits with " + "; or ".join(remedies) if remedies else "")
 
 
@@ -334,9 +392,11 @@ def plan_config(cfg, path: str = "config") -> ConfigPlan:
     inputs = inputs_from_config(cfg, section)
     used, notes = gpus_used(cfg), []
     if used > inputs.gpus:
-        raise ConfigError(f"plan.gpus={inputs.gpus}: the config uses {used} GPUs (trainer {cfg.trainer_size()} "
-                          f"+ generator {cfg.generator_size()}); raise plan.gpus or shrink trainer.dp / "
-                          f"generator.replicas")
+        raise ConfigError(
+            f"plan.gpus={inputs.gpus}: the config uses {used} GPUs (trainer {cfg.trainer_size()} "
+            f"+ generator {cfg.generator_size()}); raise plan.gpus or shrink trainer.dp / "
+            f"generator.replicas"
+        )
     if used < inputs.gpus:
         notes.append(f"the config uses {used} of plan.gpus={inputs.gpus} GPUs; its layout is priced on those {used}")
     on_used = replace(inputs, gpus=used)

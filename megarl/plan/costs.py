@@ -65,9 +65,18 @@ class ModelShape:
     def from_spec(cls, spec: LlamaSpec) -> "ModelShape":
         h = spec.hidden_size
         per_layer = spec.qkv_rows * h + spec.num_attention_heads * spec.head_dim * h + 3 * h * spec.ffn_hidden_size
-        return cls(spec.num_layers, h, spec.num_attention_heads, spec.num_kv_heads, spec.head_dim,
-                   spec.vocab_size, spec.num_layers * per_layer, spec.vocab_size * h, spec.tie_embeddings,
-                   spec.ffn_hidden_size)
+        return cls(
+            spec.num_layers,
+            h,
+            spec.num_attention_heads,
+            spec.num_kv_heads,
+            spec.head_dim,
+            spec.vocab_size,
+            spec.num_layers * per_layer,
+            spec.vocab_size * h,
+            spec.tie_embeddings,
+            spec.ffn_hidden_size,
+        )
 
     @property
     def mlp_fraction(self) -> float:
@@ -157,8 +166,15 @@ class MemoryBreakdown:
 class H100CostModel:
     """The default eta_t / eta_g and memory model; every constant comes from ``Hardware``."""
 
-    def __init__(self, spec: LlamaSpec, hw: Hardware, workload: Workload, grad_bytes: float = 4.0,
-                 options: Optional[TrainerOptions] = None, engine: Optional[GeneratorEngine] = None):
+    def __init__(
+        self,
+        spec: LlamaSpec,
+        hw: Hardware,
+        workload: Workload,
+        grad_bytes: float = 4.0,
+        options: Optional[TrainerOptions] = None,
+        engine: Optional[GeneratorEngine] = None,
+    ):
         self.spec, self.hw, self.work = spec, hw, workload
         self.shape = ModelShape.from_spec(spec)
         self.options = options or TrainerOptions(grad_bytes=grad_bytes)
@@ -187,17 +203,25 @@ class H100CostModel:
         """The fullest GPU of a replica (PP rank 0 or the last), by part; see ``activations``."""
         w = self.work
         tokens = layout.micro_batch_tokens or layout.micro_batch * w.max_tokens  # may hold the longest sample
-        stage, parts = act.trainer_parts(self.shape, layout, self.options, dp, tokens, w.max_tokens,
-                                         self.micro_batches(layout, dp, batch))
-        return MemoryBreakdown("trainer", f"{layout.describe()}, {stage}", self.hw.memory_gb * GB,
-                               {"reserved": self.hw.reserved_gb * GB, **parts})
+        stage, parts = act.trainer_parts(
+            self.shape, layout, self.options, dp, tokens, w.max_tokens, self.micro_batches(layout, dp, batch)
+        )
+        return MemoryBreakdown(
+            "trainer",
+            f"{layout.describe()}, {stage}",
+            self.hw.memory_gb * GB,
+            {"reserved": self.hw.reserved_gb * GB, **parts},
+        )
 
     def _recomputed_flops(self, layout: TrainerLayout, linear: float, attention: float) -> float:
         """Forward FLOPs run a second time in backward (per sample)."""
         if layout.recompute == "full":
             chunk = -(-self.shape.layers // (layout.pp * layout.vpp))
-            n = chunk if (layout.recompute_method or "uniform") == "uniform" else \
-                min(chunk, 1 if layout.recompute_num_layers is None else layout.recompute_num_layers)
+            n = (
+                chunk
+                if (layout.recompute_method or "uniform") == "uniform"
+                else min(chunk, 1 if layout.recompute_num_layers is None else layout.recompute_num_layers)
+            )
             return (linear + attention) * n / chunk
         if layout.recompute == "selective":
             modules = layout.recompute_modules
@@ -242,8 +266,9 @@ class H100CostModel:
         link = hw.link_bytes_s(shards * layout.tp * layout.pp)
         ring = (shards - 1) / shards
         tokens = layout.micro_batch_tokens or layout.micro_batch * w.mean_tokens
-        per_mb = 6.0 * s.matmul_params * tokens / (
-            layout.m * hw.peak_flops("bf16") * hw.train_mfu)  # one micro-batch's forward + backward
+        per_mb = (
+            6.0 * s.matmul_params * tokens / (layout.m * hw.peak_flops("bf16") * hw.train_mfu)
+        )  # one micro-batch's forward + backward
         if o.state_sharding == "fsdp":
             # FSDP gathers the weights before each micro-batch's forward and again before its backward
             # and reduce-scatters its gradients after; prefetching hides them behind its compute
@@ -274,8 +299,14 @@ class H100CostModel:
         matrices = (1 if s.tied else 2) if layout.pp == 1 else 1
         return linear + matrices * s.embedding_params * 2.0 / layout.tp  # embeddings stay bf16
 
-    def generator_memory(self, layout: GeneratorLayout, precision: str, sequences: float, mode: str,
-                         resident: Optional[Dict[str, float]] = None) -> MemoryBreakdown:
+    def generator_memory(
+        self,
+        layout: GeneratorLayout,
+        precision: str,
+        sequences: float,
+        mode: str,
+        resident: Optional[Dict[str, float]] = None,
+    ) -> MemoryBreakdown:
         """Per GPU: weights + KV of `sequences` in flight (+ a colocated trainer's resident state).
         The asynchronous generator follows its engine (``engines``); the colocated baseline is an
         SGLang-class engine sharing the trainer's GPU."""
@@ -302,15 +333,22 @@ class H100CostModel:
         # static batch: the peak over decode steps of (fraction still running) x context
         return max(w.lengths.survival(step) * (w.prompt_tokens + step) for step in _drain_points(w.lengths))
 
-    def max_sequences(self, layout: GeneratorLayout, precision: str, mode: str,
-                      resident: Optional[Dict[str, float]] = None) -> int:
+    def max_sequences(
+        self, layout: GeneratorLayout, precision: str, mode: str, resident: Optional[Dict[str, float]] = None
+    ) -> int:
         empty = self.generator_memory(layout, precision, 0, mode, resident)
         room = empty.capacity - empty.total
         per_sequence = self._kv_tokens_per_sequence(mode, resident) * self.kv_bytes_per_token(layout)
         return max(0, int(room // per_sequence))
 
-    def decode_step_seconds(self, layout: GeneratorLayout, precision: str, sequences: float, context: float,
-                            engine: Optional[GeneratorEngine] = None) -> float:
+    def decode_step_seconds(
+        self,
+        layout: GeneratorLayout,
+        precision: str,
+        sequences: float,
+        context: float,
+        engine: Optional[GeneratorEngine] = None,
+    ) -> float:
         """One decode step of a replica: every one of `sequences` advances one token
         (engine: the asynchronous generator's; None prices an SGLang-class engine)."""
         s, hw, e = self.shape, self.hw, engine or GeneratorEngine()
@@ -346,8 +384,14 @@ class H100CostModel:
     def generator_allowed(self, layout: GeneratorLayout, role: str = "generator") -> bool:
         return True
 
-    def generator_seconds_per_sample(self, layout: GeneratorLayout, precision: str, sequences: float,
-                                     mode: str = "continuous", role: str = "generator") -> float:
+    def generator_seconds_per_sample(
+        self,
+        layout: GeneratorLayout,
+        precision: str,
+        sequences: float,
+        mode: str = "continuous",
+        role: str = "generator",
+    ) -> float:
         """eta_g: replica seconds per sample with `sequences` in flight.
 
         continuous: finished sequences are replaced at once (the asynchronous
@@ -367,8 +411,7 @@ class H100CostModel:
             mid = (lo + hi) / 2
             running = sequences * w.lengths.survival(mid)
             if running > 0:
-                total += (hi - lo) * self.decode_step_seconds(layout, precision, running, w.prompt_tokens + mid,
-                                                              engine)
+                total += (hi - lo) * self.decode_step_seconds(layout, precision, running, w.prompt_tokens + mid, engine)
         return total / sequences + prefill
 
 
@@ -376,8 +419,9 @@ class H100CostModel:
 def _pack(work: Workload, samples: int, capacity: int) -> Tuple[int, float]:
     """First-fit-decreasing of `samples` lengths (the distribution's quantiles) into rows of
     `capacity` tokens: (rows, tokens). Samples longer than a row are refused by the config."""
-    sizes = sorted((work.prompt_tokens + work.lengths.quantile((i + 0.5) / samples) for i in range(samples)),
-                   reverse=True)
+    sizes = sorted(
+        (work.prompt_tokens + work.lengths.quantile((i + 0.5) / samples) for i in range(samples)), reverse=True
+    )
     rows: list = []
     for size in sizes:
         for i, room in enumerate(rows):

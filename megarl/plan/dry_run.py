@@ -45,11 +45,19 @@ class DryRun:
 
     def to_json(self) -> dict:
         t = self.topology
-        return {"config": self.path, "model": self.model, "world_size": t.world_size,
-                "gpus_per_node": self.gpus_per_node, "nodes": -(-t.world_size // self.gpus_per_node),
-                "ranks_per_executor": {k: len(v) for k, v in t.executors.items()},
-                "topology": t.describe(), "checks": self.checks, "weight_sync": self.weight_sync,
-                "notes": self.notes, "seconds": round(self.seconds, 2)}
+        return {
+            "config": self.path,
+            "model": self.model,
+            "world_size": t.world_size,
+            "gpus_per_node": self.gpus_per_node,
+            "nodes": -(-t.world_size // self.gpus_per_node),
+            "ranks_per_executor": {k: len(v) for k, v in t.executors.items()},
+            "topology": t.describe(),
+            "checks": self.checks,
+            "weight_sync": self.weight_sync,
+            "notes": self.notes,
+            "seconds": round(self.seconds, 2),
+        }
 
 
 def dry_run(cfg, path: str = "config") -> DryRun:
@@ -66,8 +74,10 @@ def dry_run(cfg, path: str = "config") -> DryRun:
         # SGLang spawns its own TP workers outside the torchrun world; they still occupy GPUs and
         # join the weight-sync group at ranks [T, T + G), which is the world checked here.
         topo.world_size = gpus_used(cfg)
-        report.notes.append(f"generator.backend={cfg.generator.backend}: generator ranks are the weight-sync "
-                            f"group's (the engines' own workers), checked as ranks of a {topo.world_size}-GPU job")
+        report.notes.append(
+            f"generator.backend={cfg.generator.backend}: generator ranks are the weight-sync "
+            f"group's (the engines' own workers), checked as ranks of a {topo.world_size}-GPU job"
+        )
     report.checks.append(check_model_shards(cfg, spec))
     report.checks.append(check_allocation(cfg, section.gpus, gpn))
     check_tp_groups_within_nodes(cfg, topo, gpn)
@@ -75,15 +85,17 @@ def dry_run(cfg, path: str = "config") -> DryRun:
     report.checks.append(check_micro_batch(cfg))
     if cfg.run.mode == "async":
         hw = section_hardware(section)
-        report.weight_sync, report.sync_plan = check_weight_sync(cfg, spec, topo, gpn, hw.nvlink_gb_s,
-                                                                 hw.network_gb_s)
+        report.weight_sync, report.sync_plan = check_weight_sync(cfg, spec, topo, gpn, hw.nvlink_gb_s, hw.network_gb_s)
         ws = report.weight_sync
-        report.checks.append(f"weight sync: {ws['pairs']} (trainer, generator) pairs; every one of "
-                             f"{ws['receivers']['ranks']} generator ranks receives each element of its "
-                             f"{ws['params_per_receiver']} parameters exactly once")
+        report.checks.append(
+            f"weight sync: {ws['pairs']} (trainer, generator) pairs; every one of "
+            f"{ws['receivers']['ranks']} generator ranks receives each element of its "
+            f"{ws['params_per_receiver']} parameters exactly once"
+        )
     else:
-        report.notes.append("run.mode=sync: each rank copies its own weights into its colocated engine; "
-                            "no weight-sync plan to check")
+        report.notes.append(
+            "run.mode=sync: each rank copies its own weights into its colocated engine; no weight-sync plan to check"
+        )
     report.seconds = time.perf_counter() - start
     return report
 
@@ -104,20 +116,28 @@ def check_model_shards(cfg, spec) -> str:
             check_sglang_tp(spec, g.tp)
         except ConfigError as err:
             raise ConfigError(f"generator.tp={g.tp}: {err}") from None
-    return (f"the model shards: trainer TP{t.tp} x PP{t.pp} ({spec.num_layers // t.pp} layers per stage)"
-            + (f", generator TP{g.tp}" if cfg.run.mode == "async" else ""))
+    return f"the model shards: trainer TP{t.tp} x PP{t.pp} ({spec.num_layers // t.pp} layers per stage)" + (
+        f", generator TP{g.tp}" if cfg.run.mode == "async" else ""
+    )
 
 
 def check_allocation(cfg, plan_gpus, gpus_per_node: int) -> str:
     used = gpus_used(cfg)
-    split = (f"trainer {cfg.trainer_size()} + generator {cfg.generator_size()}" if cfg.run.mode == "async"
-             else f"trainer {cfg.trainer_size()}")
+    split = (
+        f"trainer {cfg.trainer_size()} + generator {cfg.generator_size()}"
+        if cfg.run.mode == "async"
+        else f"trainer {cfg.trainer_size()}"
+    )
     if plan_gpus is not None and used > plan_gpus:
-        raise ConfigError(f"plan.gpus={plan_gpus}: the config needs {used} GPUs ({split}); shrink trainer.dp or "
-                          f"generator.replicas, or raise plan.gpus")
+        raise ConfigError(
+            f"plan.gpus={plan_gpus}: the config needs {used} GPUs ({split}); shrink trainer.dp or "
+            f"generator.replicas, or raise plan.gpus"
+        )
     if used > gpus_per_node and used % gpus_per_node:
-        raise ConfigError(f"trainer.dp / generator.replicas: the job's {used} ranks ({split}) are not whole nodes of "
-                          f"plan.gpus_per_node={gpus_per_node}; scripts/launch.sh starts GPUS_PER_NODE ranks per node")
+        raise ConfigError(
+            f"trainer.dp / generator.replicas: the job's {used} ranks ({split}) are not whole nodes of "
+            f"plan.gpus_per_node={gpus_per_node}; scripts/launch.sh starts GPUS_PER_NODE ranks per node"
+        )
     nodes = -(-used // gpus_per_node)
     of = f" of plan.gpus={plan_gpus}" if plan_gpus is not None else ""
     if plan_gpus is not None and used < plan_gpus:
@@ -134,45 +154,62 @@ def check_tp_groups_within_nodes(cfg, topo: Topology, gpus_per_node: int) -> Non
     for name, tp, groups in roles:
         for group in groups:
             if group[0] // gpus_per_node != group[-1] // gpus_per_node:
-                hint = "use trainer.pp for more model parallelism" if name == "trainer.tp" else \
-                    "make the trainer's ranks a multiple of it"
-                raise ConfigError(f"{name}={tp}: TP group {_ranges(group)} spans nodes of plan.gpus_per_node="
-                                  f"{gpus_per_node} GPUs; keep TP within a node ({hint})")
+                hint = (
+                    "use trainer.pp for more model parallelism"
+                    if name == "trainer.tp"
+                    else "make the trainer's ranks a multiple of it"
+                )
+                raise ConfigError(
+                    f"{name}={tp}: TP group {_ranges(group)} spans nodes of plan.gpus_per_node="
+                    f"{gpus_per_node} GPUs; keep TP within a node ({hint})"
+                )
 
 
 def check_micro_batch(cfg) -> str:
     longest = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens - 1  # input positions of one sample
     limit = cfg.trainer.max_tokens_per_microbatch
     if longest > limit:
-        raise ConfigError(f"trainer.max_tokens_per_microbatch={limit}: a sample of data.max_prompt_tokens + "
-                          f"rollout.max_new_tokens needs {longest} positions in one micro-batch")
+        raise ConfigError(
+            f"trainer.max_tokens_per_microbatch={limit}: a sample of data.max_prompt_tokens + "
+            f"rollout.max_new_tokens needs {longest} positions in one micro-batch"
+        )
     return f"the longest sample ({longest} positions) fits a micro-batch of {limit} tokens"
 
 
-def check_weight_sync(cfg, spec, topo: Topology, gpus_per_node: int, nvlink_gb_s: float,
-                      network_gb_s: float) -> Tuple[dict, object]:
+def check_weight_sync(
+    cfg, spec, topo: Topology, gpus_per_node: int, nvlink_gb_s: float, network_gb_s: float
+) -> Tuple[dict, object]:
     """Build the sync plan of the config's layout, check it (raises ConfigError), return (stats, plan)."""
     from megarl.weight_sync.planner import GeneratorTopology, TrainerTopology, build_plan
     from megarl.weight_sync.predict import Links, predict_seconds, rank_bytes
 
     t, g = cfg.trainer, cfg.generator
     start = time.perf_counter()
-    plan = build_plan(spec, TrainerTopology(t.tp, t.pp, t.dp, vp=t.vpp if t.vpp > 1 else None),
-                      GeneratorTopology(g.tp, g.replicas, first_rank=topo.executors["generator"][0]))
+    plan = build_plan(
+        spec,
+        TrainerTopology(t.tp, t.pp, t.dp, vp=t.vpp if t.vpp > 1 else None),
+        GeneratorTopology(g.tp, g.replicas, first_rank=topo.executors["generator"][0]),
+    )
     built = time.perf_counter() - start
     senders, receivers = set(topo.executors["trainer"]), set(topo.executors["generator"])
     weights = topo.channel("weights")
     for src, dst in plan.transfers:
         if src not in senders or src not in weights.src:
-            raise ConfigError(f"weight sync: rank {src} sends but is not a trainer rank {_ranges(senders)} "
-                              f"(check trainer.tp/pp/dp against the weight-sync planner's numbering)")
+            raise ConfigError(
+                f"weight sync: rank {src} sends but is not a trainer rank {_ranges(senders)} "
+                f"(check trainer.tp/pp/dp against the weight-sync planner's numbering)"
+            )
         if dst not in receivers or dst not in weights.dst:
-            raise ConfigError(f"weight sync: rank {dst} receives but is not a generator rank {_ranges(receivers)} "
-                              f"(check generator.tp/replicas)")
+            raise ConfigError(
+                f"weight sync: rank {dst} receives but is not a generator rank {_ranges(receivers)} "
+                f"(check generator.tp/replicas)"
+            )
     unplanned = sorted(receivers - set(plan.dst_layouts))
     if unplanned:
-        raise ConfigError(f"weight sync: generator ranks {_ranges(unplanned)} have no planned shard "
-                          f"(generator.tp={g.tp} x generator.replicas={g.replicas})")
+        raise ConfigError(
+            f"weight sync: generator ranks {_ranges(unplanned)} have no planned shard "
+            f"(generator.tp={g.tp} x generator.replicas={g.replicas})"
+        )
     check_coverage(plan)
     links = Links(gpus_per_node, nvlink_gb_s, network_gb_s)
     by_rank = rank_bytes(plan, g.fp8, links)
@@ -185,18 +222,26 @@ def check_weight_sync(cfg, spec, topo: Topology, gpus_per_node: int, nvlink_gb_s
     def side(ranks: Sequence[int], pairs: Dict[int, int], direction: str) -> dict:
         sent = [sum(v for k, v in by_rank.get(r, {}).items() if k.startswith(direction)) / 1e9 for r in ranks]
         counts = [pairs.get(r, 0) for r in ranks]
-        return {"ranks": len(ranks), "idle": sum(1 for c in counts if c == 0), "pairs": _stats(counts),
-                "gb": _stats(sent, 3)}
+        return {
+            "ranks": len(ranks),
+            "idle": sum(1 for c in counts if c == 0),
+            "pairs": _stats(counts),
+            "gb": _stats(sent, 3),
+        }
 
     total = sum(v for totals in by_rank.values() for k, v in totals.items() if k.startswith("send"))
     network = sum(v for totals in by_rank.values() for k, v in totals.items() if k == "send_network")
     dst_params = {len(layout) for layout in plan.dst_layouts.values()}
     return {
-        "pairs": len(plan.transfers), "transfers": sum(len(ts) for ts in plan.transfers.values()),
-        "gb_per_sync": round(total / 1e9, 2), "network_fraction": round(network / total, 3) if total else 0.0,
-        "precision": "fp8" if g.fp8 else "bf16", "predicted_seconds": round(predict_seconds(plan, g.fp8, links), 3),
+        "pairs": len(plan.transfers),
+        "transfers": sum(len(ts) for ts in plan.transfers.values()),
+        "gb_per_sync": round(total / 1e9, 2),
+        "network_fraction": round(network / total, 3) if total else 0.0,
+        "precision": "fp8" if g.fp8 else "bf16",
+        "predicted_seconds": round(predict_seconds(plan, g.fp8, links), 3),
         "params_per_receiver": max(dst_params),
-        "senders": side(sorted(senders), pairs_out, "send"), "receivers": side(sorted(receivers), pairs_in, "recv"),
+        "senders": side(sorted(senders), pairs_out, "send"),
+        "receivers": side(sorted(receivers), pairs_in, "recv"),
         "plan_build_seconds": round(built, 2),
     }, plan
 
@@ -220,7 +265,7 @@ def check_coverage(plan) -> None:
                 if not any(_inside(rows, br) and _inside(cols, bc) for br, bc in boxes):
                     raise ConfigError(f"{where}: rows {rows} cols {cols} fall outside its weight blocks")
             for i, (rows, cols) in enumerate(rects):
-                for rows2, cols2 in rects[i + 1:]:
+                for rows2, cols2 in rects[i + 1 :]:
                     if _overlaps(rows, rows2) and _overlaps(cols, cols2):
                         raise ConfigError(f"{where}: rows {rows} cols {cols} arrive twice")
     if into:
@@ -249,28 +294,43 @@ def _stats(values: Sequence[float], digits: int = 0) -> dict:
 def dry_run_text(d: DryRun) -> str:
     t, desc = d.topology, d.topology.describe()
     nodes = -(-t.world_size // d.gpus_per_node)
-    lines = [f"megarl plan --dry-run-topology: {d.path} ({d.model}, {t.mode}, {t.world_size} ranks on {nodes} "
-             f"node{'s' if nodes > 1 else ''} of {d.gpus_per_node}; no process started)", ""]
+    lines = [
+        f"megarl plan --dry-run-topology: {d.path} ({d.model}, {t.mode}, {t.world_size} ranks on {nodes} "
+        f"node{'s' if nodes > 1 else ''} of {d.gpus_per_node}; no process started)",
+        "",
+    ]
     rows = [["executor", "ranks", "count", "layout"]]
     layouts = {"trainer": desc["trainer"], "generator": desc["generator"], "reward": "each replica's TP rank 0"}
     for name, ranks in t.executors.items():
         rows.append([name, desc["executors"][name], str(len(ranks)), layouts.get(name, "")])
     lines.append(_table(rows))
     g = desc["groups"]
-    lines.append(f"groups: {g['trainer_tp']} trainer TP, {g['trainer_dp']} trainer DP, {g['trainer_pp']} trainer PP, "
-                 f"{g['generator_tp']} generator TP")
+    lines.append(
+        f"groups: {g['trainer_tp']} trainer TP, {g['trainer_dp']} trainer DP, {g['trainer_pp']} trainer PP, "
+        f"{g['generator_tp']} generator TP"
+    )
     lines.extend(f"channel {c}" for c in desc["channels"])
     lines += ["", "checks passed:"] + [f"  - {c}" for c in d.checks]
     ws = d.weight_sync
     if ws:
-        lines += ["", f"weight sync ({ws['precision']}): {ws['pairs']} pairs, {ws['transfers']} transfers, "
-                      f"{ws['gb_per_sync']} GB per sync ({ws['network_fraction']:.0%} across nodes), predicted "
-                      f"{ws['predicted_seconds']} s; plan built in {ws['plan_build_seconds']} s"]
+        lines += [
+            "",
+            f"weight sync ({ws['precision']}): {ws['pairs']} pairs, {ws['transfers']} transfers, "
+            f"{ws['gb_per_sync']} GB per sync ({ws['network_fraction']:.0%} across nodes), predicted "
+            f"{ws['predicted_seconds']} s; plan built in {ws['plan_build_seconds']} s",
+        ]
         rows = [["per rank", "ranks", "idle", "pairs min/median/max", "GB min/median/max"]]
         for name in ("senders", "receivers"):
             s = ws[name]
-            rows.append([name, str(s["ranks"]), str(s["idle"]), "/".join(str(s["pairs"][k]) for k in
-                         ("min", "median", "max")), "/".join(str(s["gb"][k]) for k in ("min", "median", "max"))])
+            rows.append(
+                [
+                    name,
+                    str(s["ranks"]),
+                    str(s["idle"]),
+                    "/".join(str(s["pairs"][k]) for k in ("min", "median", "max")),
+                    "/".join(str(s["gb"][k]) for k in ("min", "median", "max")),
+                ]
+            )
         lines.append(_table(rows))
     lines.extend(f"note: {n}" for n in d.notes)
     lines.append(f"done in {d.seconds:.1f} s")

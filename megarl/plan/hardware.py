@@ -62,8 +62,19 @@ class Hardware:
             value = getattr(self, f.name)
             if f.name != "name" and (not isinstance(value, (int, float)) or value < 0):
                 raise ConfigError(f"hardware.{f.name} must be a non-negative number, got {value!r}")
-        for name in ("memory_gb", "bf16_tflops", "fp8_tflops", "hbm_tb_s", "hbm_efficiency", "gpus_per_node",
-                     "nvlink_gb_s", "network_gb_s", "train_mfu", "prefill_mfu", "decode_mfu"):
+        for name in (
+            "memory_gb",
+            "bf16_tflops",
+            "fp8_tflops",
+            "hbm_tb_s",
+            "hbm_efficiency",
+            "gpus_per_node",
+            "nvlink_gb_s",
+            "network_gb_s",
+            "train_mfu",
+            "prefill_mfu",
+            "decode_mfu",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"hardware.{name} must be positive, got {getattr(self, name)!r}")
         if self.reserved_gb >= self.memory_gb:

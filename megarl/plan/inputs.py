@@ -217,8 +217,10 @@ def check_trainer_layout(layout: TrainerLayout, options: TrainerOptions, field: 
             raise ConfigError(f"{field}.recompute_num_layers must be a non-negative integer, got {n!r}")
     unknown = [m for m in layout.recompute_modules if m not in RECOMPUTE_MODULES]
     if layout.recompute == "selective" and unknown:
-        raise ConfigError(f"{field}.recompute_modules: {unknown[0]!r} is not priced for a dense Llama; "
-                          f"choose from {list(RECOMPUTE_MODULES)}")
+        raise ConfigError(
+            f"{field}.recompute_modules: {unknown[0]!r} is not priced for a dense Llama; "
+            f"choose from {list(RECOMPUTE_MODULES)}"
+        )
     if layout.sp and options.transformer_impl != "transformer_engine":
         raise ConfigError(f"{field}.sequence_parallel needs transformer_impl=transformer_engine")
 
@@ -357,5 +359,5 @@ class PlanInputs:
             _positive_int(self.generator_max_seq_len, "generator_max_seq_len")
         if not self.max_lag_steps > 0:
             raise ConfigError(f"max_lag_steps must be positive, got {self.max_lag_steps!r}")
-        self.hw  # validates the hardware with the overrides
+        _ = self.hw  # validates the hardware with the overrides
         return self

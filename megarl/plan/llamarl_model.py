@@ -39,8 +39,7 @@ from megarl.errors import ConfigError
 from megarl.plan import weight_sync_cost
 from megarl.plan.costs import H100CostModel, MemoryBreakdown, Workload
 from megarl.plan.engines import GeneratorEngine
-from megarl.plan.inputs import (RECOMPUTE, FixedLayout, GeneratorLayout, PlanInputs, TrainerLayout,
-                                check_trainer_layout)
+from megarl.plan.inputs import RECOMPUTE, FixedLayout, GeneratorLayout, PlanInputs, TrainerLayout, check_trainer_layout
 
 MICRO_BATCHES = (1, 2, 4, 8)
 
@@ -143,8 +142,9 @@ def pipeline_sizes(layers: int, max_pp: int, uneven: bool = False) -> List[int]:
     return sorted(sizes)
 
 
-def trainer_layouts(costs, max_pp: int, uneven_pp: bool = False,
-                    recompute: Sequence[str] = RECOMPUTE, max_vpp: int = 1) -> List[TrainerLayout]:
+def trainer_layouts(
+    costs, max_pp: int, uneven_pp: bool = False, recompute: Sequence[str] = RECOMPUTE, max_vpp: int = 1
+) -> List[TrainerLayout]:
     """TP a power of two within a node (dividing heads and FFN), PP as ``pipeline_sizes``, each
     recompute setting (full: one layer at a time, Megatron-LM's usual uniform 1), sequence
     parallelism wherever TP > 1 (it only saves memory: the same bytes move as without), and
@@ -169,8 +169,9 @@ def trainer_layouts(costs, max_pp: int, uneven_pp: bool = False,
     return out
 
 
-def generator_layouts(costs, max_pp: int, precision: str, role: str = "generator",
-                      uneven_pp: bool = False) -> List[GeneratorLayout]:
+def generator_layouts(
+    costs, max_pp: int, precision: str, role: str = "generator", uneven_pp: bool = False
+) -> List[GeneratorLayout]:
     """SGLang: TP a power of two within a node (KV heads replicated beyond their count); PP only
     when the weights do not fit on one node's GPUs (e.g. 405B in bf16), as deployed in practice."""
     gpn = costs.hw.gpus_per_node
@@ -198,9 +199,15 @@ def evaluate_trainer(costs, layout: TrainerLayout, gpus: int, batch: int):
     return seconds, eta, memory
 
 
-def evaluate_async(costs, inputs: PlanInputs, trainer: TrainerLayout, trainer_gpus: int,
-                   generator: GeneratorLayout, sequences: Optional[int] = None,
-                   trainer_eval=None) -> AsyncLayout:
+def evaluate_async(
+    costs,
+    inputs: PlanInputs,
+    trainer: TrainerLayout,
+    trainer_gpus: int,
+    generator: GeneratorLayout,
+    sequences: Optional[int] = None,
+    trainer_eval=None,
+) -> AsyncLayout:
     batch, precision = inputs.batch, inputs.generator_precision
     train_s, eta_t, t_mem = trainer_eval or evaluate_trainer(costs, trainer, trainer_gpus, batch)
     generator_gpus = inputs.gpus - trainer_gpus
@@ -219,9 +226,21 @@ def evaluate_async(costs, inputs: PlanInputs, trainer: TrainerLayout, trainer_gp
     if inputs.weight_sync != "skip":
         sync_s = weight_sync_cost.estimate_seconds(costs, trainer, trainer_gpus, generator, replicas, precision)
     share = batch / replicas if mode == "continuous" else math.ceil(batch / replicas)
-    return AsyncLayout(trainer, trainer_gpus, generator, generator_gpus, sequences, train_s,
-                       share * eta_g, sync_s, eta_t, eta_g, t_mem, g_mem,
-                       "skip" if inputs.weight_sync == "skip" else "estimate")
+    return AsyncLayout(
+        trainer,
+        trainer_gpus,
+        generator,
+        generator_gpus,
+        sequences,
+        train_s,
+        share * eta_g,
+        sync_s,
+        eta_t,
+        eta_g,
+        t_mem,
+        g_mem,
+        "skip" if inputs.weight_sync == "skip" else "estimate",
+    )
 
 
 def evaluate_sync(costs, inputs: PlanInputs, trainer: TrainerLayout, trainer_eval=None) -> SyncLayout:
@@ -233,8 +252,11 @@ def evaluate_sync(costs, inputs: PlanInputs, trainer: TrainerLayout, trainer_eva
     resident = {k: v for k, v in t_mem.parts.items() if k in ("weights", "grads", "optimizer")}
     if inputs.sync_offload_trainer_state:
         resident = {"weights": resident["weights"]}
-    if precision != inputs.trainer_precision or inputs.sync_separate_generator_copy or \
-            costs.options.state_sharding == "fsdp":
+    if (
+        precision != inputs.trainer_precision
+        or inputs.sync_separate_generator_copy
+        or costs.options.state_sharding == "fsdp"
+    ):
         # a second copy of the weights to generate with (quantised, the engine's own, or gathered
         # from FSDP's shards: a GPU holds 1/dp of its layers' weights, not a generator's TP x PP shard)
         resident["generator weights"] = costs.generator_weight_bytes(layout, precision)
@@ -244,8 +266,9 @@ def evaluate_sync(costs, inputs: PlanInputs, trainer: TrainerLayout, trainer_eva
     if sequences < 1:
         g_mem.parts["kv_cache"] = max(g_mem.parts["kv_cache"], g_mem.capacity)
     eta_g = costs.generator_seconds_per_sample(layout, precision, max(sequences, 1), mode, role="sync_generator")
-    return SyncLayout(trainer, gpus, sequences, precision, mode, train_s, per_replica * eta_g, eta_t, eta_g,
-                      t_mem, g_mem)
+    return SyncLayout(
+        trainer, gpus, sequences, precision, mode, train_s, per_replica * eta_g, eta_t, eta_g, t_mem, g_mem
+    )
 
 
 # -- the search ------------------------------------------------------------------------------
@@ -262,8 +285,7 @@ def search_layouts(costs, inputs: PlanInputs):
     batch, n, layers = inputs.batch, inputs.gpus, costs.spec.num_layers
     # The synchronous baseline models the comparison system (Megatron-style, uneven stages
     # allowed); the asynchronous layout is the recommendation, so it is one megarl can run.
-    trainers = trainer_layouts(costs, inputs.max_pp, uneven_pp=True, recompute=inputs.recompute,
-                               max_vpp=inputs.max_vpp)
+    trainers = trainer_layouts(costs, inputs.max_pp, uneven_pp=True, recompute=inputs.recompute, max_vpp=inputs.max_vpp)
     generators = generator_layouts(costs, inputs.max_pp, inputs.generator_precision, uneven_pp=inputs.uneven_pp)
     best_train = {}  # trainer GPUs -> (seconds, layout, evaluation)
     best_sync, sync_count, async_count = None, 0, 0
@@ -274,8 +296,11 @@ def search_layouts(costs, inputs: PlanInputs):
             ev = evaluate_trainer(costs, layout, gpus, batch)
             if ev[2].fits and (gpus not in best_train or ev[0] < best_train[gpus][0]):
                 best_train[gpus] = (ev[0], layout, ev)
-        if inputs.sync_layout is None and n % layout.m == 0 and \
-                costs.generator_allowed(GeneratorLayout(layout.tp, layout.pp), "sync_generator"):
+        if (
+            inputs.sync_layout is None
+            and n % layout.m == 0
+            and costs.generator_allowed(GeneratorLayout(layout.tp, layout.pp), "sync_generator")
+        ):
             sync_count += 1
             ev = evaluate_trainer(costs, layout, n, batch)
             if ev[2].fits:
@@ -301,10 +326,12 @@ def search_layouts(costs, inputs: PlanInputs):
 
 def build_costs(inputs: PlanInputs):
     spec = inputs.model_spec()
-    engine = GeneratorEngine(inputs.generator_backend, inputs.generator_mem_fraction, inputs.generator_dtype,
-                             inputs.generator_max_seq_len)
-    costs = H100CostModel(spec, inputs.hw, Workload(inputs.prompt_tokens, inputs.lengths),
-                          options=inputs.trainer_options, engine=engine)
+    engine = GeneratorEngine(
+        inputs.generator_backend, inputs.generator_mem_fraction, inputs.generator_dtype, inputs.generator_max_seq_len
+    )
+    costs = H100CostModel(
+        spec, inputs.hw, Workload(inputs.prompt_tokens, inputs.lengths), options=inputs.trainer_options, engine=engine
+    )
     costs.batch = inputs.batch
     if inputs.measured:
         from megarl.plan.measured import load_measured
@@ -326,15 +353,20 @@ def plan_from_inputs(inputs: PlanInputs) -> PlanResult:
         result.notes.append("no asynchronous layout fits in memory")
     if result.best_sync is None:
         result.notes.append("no synchronous (colocated) layout fits in memory")
-    why = {"asynchronous trainer": "megarl's check_parallelism refuses it (searched because uneven_pp was set)",
-           "synchronous baseline": "the comparison system's layout, not one megarl runs"}
-    for name, layout in (("asynchronous trainer", result.best_async and result.best_async.trainer),
-                         ("synchronous baseline", result.best_sync and result.best_sync.trainer)):
+    why = {
+        "asynchronous trainer": "megarl's check_parallelism refuses it (searched because uneven_pp was set)",
+        "synchronous baseline": "the comparison system's layout, not one megarl runs",
+    }
+    for name, layout in (
+        ("asynchronous trainer", result.best_async and result.best_async.trainer),
+        ("synchronous baseline", result.best_sync and result.best_sync.trainer),
+    ):
         layers = costs.spec.num_layers
         if layout is not None and layers % layout.pp:
             result.notes.append(
                 f"{name} PP{layout.pp} splits {layers} layers unevenly (largest stage {-(-layers // layout.pp)}, "
-                f"Megatron's num_layers_in_first/last_pipeline_stage): {why[name]}")
+                f"Megatron's num_layers_in_first/last_pipeline_stage): {why[name]}"
+            )
     if result.best_async is not None:
         predict_weight_sync(costs, inputs, result.best_async, result.notes)
     return result
@@ -348,7 +380,8 @@ def predict_weight_sync(costs, inputs: PlanInputs, a: AsyncLayout, notes: List[s
         if a.generator.pp > 1:
             raise ConfigError(f"generator PP{a.generator.pp}: megarl's sync planner has SGLang TP layouts only")
         a.weight_sync_seconds = weight_sync_cost.predict_seconds(
-            costs.spec, costs.hw, a.trainer, a.dp, a.generator, a.replicas, inputs.generator_precision)
+            costs.spec, costs.hw, a.trainer, a.dp, a.generator, a.replicas, inputs.generator_precision
+        )
         a.weight_sync_method = "predict"
     except ImportError as err:  # the planner itself needs no torch; the transfer planner does
         notes.append(f"weight sync estimated, not predicted ({err})")
@@ -365,8 +398,13 @@ def evaluate_layout(inputs: PlanInputs, fixed: FixedLayout, notes: Optional[List
     return layout
 
 
-def balanced_split(inputs: PlanInputs, trainer: TrainerLayout, generator: GeneratorLayout,
-                   sequences: Optional[int] = None, notes: Optional[List[str]] = None) -> Optional[AsyncLayout]:
+def balanced_split(
+    inputs: PlanInputs,
+    trainer: TrainerLayout,
+    generator: GeneratorLayout,
+    sequences: Optional[int] = None,
+    notes: Optional[List[str]] = None,
+) -> Optional[AsyncLayout]:
     """The trainer/generator split of inputs.gpus with the fastest step for fixed parallelism:
     theta moves in whole nodes and whole replicas (and, with equal_prompt_shares, replica
     counts dividing the prompts), so train and generate times come as close as they can."""
@@ -393,20 +431,26 @@ def _evaluate_fixed(costs, inputs: PlanInputs, fixed: FixedLayout) -> AsyncLayou
     if t % fixed.trainer.m:
         raise ConfigError(f"layout.trainer_gpus={t} is not a multiple of trainer TP x PP = {fixed.trainer.m}")
     if (n - t) % fixed.generator.m:
-        raise ConfigError(f"layout: the {n - t} generator GPUs are not a multiple of "
-                          f"generator TP = {fixed.generator.m}")
+        raise ConfigError(
+            f"layout: the {n - t} generator GPUs are not a multiple of generator TP = {fixed.generator.m}"
+        )
     costs.spec.check_parallelism(fixed.trainer.tp, 1)
     costs.spec.check_parallelism(fixed.generator.tp, 1)
     check_trainer_layout(fixed.trainer, costs.options)
     if not 1 <= fixed.trainer.pp <= costs.spec.num_layers:
-        raise ConfigError(f"layout.trainer.pp={fixed.trainer.pp} must be between 1 and the "
-                          f"{costs.spec.num_layers} layers")
+        raise ConfigError(
+            f"layout.trainer.pp={fixed.trainer.pp} must be between 1 and the {costs.spec.num_layers} layers"
+        )
     if costs.spec.num_layers % fixed.trainer.pp and not inputs.uneven_pp:
-        raise ConfigError(f"layout.trainer.pp={fixed.trainer.pp} does not divide the {costs.spec.num_layers} layers: "
-                          f"megarl refuses uneven pipeline stages (the planner prices them with uneven_pp)")
+        raise ConfigError(
+            f"layout.trainer.pp={fixed.trainer.pp} does not divide the {costs.spec.num_layers} layers: "
+            f"megarl refuses uneven pipeline stages (the planner prices them with uneven_pp)"
+        )
     if fixed.trainer.vpp > 1 and costs.spec.num_layers % (fixed.trainer.pp * fixed.trainer.vpp):
-        raise ConfigError(f"layout.trainer.vpp={fixed.trainer.vpp}: PP{fixed.trainer.pp} x VPP{fixed.trainer.vpp} "
-                          f"chunks do not divide the {costs.spec.num_layers} layers")
+        raise ConfigError(
+            f"layout.trainer.vpp={fixed.trainer.vpp}: PP{fixed.trainer.pp} x VPP{fixed.trainer.vpp} "
+            f"chunks do not divide the {costs.spec.num_layers} layers"
+        )
     return evaluate_async(costs, inputs, fixed.trainer, t, fixed.generator, fixed.generator_batch)
 
 

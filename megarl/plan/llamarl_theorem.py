@@ -126,11 +126,18 @@ def balanced(s: AbstractSystem, m_t: int, b_t: int, m_g: int, b_g: int) -> Async
 
 def best_async(s: AbstractSystem) -> Optional[AsyncOptimum]:
     # With theta continuous, T_async separates: minimise m * eta for each side on its own.
-    trainer = [(m * e, m, b) for m in s.model_parallel for e, b in [s._best(m, s.trains, s.eta_t) or (None, 0)]
-               if e is not None]
-    gen = [(m * e, m, b) for m in s.model_parallel
-           for e, b in [s._best(m, lambda m_, b_: s.generates(m_, b_, colocated=False), s.eta_g) or (None, 0)]
-           if e is not None]
+    trainer = [
+        (m * e, m, b)
+        for m in s.model_parallel
+        for e, b in [s._best(m, s.trains, s.eta_t) or (None, 0)]
+        if e is not None
+    ]
+    gen = [
+        (m * e, m, b)
+        for m in s.model_parallel
+        for e, b in [s._best(m, lambda m_, b_: s.generates(m_, b_, colocated=False), s.eta_g) or (None, 0)]
+        if e is not None
+    ]
     if not trainer or not gen:
         return None
     _, m_t, b_t = min(trainer)

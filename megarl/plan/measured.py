@@ -113,8 +113,14 @@ class MeasuredCostModel:
     def trainer_step_overhead(self, layout: TrainerLayout, dp: int) -> float:
         return self.base.trainer_step_overhead(layout, dp) if self.trainer is None else 0.0
 
-    def generator_seconds_per_sample(self, layout: GeneratorLayout, precision: str, sequences: float,
-                                     mode: str = "continuous", role: str = "generator") -> float:
+    def generator_seconds_per_sample(
+        self,
+        layout: GeneratorLayout,
+        precision: str,
+        sequences: float,
+        mode: str = "continuous",
+        role: str = "generator",
+    ) -> float:
         table = self.generator.get(role)
         if table is None:
             return self.base.generator_seconds_per_sample(layout, precision, sequences, mode, role)

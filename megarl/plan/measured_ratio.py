@@ -107,8 +107,16 @@ class PhaseTimes:
         def mean(key: str) -> float:
             return sum(float(r.get(key, 0.0)) for r in records) / len(records)
 
-        return cls([int(r["step"]) for r in records], mean("samples"), mean("time_step"), mean("time_train"),
-                   mean("time_generate"), mean("time_reward"), mean("time_weight_sync"), mean("idle_trainer"))
+        return cls(
+            [int(r["step"]) for r in records],
+            mean("samples"),
+            mean("time_step"),
+            mean("time_train"),
+            mean("time_generate"),
+            mean("time_reward"),
+            mean("time_weight_sync"),
+            mean("idle_trainer"),
+        )
 
     @property
     def samples_per_s(self) -> float:
@@ -165,24 +173,39 @@ class BenchLayouts:
     def check(self) -> "BenchLayouts":
         trainer = self.trainer_m * self.trainer_dp
         if trainer + self.generator_tp * self.generator_replicas != self.ranks:
-            raise ConfigError(f"async: trainer {trainer} + generator {self.generator_tp} x {self.generator_replicas} "
-                              f"ranks != {self.ranks}")
+            raise ConfigError(
+                f"async: trainer {trainer} + generator {self.generator_tp} x {self.generator_replicas} "
+                f"ranks != {self.ranks}"
+            )
         if self.trainer_m * self.sync_dp != self.ranks:
-            raise ConfigError(f"sync: TP{self.trainer_tp} x PP{self.trainer_pp} x DP{self.sync_dp} != {self.ranks} ranks")
+            raise ConfigError(
+                f"sync: TP{self.trainer_tp} x PP{self.trainer_pp} x DP{self.sync_dp} != {self.ranks} ranks"
+            )
         return self
 
 
-def layouts_from_config(cfg, sync_dp: int, threads: Optional[Dict[str, int]] = None,
-                        cores: Optional[int] = None) -> BenchLayouts:
+def layouts_from_config(
+    cfg, sync_dp: int, threads: Optional[Dict[str, int]] = None, cores: Optional[int] = None
+) -> BenchLayouts:
     """The bench's layouts from its async run's config (the sync run: the same TP x PP on every rank)."""
     t, g, r = cfg.trainer, cfg.generator, cfg.rollout
     longest = cfg.data.max_prompt_tokens + r.max_new_tokens
     return BenchLayouts(
-        ranks=cfg.world_size(), prompts=r.prompts_per_step, samples_per_prompt=r.samples_per_prompt,
-        trainer_tp=t.tp, trainer_pp=t.pp, trainer_dp=t.dp, generator_tp=g.tp, generator_replicas=g.replicas,
-        max_running=g.max_running, sync_dp=sync_dp, micro_batch=max(1, t.max_tokens_per_microbatch // longest),
-        recompute=t.recompute_granularity or "none", generate_while_waiting=g.generate_while_waiting,
-        threads=dict(threads or {}), cores=cores,
+        ranks=cfg.world_size(),
+        prompts=r.prompts_per_step,
+        samples_per_prompt=r.samples_per_prompt,
+        trainer_tp=t.tp,
+        trainer_pp=t.pp,
+        trainer_dp=t.dp,
+        generator_tp=g.tp,
+        generator_replicas=g.replicas,
+        max_running=g.max_running,
+        sync_dp=sync_dp,
+        micro_batch=max(1, t.max_tokens_per_microbatch // longest),
+        recompute=t.recompute_granularity or "none",
+        generate_while_waiting=g.generate_while_waiting,
+        threads=dict(threads or {}),
+        cores=cores,
     ).check()
 
 
@@ -195,15 +218,37 @@ def measured_tables(layouts: BenchLayouts, async_t: PhaseTimes, sync_t: PhaseTim
     L = layouts
     return {
         "trainer": [
-            {"tp": L.trainer_tp, "pp": L.trainer_pp, "samples_per_replica": L.async_trainer_b,
-             "recompute": L.recompute, "seconds_per_sample": async_t.train_s / L.async_trainer_b},
-            {"tp": L.trainer_tp, "pp": L.trainer_pp, "samples_per_replica": L.sync_b,
-             "recompute": L.recompute, "seconds_per_sample": sync_t.train_s / L.sync_b},
+            {
+                "tp": L.trainer_tp,
+                "pp": L.trainer_pp,
+                "samples_per_replica": L.async_trainer_b,
+                "recompute": L.recompute,
+                "seconds_per_sample": async_t.train_s / L.async_trainer_b,
+            },
+            {
+                "tp": L.trainer_tp,
+                "pp": L.trainer_pp,
+                "samples_per_replica": L.sync_b,
+                "recompute": L.recompute,
+                "seconds_per_sample": sync_t.train_s / L.sync_b,
+            },
         ],
-        "generator": [{"tp": L.generator_tp, "pp": 1, "b": L.async_generator_b,
-                       "seconds_per_sample": (async_t.generate_s + async_t.reward_s) / L.samples_per_generator}],
-        "sync_generator": [{"tp": L.trainer_tp, "pp": L.trainer_pp, "b": L.sync_b,
-                            "seconds_per_sample": (sync_t.generate_s + sync_t.reward_s) / L.sync_b}],
+        "generator": [
+            {
+                "tp": L.generator_tp,
+                "pp": 1,
+                "b": L.async_generator_b,
+                "seconds_per_sample": (async_t.generate_s + async_t.reward_s) / L.samples_per_generator,
+            }
+        ],
+        "sync_generator": [
+            {
+                "tp": L.trainer_tp,
+                "pp": L.trainer_pp,
+                "b": L.sync_b,
+                "seconds_per_sample": (sync_t.generate_s + sync_t.reward_s) / L.sync_b,
+            }
+        ],
     }
 
 
@@ -226,8 +271,12 @@ class ReplicaBatchCosts(MeasuredCostModel):
         self.by_replica_batch: Dict[tuple, float] = {}
         for rec in trainer:
             try:
-                key = (int(rec["tp"]), int(rec.get("pp", 1)), int(rec["samples_per_replica"]),
-                       str(rec.get("recompute", "none")))
+                key = (
+                    int(rec["tp"]),
+                    int(rec.get("pp", 1)),
+                    int(rec["samples_per_replica"]),
+                    str(rec.get("recompute", "none")),
+                )
                 seconds = float(rec["seconds_per_sample"])
             except (KeyError, TypeError, ValueError) as err:
                 raise ConfigError(f"measured.trainer: bad record {rec!r} ({err})") from None
@@ -238,8 +287,10 @@ class ReplicaBatchCosts(MeasuredCostModel):
     def trainer_seconds_per_sample(self, layout, dp: int, batch: int) -> float:
         key = (layout.tp, layout.pp, math.ceil(batch / dp), layout.recompute)
         if key not in self.by_replica_batch:
-            raise ConfigError(f"measured.trainer: no time for TP{key[0]} x PP{key[1]} at {key[2]} samples per "
-                              f"replica ({key[3]} recompute); measured: {sorted(self.by_replica_batch)}")
+            raise ConfigError(
+                f"measured.trainer: no time for TP{key[0]} x PP{key[1]} at {key[2]} samples per "
+                f"replica ({key[3]} recompute); measured: {sorted(self.by_replica_batch)}"
+            )
         return self.by_replica_batch[key]
 
     def trainer_step_overhead(self, layout, dp: int) -> float:
@@ -274,30 +325,48 @@ class Prediction:
         if L.generate_while_waiting:  # the generator's time fills the step: whether the trainer waited tells
             bottleneck = "generator" if ma.idle_trainer_s > 0.05 * ma.step_s else "trainer"
         if L.generate_while_waiting:
-            eta_g_is = ("at most this: with generate_while_waiting the generator decodes ahead until the trainer's "
-                        "step ends, so its time per step is max(its own work, the trainer's step); T_async = "
-                        "max(train, generate) is the same either way")
+            eta_g_is = (
+                "at most this: with generate_while_waiting the generator decodes ahead until the trainer's "
+                "step ends, so its time per step is max(its own work, the trainer's step); T_async = "
+                "max(train, generate) is the same either way"
+            )
         else:
             eta_g_is = "measured (the generator stops once its batch is ready)"
         r = lambda x: round(x, 4)  # noqa: E731
         return {
-            "predicted_ratio": r(self.predicted_ratio), "measured_ratio": r(self.measured_ratio),
-            "devices": L.ranks, "cores": L.cores, "threads": L.threads,
+            "predicted_ratio": r(self.predicted_ratio),
+            "measured_ratio": r(self.measured_ratio),
+            "devices": L.ranks,
+            "cores": L.cores,
+            "threads": L.threads,
             "async": {
                 "layout": f"trainer TP{L.trainer_tp}xPP{L.trainer_pp} x DP{L.trainer_dp} + generator "
-                          f"TP{L.generator_tp} x {L.generator_replicas} replica(s)",
-                "steady_steps": ma.steps, "b_t": L.async_trainer_b, "eta_t": r(a.eta_t),
-                "b_g": a.sequences, "eta_g": r(a.eta_g), "eta_g_is": eta_g_is,
-                "train_s": r(a.train_seconds), "generate_s": r(a.generate_seconds),
-                "weight_sync_s": r(a.weight_sync_seconds), "bottleneck": bottleneck,
-                "predicted_step_s": r(a.step_seconds), "measured_step_s": r(ma.step_s),
+                f"TP{L.generator_tp} x {L.generator_replicas} replica(s)",
+                "steady_steps": ma.steps,
+                "b_t": L.async_trainer_b,
+                "eta_t": r(a.eta_t),
+                "b_g": a.sequences,
+                "eta_g": r(a.eta_g),
+                "eta_g_is": eta_g_is,
+                "train_s": r(a.train_seconds),
+                "generate_s": r(a.generate_seconds),
+                "weight_sync_s": r(a.weight_sync_seconds),
+                "bottleneck": bottleneck,
+                "predicted_step_s": r(a.step_seconds),
+                "measured_step_s": r(ma.step_s),
             },
             "sync": {
                 "layout": f"TP{L.trainer_tp}xPP{L.trainer_pp} x DP{L.sync_dp}, every rank generates then trains",
-                "steady_steps": ms.steps, "b_t": L.sync_b, "eta_t": r(s.eta_t), "b_g": s.sequences,
-                "eta_g": r(s.eta_g), "train_s": r(s.train_seconds), "generate_s": r(s.generate_seconds),
+                "steady_steps": ms.steps,
+                "b_t": L.sync_b,
+                "eta_t": r(s.eta_t),
+                "b_g": s.sequences,
+                "eta_g": r(s.eta_g),
+                "train_s": r(s.train_seconds),
+                "generate_s": r(s.generate_seconds),
                 "unpriced_copy_s": r(ms.weight_sync_s),
-                "predicted_step_s": r(s.step_seconds), "measured_step_s": r(ms.step_s),
+                "predicted_step_s": r(s.step_seconds),
+                "measured_step_s": r(ms.step_s),
             },
         }
 
@@ -307,14 +376,29 @@ def plan_inputs(layouts: BenchLayouts, spec, prompt_tokens: int, max_new_tokens:
     from megarl.plan.inputs import LengthDistribution, PlanInputs
 
     L = layouts
-    return PlanInputs(spec=spec, gpus=L.ranks, gpus_per_node=L.ranks, prompts=L.prompts,
-                      samples_per_prompt=L.samples_per_prompt, prompt_tokens=prompt_tokens,
-                      lengths=LengthDistribution.uniform(1, max_new_tokens), gpu_memory_gb=UNBOUNDED_MEMORY_GB,
-                      trainer_precision="bf16", generator_precision="bf16", weight_sync="skip").validate()
+    return PlanInputs(
+        spec=spec,
+        gpus=L.ranks,
+        gpus_per_node=L.ranks,
+        prompts=L.prompts,
+        samples_per_prompt=L.samples_per_prompt,
+        prompt_tokens=prompt_tokens,
+        lengths=LengthDistribution.uniform(1, max_new_tokens),
+        gpu_memory_gb=UNBOUNDED_MEMORY_GB,
+        trainer_precision="bf16",
+        generator_precision="bf16",
+        weight_sync="skip",
+    ).validate()
 
 
-def predict(layouts: BenchLayouts, async_records: Sequence[dict], sync_records: Sequence[dict], spec,
-            prompt_tokens: int, max_new_tokens: int) -> Prediction:
+def predict(
+    layouts: BenchLayouts,
+    async_records: Sequence[dict],
+    sync_records: Sequence[dict],
+    spec,
+    prompt_tokens: int,
+    max_new_tokens: int,
+) -> Prediction:
     """The planner's async and sync step times for the layouts that ran, from their steady steps."""
     from dataclasses import replace
 
@@ -328,8 +412,14 @@ def predict(layouts: BenchLayouts, async_records: Sequence[dict], sync_records: 
     inputs = plan_inputs(L, spec, prompt_tokens, max_new_tokens)
     costs = ReplicaBatchCosts(build_costs(replace(inputs, measured=None)), tables)
     trainer = TrainerLayout(L.trainer_tp, L.trainer_pp, L.micro_batch, L.recompute)
-    a = evaluate_async(costs, inputs, trainer, L.trainer_m * L.trainer_dp, GeneratorLayout(L.generator_tp),
-                       sequences=L.async_generator_b)
+    a = evaluate_async(
+        costs,
+        inputs,
+        trainer,
+        L.trainer_m * L.trainer_dp,
+        GeneratorLayout(L.generator_tp),
+        sequences=L.async_generator_b,
+    )
     a.weight_sync_seconds, a.weight_sync_method = measured_async.weight_sync_s, "measured"
     s = evaluate_sync(costs, inputs, trainer)
     if s.sequences != L.sync_b:

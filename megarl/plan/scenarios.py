@@ -48,15 +48,27 @@ LLAMARL_GPUS = {"llama3-8b": 256, "llama3-70b": 256, "llama3-405b": 1024}
 # Table 3's step times as secondary summaries of the paper quote them (LlamaRL 8.90 / 20.67 /
 # 59.5 s, the 405B baseline 635.8 s; the other baselines follow from the speed-ups). Shown
 # beside the prediction, not tested: our copy of the paper does not carry the table.
-LLAMARL_STEP_SECONDS = {"llama3-8b": (8.90 * 2.52, 8.90), "llama3-70b": (20.67 * 3.98, 20.67),
-                        "llama3-405b": (635.8, 59.5)}
+LLAMARL_STEP_SECONDS = {
+    "llama3-8b": (8.90 * 2.52, 8.90),
+    "llama3-70b": (20.67 * 3.98, 20.67),
+    "llama3-405b": (635.8, 59.5),
+}
 LLAMARL_LENGTHS = (2048, 16384)  # ours: truncated exponential (mean, cap) of response tokens (cli COMPARE_LENGTHS)
 # The 405B layouts the paper states: baseline mp 64, LlamaRL trainer mp 16, generator mp 8.
 LLAMARL_405B = {"sync": (8, 8), "trainer": (8, 2), "generator": 8}
 
-PIPELINERL = {"gpus": 128, "batch": 128, "g_max": 133, "speedup": 1.57, "generator_gpus": 44,
-              "pipeline_tokens_per_flash": 16.9, "conventional_gen_tokens_per_flash": 18.3,
-              "conventional_tokens_per_flash": 10.7, "max_length": 8192, "saturation_h": 200}
+PIPELINERL = {
+    "gpus": 128,
+    "batch": 128,
+    "g_max": 133,
+    "speedup": 1.57,
+    "generator_gpus": 44,
+    "pipeline_tokens_per_flash": 16.9,
+    "conventional_gen_tokens_per_flash": 18.3,
+    "conventional_tokens_per_flash": 10.7,
+    "max_length": 8192,
+    "saturation_h": 200,
+}
 
 SCENARIOS = ("llamarl-8b", "llamarl-70b", "llamarl-405b", "pipelinerl")
 
@@ -72,11 +84,21 @@ def scenario_for_model(model: str) -> Optional[str]:
 def llamarl_inputs(model: str) -> PlanInputs:
     mean, cap = LLAMARL_LENGTHS
     inputs = PlanInputs(
-        model=model, gpus=LLAMARL_GPUS[model], prompts=512, samples_per_prompt=4, prompt_tokens=512,
-        lengths=LengthDistribution.truncated_exponential(mean, cap), trainer_precision="bf16",
-        generator_precision="fp8", sync_generator_precision="bf16", sync_batching="static",
-        sync_separate_generator_copy=True, trainer_options=TrainerOptions(state_sharding="fsdp"),
-        weight_sync="estimate", uneven_pp=True)
+        model=model,
+        gpus=LLAMARL_GPUS[model],
+        prompts=512,
+        samples_per_prompt=4,
+        prompt_tokens=512,
+        lengths=LengthDistribution.truncated_exponential(mean, cap),
+        trainer_precision="bf16",
+        generator_precision="fp8",
+        sync_generator_precision="bf16",
+        sync_batching="static",
+        sync_separate_generator_copy=True,
+        trainer_options=TrainerOptions(state_sharding="fsdp"),
+        weight_sync="estimate",
+        uneven_pp=True,
+    )
     if model == "llama3-405b":
         tp, pp = LLAMARL_405B["sync"]
         inputs = replace(inputs, sync_layout=TrainerLayout(tp, pp, 1, "selective"))
@@ -93,29 +115,39 @@ def llamarl_plan(model: str):
     result = plan_from_inputs(inputs)
     if model == "llama3-405b":  # trainer mp 16 and generator mp 8 given; micro-batch and recompute free
         tp, pp = LLAMARL_405B["trainer"]
-        options = [balanced_split(inputs, TrainerLayout(tp, pp, mb, rc, vpp=1), GeneratorLayout(8))
-                   for mb in (1, 2, 4, 8) for rc in ("none", "selective", "full")]
+        options = [
+            balanced_split(inputs, TrainerLayout(tp, pp, mb, rc, vpp=1), GeneratorLayout(8))
+            for mb in (1, 2, 4, 8)
+            for rc in ("none", "selective", "full")
+        ]
         options = [a for a in options if a is not None]
         result.best_async = min(options, key=lambda a: a.step_seconds) if options else None
     if inputs.sync_layout is not None:  # mp 64 given: its micro-batch and recompute are the best that fit
         costs, (tp, pp) = build_costs(inputs), (inputs.sync_layout.tp, inputs.sync_layout.pp)
-        baselines = [evaluate_sync(costs, inputs, TrainerLayout(tp, pp, mb, rc)) for mb in (1, 2, 4, 8)
-                     for rc in ("none", "selective", "full")]
+        baselines = [
+            evaluate_sync(costs, inputs, TrainerLayout(tp, pp, mb, rc))
+            for mb in (1, 2, 4, 8)
+            for rc in ("none", "selective", "full")
+        ]
         baselines = [b for b in baselines if b.fits]
         result.best_sync = min(baselines, key=lambda b: b.step_seconds) if baselines else None
-        result.notes.append("the paper's 405B layouts: baseline mp 64 (TP8 x PP8), LlamaRL trainer mp 16 "
-                            "(TP8 x PP2), generator mp 8 (TP8); the split balanced")
+        result.notes.append(
+            "the paper's 405B layouts: baseline mp 64 (TP8 x PP8), LlamaRL trainer mp 16 "
+            "(TP8 x PP2), generator mp 8 (TP8); the split balanced"
+        )
     return result
 
 
 def _assumptions_llamarl(model: str) -> List[Tuple[str, str]]:
     mean, cap = LLAMARL_LENGTHS
-    rows = [("paper", f"{LLAMARL_GPUS[model]} H100s, batch 2048 = 512 prompts x 4"),
-            ("paper", "baseline colocated, one model-parallel size, bf16 generation from its own weight copy"),
-            ("paper", "LlamaRL: fp8 generators, bf16 FSDP trainer (weights, grads, Adam sharded over its GPUs)"),
-            ("ours", "baseline waits for each batch's longest response; LlamaRL's generators refill continuously"),
-            ("ours", f"responses: truncated exponential, mean {mean}, cap {cap} tokens (the paper states none)"),
-            ("ours", "FSDP gathers weights per micro-batch forward and backward, prefetched behind compute")]
+    rows = [
+        ("paper", f"{LLAMARL_GPUS[model]} H100s, batch 2048 = 512 prompts x 4"),
+        ("paper", "baseline colocated, one model-parallel size, bf16 generation from its own weight copy"),
+        ("paper", "LlamaRL: fp8 generators, bf16 FSDP trainer (weights, grads, Adam sharded over its GPUs)"),
+        ("ours", "baseline waits for each batch's longest response; LlamaRL's generators refill continuously"),
+        ("ours", f"responses: truncated exponential, mean {mean}, cap {cap} tokens (the paper states none)"),
+        ("ours", "FSDP gathers weights per micro-batch forward and backward, prefetched behind compute"),
+    ]
     if model == "llama3-405b":
         rows.append(("paper", "baseline mp 64 (here TP8 x PP8), trainer mp 16 (TP8 x PP2), generator mp 8 (TP8)"))
     else:
@@ -130,14 +162,26 @@ def llamarl_json(model: str) -> dict:
     paper = LLAMARL_SPEEDUP[model]
     speedup = r.speedup
     sync_s, async_s = LLAMARL_STEP_SECONDS[model]
-    return {"scenario": scenario_for_model(model), "model": model, "gpus": r.inputs.gpus,
-            "lengths": r.inputs.lengths.describe(), "predicted_speedup": _r(speedup), "paper_speedup": paper,
-            "ratio_to_paper": _r(speedup and speedup / paper), "within_15_percent": _within(speedup, paper),
-            "step_seconds": {"synchronous": _r(r.best_sync and r.best_sync.step_seconds),
-                             "asynchronous": _r(r.best_async and r.best_async.step_seconds),
-                             "paper_synchronous_quoted": sync_s, "paper_asynchronous_quoted": async_s},
-            "asynchronous": async_json(r.best_async), "synchronous": sync_json(r.best_sync),
-            "assumptions": [f"{who}: {what}" for who, what in _assumptions_llamarl(model)], "notes": r.notes}
+    return {
+        "scenario": scenario_for_model(model),
+        "model": model,
+        "gpus": r.inputs.gpus,
+        "lengths": r.inputs.lengths.describe(),
+        "predicted_speedup": _r(speedup),
+        "paper_speedup": paper,
+        "ratio_to_paper": _r(speedup and speedup / paper),
+        "within_15_percent": _within(speedup, paper),
+        "step_seconds": {
+            "synchronous": _r(r.best_sync and r.best_sync.step_seconds),
+            "asynchronous": _r(r.best_async and r.best_async.step_seconds),
+            "paper_synchronous_quoted": sync_s,
+            "paper_asynchronous_quoted": async_s,
+        },
+        "asynchronous": async_json(r.best_async),
+        "synchronous": sync_json(r.best_sync),
+        "assumptions": [f"{who}: {what}" for who, what in _assumptions_llamarl(model)],
+        "notes": r.notes,
+    }
 
 
 # -- PipelineRL ---------------------------------------------------------------------------------------
@@ -156,8 +200,14 @@ def pipelinerl_inputs():
     slope = u_at / at  # "almost linear up to h ~ 200"
     table = {at: u_at / flash, float(p["saturation_h"]): slope * p["saturation_h"] / flash}
     tau = p["gpus"] * (1 / p["conventional_tokens_per_flash"] - 1 / p["conventional_gen_tokens_per_flash"])
-    return AppendixInputs(gpus=p["gpus"], batch=p["batch"], lengths=lengths, params=params,
-                          utilisation=table_utilisation(table), train_tokens_s=1 / (tau * flash)).validate()
+    return AppendixInputs(
+        gpus=p["gpus"],
+        batch=p["batch"],
+        lengths=lengths,
+        params=params,
+        utilisation=table_utilisation(table),
+        train_tokens_s=1 / (tau * flash),
+    ).validate()
 
 
 def pipelinerl_json() -> dict:
@@ -169,21 +219,35 @@ def pipelinerl_json() -> dict:
     conv, pipe = conventional(a, p["g_max"]), pipeline(a, p["g_max"])
     speedup = pipe.tokens_s / conv.tokens_s
     gen_rate = conv.steps_per_rl_step * a.batch * a.lengths.mean / conv.generate_seconds
-    return {"scenario": "pipelinerl", "gpus": a.gpus, "batch": a.batch, "g_max": p["g_max"],
-            "lengths": a.lengths.describe(), "predicted_speedup": _r(speedup), "paper_speedup": p["speedup"],
-            "ratio_to_paper": _r(speedup / p["speedup"]), "within_15_percent": _within(speedup, p["speedup"]),
-            "tokens_per_flash": {"pipeline": _r(pipe.tokens_s * flash), "paper_pipeline": p["pipeline_tokens_per_flash"],
-                                 "conventional": _r(conv.tokens_s * flash),
-                                 "paper_conventional": p["conventional_tokens_per_flash"],
-                                 "conventional_generating": _r(gen_rate * flash),
-                                 "paper_conventional_generating": p["conventional_gen_tokens_per_flash"]},
-            "pipeline_generator_gpus": pipe.generator_gpus, "paper_generator_gpus": p["generator_gpus"],
-            "pipeline_inflight_per_gpu": _r(pipe.inflight, 1), "train_flashes_per_token": _r(1 / (a.tau * flash)),
-            "assumptions": ["paper: N = B = 128, lengths uniform on [1, L], g_max = 133",
-                            "paper: U = 16.9 / 44 = 0.384 tokens/flash per GPU at the operating point",
-                            "paper: tau = 128 (1/10.7 - 1/18.3) = 4.97 flashes per trained token",
-                            "ours: U(h) linear through the origin up to h = 200, flat beyond ('almost linear "
-                            "until h ~ 200')"]}
+    return {
+        "scenario": "pipelinerl",
+        "gpus": a.gpus,
+        "batch": a.batch,
+        "g_max": p["g_max"],
+        "lengths": a.lengths.describe(),
+        "predicted_speedup": _r(speedup),
+        "paper_speedup": p["speedup"],
+        "ratio_to_paper": _r(speedup / p["speedup"]),
+        "within_15_percent": _within(speedup, p["speedup"]),
+        "tokens_per_flash": {
+            "pipeline": _r(pipe.tokens_s * flash),
+            "paper_pipeline": p["pipeline_tokens_per_flash"],
+            "conventional": _r(conv.tokens_s * flash),
+            "paper_conventional": p["conventional_tokens_per_flash"],
+            "conventional_generating": _r(gen_rate * flash),
+            "paper_conventional_generating": p["conventional_gen_tokens_per_flash"],
+        },
+        "pipeline_generator_gpus": pipe.generator_gpus,
+        "paper_generator_gpus": p["generator_gpus"],
+        "pipeline_inflight_per_gpu": _r(pipe.inflight, 1),
+        "train_flashes_per_token": _r(1 / (a.tau * flash)),
+        "assumptions": [
+            "paper: N = B = 128, lengths uniform on [1, L], g_max = 133",
+            "paper: U = 16.9 / 44 = 0.384 tokens/flash per GPU at the operating point",
+            "paper: tau = 128 (1/10.7 - 1/18.3) = 4.97 flashes per trained token",
+            "ours: U(h) linear through the origin up to h = 200, flat beyond ('almost linear until h ~ 200')",
+        ],
+    }
 
 
 # -- entry points -------------------------------------------------------------------------------------
@@ -207,9 +271,17 @@ def scenarios_text(results: Dict[str, dict]) -> str:
     rows = [["scenario", "T_sync (s)", "T_async (s)", "predicted", "paper", "predicted / paper", "within 15%"]]
     for name, r in results.items():
         steps = r.get("step_seconds", {})
-        rows.append([name, _fmt(steps.get("synchronous")), _fmt(steps.get("asynchronous")),
-                     f"{r['predicted_speedup']:.2f}x", f"{r['paper_speedup']:.2f}x", f"{r['ratio_to_paper']:.2f}",
-                     "yes" if r["within_15_percent"] else "NO"])
+        rows.append(
+            [
+                name,
+                _fmt(steps.get("synchronous")),
+                _fmt(steps.get("asynchronous")),
+                f"{r['predicted_speedup']:.2f}x",
+                f"{r['paper_speedup']:.2f}x",
+                f"{r['ratio_to_paper']:.2f}",
+                "yes" if r["within_15_percent"] else "NO",
+            ]
+        )
     lines = [_table(rows), ""]
     for name, r in results.items():
         lines.append(f"{name}: " + "; ".join(r["assumptions"]))

@@ -20,8 +20,14 @@ from megarl.plan.hardware import GB, Hardware, weight_bytes
 from megarl.plan.inputs import GeneratorLayout, TrainerLayout
 
 
-def estimate_seconds(costs: H100CostModel, trainer: TrainerLayout, trainer_gpus: int, generator: GeneratorLayout,
-                     replicas: int, precision: str) -> float:
+def estimate_seconds(
+    costs: H100CostModel,
+    trainer: TrainerLayout,
+    trainer_gpus: int,
+    generator: GeneratorLayout,
+    replicas: int,
+    precision: str,
+) -> float:
     hw = costs.hw
     per_receiver = costs.generator_weight_bytes(generator, precision)
     shape = costs.shape
@@ -32,16 +38,34 @@ def estimate_seconds(costs: H100CostModel, trainer: TrainerLayout, trainer_gpus:
     return max(per_receiver, per_sender) / (hw.network_gb_s * GB)
 
 
-def predict_seconds(spec: LlamaSpec, hw: Hardware, trainer: TrainerLayout, dp: int, generator: GeneratorLayout,
-                    replicas: int, precision: str) -> float:
-    return _predict(spec, hw.gpus_per_node, hw.nvlink_gb_s, hw.network_gb_s, trainer.tp, trainer.pp, dp,
-                    generator.tp, replicas, precision == "fp8")
+def predict_seconds(
+    spec: LlamaSpec,
+    hw: Hardware,
+    trainer: TrainerLayout,
+    dp: int,
+    generator: GeneratorLayout,
+    replicas: int,
+    precision: str,
+) -> float:
+    return _predict(
+        spec,
+        hw.gpus_per_node,
+        hw.nvlink_gb_s,
+        hw.network_gb_s,
+        trainer.tp,
+        trainer.pp,
+        dp,
+        generator.tp,
+        replicas,
+        precision == "fp8",
+    )
 
 
 @lru_cache(maxsize=64)
 def _predict(spec, gpus_per_node, nvlink_gb_s, network_gb_s, tp, pp, dp, gen_tp, replicas, fp8) -> float:
     from megarl.weight_sync.planner import GeneratorTopology, TrainerTopology, build_plan
-    from megarl.weight_sync.predict import Links, predict_seconds as plan_seconds
+    from megarl.weight_sync.predict import Links
+    from megarl.weight_sync.predict import predict_seconds as plan_seconds
 
     trainer = TrainerTopology(tp, pp, dp)
     plan = build_plan(spec, trainer, GeneratorTopology(gen_tp, replicas, first_rank=trainer.size))

@@ -81,7 +81,7 @@ def math_reward(response_text: str, answer: str, **kwargs) -> float:
     ("9 + 45 represents your final answer.") scores: the CPU demo's policy learned exactly
     that in 26 steps (63 of its 66 held-out "correct" answers, 2026-12-01). A latex answer
     that evaluates to a number (\frac{108}{2}) is a number here; a symbolic gold answer
-    (\sqrt{2}) is compared by equivalence as before.
+    (\\sqrt{2}) is compared by equivalence as before.
     """
     from math_verify import verify
 

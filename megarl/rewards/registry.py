@@ -28,9 +28,7 @@ def register_reward(name: str):
         # Re-importing the same module (e.g. in a spawned scoring worker) re-registers the
         # same function; a different function under a taken name is a mistake.
         if existing is not None and _qualified_name(existing) != _qualified_name(fn):
-            raise ConfigError(
-                f"reward name {name!r} is already registered to {_qualified_name(existing)}"
-            )
+            raise ConfigError(f"reward name {name!r} is already registered to {_qualified_name(existing)}")
         _REGISTRY[name] = fn
         return fn
 

@@ -70,8 +70,9 @@ def _worker_main(conn, spec: str) -> None:
 class _Worker:
     def __init__(self, ctx, spec: str):
         self.conn, child_conn = ctx.Pipe()
-        self.process = ctx.Process(target=_worker_main, args=(child_conn, spec), daemon=True,
-                                   name=f"megarl-reward[{spec}]")
+        self.process = ctx.Process(
+            target=_worker_main, args=(child_conn, spec), daemon=True, name=f"megarl-reward[{spec}]"
+        )
         self.process.start()
         child_conn.close()
         self.ready = False
@@ -101,8 +102,9 @@ class RewardPool:
         self._workers: List[Optional[_Worker]] = [None] * num_workers
         self.restarts = 0
 
-    def score(self, responses: Sequence[str], answers: Sequence[str], timeout_s: float,
-              metas: Optional[Sequence[dict]] = None) -> List[RewardResult]:
+    def score(
+        self, responses: Sequence[str], answers: Sequence[str], timeout_s: float, metas: Optional[Sequence[dict]] = None
+    ) -> List[RewardResult]:
         if len(responses) != len(answers):
             raise ConfigError(f"score_batch: {len(responses)} responses but {len(answers)} answers")
         if metas is not None and len(metas) != len(responses):
@@ -148,7 +150,8 @@ class RewardPool:
                 elif not worker.ready:
                     worker.kill()
                     raise RuntimeError(
-                        f"reward worker for {self.spec!r} did not start within {STARTUP_TIMEOUT_S:.0f} s")
+                        f"reward worker for {self.spec!r} did not start within {STARTUP_TIMEOUT_S:.0f} s"
+                    )
             for slot, worker in enumerate(self._workers):
                 if worker.conn.closed:  # died while scoring: _receive recorded the sample
                     self._replace(slot)
@@ -159,8 +162,9 @@ class RewardPool:
         except (EOFError, OSError):
             worker.kill()
             if worker.task is None:
-                raise RuntimeError(f"reward worker for {self.spec!r} exited at startup "
-                                   f"(exit code {worker.process.exitcode})")
+                raise RuntimeError(
+                    f"reward worker for {self.spec!r} exited at startup (exit code {worker.process.exitcode})"
+                ) from None
             results[worker.task] = RewardResult(0.0, f"worker died (exit code {worker.process.exitcode})")
             worker.task = None
             return
@@ -211,8 +215,15 @@ class RewardPool:
 _POOLS: Dict[Tuple[str, int], RewardPool] = {}
 
 
-def score_batch(responses: Sequence[str], answers: Sequence[str], fn, timeout_s: float, *,
-                metas: Optional[Sequence[dict]] = None, num_workers: int = 1) -> List[RewardResult]:
+def score_batch(
+    responses: Sequence[str],
+    answers: Sequence[str],
+    fn,
+    timeout_s: float,
+    *,
+    metas: Optional[Sequence[dict]] = None,
+    num_workers: int = 1,
+) -> List[RewardResult]:
     """Score each response against its answer with ``fn`` (name, dotted path or function).
 
     Every sample gets a result: a sample over ``timeout_s`` seconds, or whose reward

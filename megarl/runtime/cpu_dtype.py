@@ -56,20 +56,25 @@ def cpu_bf16_native(flags: Optional[str] = None, machine: Optional[str] = None) 
         found = [f for f in X86_BF16_FLAGS if f in have]
         if found:
             return True, f"this x86 CPU has {' and '.join(found)} (native bf16 dot products)"
-        return False, (f"this x86 CPU has neither {' nor '.join(X86_BF16_FLAGS)}: PyTorch would emulate bf16 "
-                       f"matmuls, several times slower than fp32")
+        return False, (
+            f"this x86 CPU has neither {' nor '.join(X86_BF16_FLAGS)}: PyTorch would emulate bf16 "
+            f"matmuls, several times slower than fp32"
+        )
     if machine in ("aarch64", "arm64"):
         found = [f for f in ARM_BF16_FEATURES if f in have]
         if found:
             return True, "this Arm CPU has the bf16 feature (BFDOT / BFMMLA, used by PyTorch's oneDNN + ACL)"
-        return False, ("this Arm CPU lacks the bf16 feature" + (" (it has sve, which is not bf16 math)"
-                                                                 if "sve" in have else "")
-                       + ": PyTorch would emulate bf16 matmuls, slower than fp32")
+        return False, (
+            "this Arm CPU lacks the bf16 feature"
+            + (" (it has sve, which is not bf16 math)" if "sve" in have else "")
+            + ": PyTorch would emulate bf16 matmuls, slower than fp32"
+        )
     return False, f"unknown CPU architecture {machine!r}"
 
 
-def resolve_dtype(name: str, value: str, cuda: bool, flags: Optional[str] = None,
-                  machine: Optional[str] = None) -> Tuple[str, Optional[str]]:
+def resolve_dtype(
+    name: str, value: str, cuda: bool, flags: Optional[str] = None, machine: Optional[str] = None
+) -> Tuple[str, Optional[str]]:
     """(concrete dtype, why) of field ``name`` = ``value``; why is None when ``value`` was not auto."""
     if value != "auto":
         return value, None
@@ -102,8 +107,13 @@ def recorded_dtypes(run_dir: Path) -> dict:
     return out
 
 
-def resolve_auto_dtypes(cfg, cuda: Optional[bool] = None, flags: Optional[str] = None,
-                        machine: Optional[str] = None, recorded: Optional[dict] = None) -> List[str]:
+def resolve_auto_dtypes(
+    cfg,
+    cuda: Optional[bool] = None,
+    flags: Optional[str] = None,
+    machine: Optional[str] = None,
+    recorded: Optional[dict] = None,
+) -> List[str]:
     """Replace ``auto`` in cfg.model.dtype / cfg.generator.dtype by a concrete dtype (in place);
     returns one line per resolved field saying what and why. ``recorded``: an earlier launch's
     concrete dtypes (recorded_dtypes), which a resumed run keeps."""

@@ -87,8 +87,9 @@ class Heartbeat:
         if not force and now - self.last < self.min_interval_s:
             return
         self.last, self.count = now, self.count + 1
-        self.store.set(KEY.format(self.rank),
-                       f"{self.count}|{self.role}|{self.host}|{os.getpid()}|{int(waiting)}|{what}")
+        self.store.set(
+            KEY.format(self.rank), f"{self.count}|{self.role}|{self.host}|{os.getpid()}|{int(waiting)}|{what}"
+        )
 
     def close(self) -> None:
         """This rank's loop is over: never judged again (peers may still be saving)."""
@@ -149,19 +150,25 @@ class Heartbeat:
             return None
         parts = self._store_host_entry.split("|", 5)
         role, host, pid, what = (parts[1], parts[2], parts[3], parts[5]) if len(parts) == 6 else ("?", "?", "0", "?")
-        message = (f"rank 0 ({role}, pid {pid} on {host}) made no progress for {now - since:.0f} s "
-                   f"(run.hang_timeout_s={self.timeout_s:g}): it hosts the job's store, and the store has not "
-                   f"answered since; its process stopped running (e.g. SIGSTOP or a debugger) or its host is "
-                   f"unreachable; its last activity: {what}")
+        message = (
+            f"rank 0 ({role}, pid {pid} on {host}) made no progress for {now - since:.0f} s "
+            f"(run.hang_timeout_s={self.timeout_s:g}): it hosts the job's store, and the store has not "
+            f"answered since; its process stopped running (e.g. SIGSTOP or a debugger) or its host is "
+            f"unreachable; its last activity: {what}"
+        )
         return message, host, int(pid)
 
-    def _stuck(self, seen: Dict[int, Tuple[str, float]], now: float,
-               frozen: Set[int] = frozenset()) -> Optional[Tuple[str, str, int]]:
+    def _stuck(
+        self, seen: Dict[int, Tuple[str, float]], now: float, frozen: Set[int] = frozenset()
+    ) -> Optional[Tuple[str, str, int]]:
         """The rank to name, if the job hangs: ``seen`` maps rank -> (its progress entry, when it last
         changed); ``frozen``: ranks whose process stopped pulsing."""
         live = {rank: entry for rank, entry in seen.items() if entry[0].split("|", 5)[4] != "2"}  # 2: done
-        quiet = [(value.split("|", 5)[4] == "1", changed, rank, value)
-                 for rank, (value, changed) in live.items() if now - changed > self.timeout_s]
+        quiet = [
+            (value.split("|", 5)[4] == "1", changed, rank, value)
+            for rank, (value, changed) in live.items()
+            if now - changed > self.timeout_s
+        ]
         working = [q for q in quiet if not q[0]]
         stopped = [q for q in quiet if q[2] in frozen]
         if not stopped and not working and len(quiet) < len(live):
@@ -169,9 +176,14 @@ class Heartbeat:
         _, changed, rank, value = min(stopped or working or quiet)
         _, role, host, pid, _, what = value.split("|", 5)
         others = len(quiet) - 1
-        message = (f"rank {rank} ({role}, pid {pid} on {host}) made no progress for {now - changed:.0f} s "
-                   f"(run.hang_timeout_s={self.timeout_s:g}); its last activity: {what}"
-                   + ("; its process stopped running too (no pulse: stopped, e.g. SIGSTOP or a debugger, "
-                      "or starved)" if stopped else "")
-                   + (f"; {others} other rank(s) quiet too, waiting" if others else ""))
+        message = (
+            f"rank {rank} ({role}, pid {pid} on {host}) made no progress for {now - changed:.0f} s "
+            f"(run.hang_timeout_s={self.timeout_s:g}); its last activity: {what}"
+            + (
+                "; its process stopped running too (no pulse: stopped, e.g. SIGSTOP or a debugger, or starved)"
+                if stopped
+                else ""
+            )
+            + (f"; {others} other rank(s) quiet too, waiting" if others else "")
+        )
         return message, host, int(pid)

@@ -54,13 +54,13 @@ class Job:
 
 
 def init_job(topology: Topology, timeout_s: float = 600.0) -> Job:
+    from megarl.runtime.distributed import free_port
     from megarl.weight_sync.rendezvous import init_sync_group
 
-    from megarl.runtime.distributed import free_port
-
     if "RANK" not in os.environ:  # a one-process job run in place
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free_port()))
+        os.environ.update(
+            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+        )
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world != topology.world_size:
         raise RuntimeError(f"launched with WORLD_SIZE={world}, the config needs {topology.world_size} ranks")
@@ -73,7 +73,6 @@ def init_job(topology: Topology, timeout_s: float = 600.0) -> Job:
         torch.cuda.set_device(local_rank % gpus)
     else:
         import megatron_patches
-
         from megarl.runtime.cpu_memory import keep_freed_memory
 
         megatron_patches.apply_cpu_backend()
@@ -83,12 +82,26 @@ def init_job(topology: Topology, timeout_s: float = 600.0) -> Job:
     store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
     # this executor's own world: trainer ranks first, then generators (async); all ranks (sync)
     members = topology.executors[role]
-    dist.init_process_group("nccl" if cuda else "gloo", store=dist.PrefixStore(role, store),
-                            rank=members.index(rank), world_size=len(members), timeout=timeout)
-    control = init_sync_group(host, port, world, rank, group_name="megarl_control", backend="gloo",
-                              timeout_s=timeout_s, store=store)
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        store=dist.PrefixStore(role, store),
+        rank=members.index(rank),
+        world_size=len(members),
+        timeout=timeout,
+    )
+    control = init_sync_group(
+        host, port, world, rank, group_name="megarl_control", backend="gloo", timeout_s=timeout_s, store=store
+    )
     sync = None
     if topology.mode == "async" and topology.generator_backend == "torch":
-        sync = init_sync_group(host, port, world, rank, group_name="megarl_weight_sync", timeout_s=timeout_s,
-                               store=store, backend="gloo" if shared or not cuda else "nccl")
+        sync = init_sync_group(
+            host,
+            port,
+            world,
+            rank,
+            group_name="megarl_weight_sync",
+            timeout_s=timeout_s,
+            store=store,
+            backend="gloo" if shared or not cuda else "nccl",
+        )
     return Job(rank, world, topology, store, control, sync, "cuda" if cuda else "cpu", local_rank, shared)

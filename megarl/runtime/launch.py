@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any, Callable, List, Tuple, Union
 
 from megarl.errors import MegarlError
-from megarl.runtime.ports import free_port
 from megarl.runtime.failure import REPORT_ENV, ROLE_SUFFIX, USER_ERROR_EXIT_CODE
+from megarl.runtime.ports import free_port
 
 
 def running_under_torchrun() -> bool:
@@ -84,7 +84,7 @@ def _child(index: int, worlds: list, error_dir: str, launcher_pid: int) -> None:
     _die_with_parent(launcher_pid)
     # worlds: [(fn, size, port, args)]; process ``index`` is rank index - offset of its world.
     offset = 0
-    for fn, world_size, port, args in worlds:
+    for fn, world_size, port, args in worlds:  # noqa: B007 (the matching world is used below)
         if index < offset + world_size:
             break
         offset += world_size
@@ -190,8 +190,10 @@ def run_worlds(worlds: List[Tuple[RankFunction, int, tuple]]) -> None:
     spec = [(fn, size, free_port(), args) for fn, size, args in worlds]
     ctx = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="megarl_ranks_") as error_dir:
-        processes = [ctx.Process(target=_child, args=(index, spec, error_dir, os.getpid()), name=f"megarl-rank{index}")
-                     for index in range(total)]
+        processes = [
+            ctx.Process(target=_child, args=(index, spec, error_dir, os.getpid()), name=f"megarl-rank{index}")
+            for index in range(total)
+        ]
         try:
             for process in processes:
                 process.start()
@@ -211,8 +213,10 @@ def run_worlds(worlds: List[Tuple[RankFunction, int, tuple]]) -> None:
             except ValueError:
                 signal_name = f"signal {-exit_code}"
             others = _failure_message(Path(error_dir), "")
-            raise MegarlError(f"{_named(Path(error_dir), failed)} was killed by {signal_name}; the job stopped"
-                              + (f" (then {others.splitlines()[0]})" if others else ""))
+            raise MegarlError(
+                f"{_named(Path(error_dir), failed)} was killed by {signal_name}; the job stopped"
+                + (f" (then {others.splitlines()[0]})" if others else "")
+            )
         fallback = f"{_named(Path(error_dir), failed)} exited with code {exit_code}"
         raise MegarlError(_failure_message(Path(error_dir), fallback))
 

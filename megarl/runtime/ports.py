@@ -53,5 +53,7 @@ def free_port(count: int = PORTS_PER_JOB) -> int:
             continue
         _handed_out.update(block)
         return base
-    raise RuntimeError(f"no {count} consecutive free TCP ports found below the ephemeral range ({lo}-{hi}); "
-                       "set MASTER_PORT (and generator.sglang_sync_port) explicitly")
+    raise RuntimeError(
+        f"no {count} consecutive free TCP ports found below the ephemeral range ({lo}-{hi}); "
+        "set MASTER_PORT (and generator.sglang_sync_port) explicitly"
+    )

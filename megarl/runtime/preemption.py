@@ -49,8 +49,12 @@ def install(forward: Optional[Callable[[int], None]] = None, signals=SIGNALS) ->
             print(f"{who}: second signal ({name}) after {_requested}: exiting now", file=sys.stderr, flush=True)
             os._exit(128 + signum)
         _requested = name
-        print(f"{who}: {name} received: the job saves a checkpoint at the next step boundary and exits "
-              f"(a second signal exits at once)", file=sys.stderr, flush=True)
+        print(
+            f"{who}: {name} received: the job saves a checkpoint at the next step boundary and exits "
+            f"(a second signal exits at once)",
+            file=sys.stderr,
+            flush=True,
+        )
         if forward is not None:
             forward(signum)
 

@@ -34,7 +34,10 @@ ESTIMATORS: Dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"group_mean": _
 
 
 def compute_advantages(
-    samples: Sequence[Sample], estimator: str = "group_mean", normalize_std: bool = False, eps: float = 1e-6,
+    samples: Sequence[Sample],
+    estimator: str = "group_mean",
+    normalize_std: bool = False,
+    eps: float = 1e-6,
     rewards: Optional[Sequence[float]] = None,
 ) -> List[float]:
     """One advantage per sample, in the order given. ``rewards``: instead of each sample's own

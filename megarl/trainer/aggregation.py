@@ -56,8 +56,14 @@ def resolve_agg(loss_fn, configured: Optional[str]) -> str:
     return agg
 
 
-def aggregation_weights(agg: str, sample_index: torch.Tensor, response_lengths: torch.Tensor, step_sequences: int,
-                        step_tokens: int, max_new_tokens: int) -> Optional[torch.Tensor]:
+def aggregation_weights(
+    agg: str,
+    sample_index: torch.Tensor,
+    response_lengths: torch.Tensor,
+    step_sequences: int,
+    step_tokens: int,
+    max_new_tokens: int,
+) -> Optional[torch.Tensor]:
     """Per-token weights w_t in float64 (None for token_mean: the plain sum, bitwise as before)."""
     import torch
 
@@ -98,14 +104,19 @@ def check_loss_settings(cfg) -> None:
         raise ConfigError(f"trainer.overlong: {t.overlong!r} is not one of {list(OVERLONG_MODES)}")
     if t.overlong == "penalty":
         if not 0 < t.overlong_buffer <= cfg.rollout.max_new_tokens:
-            raise ConfigError(f"trainer.overlong_buffer: the penalty's final stretch of tokens, must be in "
-                              f"[1, rollout.max_new_tokens={cfg.rollout.max_new_tokens}], got {t.overlong_buffer}")
+            raise ConfigError(
+                f"trainer.overlong_buffer: the penalty's final stretch of tokens, must be in "
+                f"[1, rollout.max_new_tokens={cfg.rollout.max_new_tokens}], got {t.overlong_buffer}"
+            )
     elif t.overlong_buffer:
         raise ConfigError(f"trainer.overlong_buffer: used only with trainer.overlong=penalty (it is {t.overlong!r})")
     fn = resolve_loss(t.loss)
     if getattr(fn, "fixed_agg", False) and t.loss_agg not in (None, default_agg(fn)):
-        raise ConfigError(f"trainer.loss_agg: loss {t.loss!r} is defined by its aggregation "
-                          f"{default_agg(fn)!r}, got {t.loss_agg!r}")
+        raise ConfigError(
+            f"trainer.loss_agg: loss {t.loss!r} is defined by its aggregation {default_agg(fn)!r}, got {t.loss_agg!r}"
+        )
     if getattr(fn, "no_std_normalisation", False) and t.normalize_advantage_std:
-        raise ConfigError(f"trainer.normalize_advantage_std: loss {t.loss!r} removes the division by the group's "
-                          f"reward std (Dr.GRPO); set it to false")
+        raise ConfigError(
+            f"trainer.normalize_advantage_std: loss {t.loss!r} removes the division by the group's "
+            f"reward std (Dr.GRPO); set it to false"
+        )

@@ -31,26 +31,34 @@ def transformer_engine_available() -> bool:
 def check_trainer_runs_here(cfg) -> None:
     t = cfg.trainer
     if t.sequence_parallel and not transformer_engine_available():
-        raise ConfigError("trainer.sequence_parallel: needs Transformer Engine on GPUs (its layer spec carries the "
-                          "sequence-parallel norms and the reduce-scatters); this machine has "
-                          + ("no CUDA device" if not _cuda_available() else "no transformer_engine package")
-                          + ": set trainer.sequence_parallel=false here")
+        raise ConfigError(
+            "trainer.sequence_parallel: needs Transformer Engine on GPUs (its layer spec carries the "
+            "sequence-parallel norms and the reduce-scatters); this machine has "
+            + ("no CUDA device" if not _cuda_available() else "no transformer_engine package")
+            + ": set trainer.sequence_parallel=false here"
+        )
     if t.cp > 1:
         if not transformer_engine_available():
-            raise ConfigError(f"trainer.cp={t.cp}: context parallelism runs in Transformer Engine's attention on GPUs; "
-                              "this machine has none: set trainer.cp=1 here")
+            raise ConfigError(
+                f"trainer.cp={t.cp}: context parallelism runs in Transformer Engine's attention on GPUs; "
+                "this machine has none: set trainer.cp=1 here"
+            )
         # Megatron splits each sequence into 2 x cp load-balanced chunks in the data loader, and
         # the loss must gather its per-token terms over the CP group; megarl's packing and loss
         # hook do neither yet, so a run would be wrong, not slow.
-        raise ConfigError(f"trainer.cp={t.cp}: megarl's packed micro-batches are not yet split over context-parallel "
-                          "ranks; `megarl plan` models cp, `megarl train` needs trainer.cp=1")
+        raise ConfigError(
+            f"trainer.cp={t.cp}: megarl's packed micro-batches are not yet split over context-parallel "
+            "ranks; `megarl plan` models cp, `megarl train` needs trainer.cp=1"
+        )
     if t.gradient_accumulation_fusion:
         gradient_accumulation_fusion(True, on_gpu=_cuda_available())  # refused on a GPU without Apex
     o = cfg.optimizer
     if (o.overlap_grad_reduce or o.overlap_param_gather) and not _cuda_available():
         name = "overlap_grad_reduce" if o.overlap_grad_reduce else "overlap_param_gather"
-        raise ConfigError(f"optimizer.{name}: overlaps NCCL collectives with compute on GPUs; on CPU (gloo) "
-                          f"there is nothing to overlap with: set it false here")
+        raise ConfigError(
+            f"optimizer.{name}: overlaps NCCL collectives with compute on GPUs; on CPU (gloo) "
+            f"there is nothing to overlap with: set it false here"
+        )
 
 
 def gradient_accumulation_fusion(setting: Optional[bool], on_gpu: bool) -> bool:
@@ -65,7 +73,9 @@ def gradient_accumulation_fusion(setting: Optional[bool], on_gpu: bool) -> bool:
         return True
     available = importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
     if setting and not available:
-        raise ConfigError("trainer.gradient_accumulation_fusion: true needs Apex's fused_weight_gradient_mlp_cuda "
-                          "extension, which does not import here (build Apex from source, README 'Install'); "
-                          "set it to false, or leave it unset to use it where it is built")
+        raise ConfigError(
+            "trainer.gradient_accumulation_fusion: true needs Apex's fused_weight_gradient_mlp_cuda "
+            "extension, which does not import here (build Apex from source, README 'Install'); "
+            "set it to false, or leave it unset to use it where it is built"
+        )
     return available

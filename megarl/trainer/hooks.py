@@ -113,8 +113,9 @@ def aggregate(agg: str, inputs: LossInputs, per_token: torch.Tensor, max_new_tok
     index, n = inputs.segments()
     lengths = inputs.response_lengths if inputs.response_lengths is not None else torch.bincount(index, minlength=n)
     # inputs without the step's totals (hand-built) are a whole step by themselves
-    weights = aggregation_weights(agg, index, lengths, inputs.step_sequences or n,
-                                  inputs.step_tokens or index.numel(), max_new_tokens)
+    weights = aggregation_weights(
+        agg, index, lengths, inputs.step_sequences or n, inputs.step_tokens or index.numel(), max_new_tokens
+    )
     return per_token.sum() if weights is None else (per_token * weights.to(per_token.dtype)).sum()
 
 
@@ -141,12 +142,14 @@ def loss_inputs(mb, on: torch.Tensor, logp: torch.Tensor, entropy: Optional[torc
     )
 
 
-def _loss_func(loss_fn: LossFn, cfg: LossConfig, vocab_size: int, mb, on: torch.Tensor, selected: bool,
-               logits: torch.Tensor):
+def _loss_func(
+    loss_fn: LossFn, cfg: LossConfig, vocab_size: int, mb, on: torch.Tensor, selected: bool, logits: torch.Tensor
+):
     # ``selected``: the logits are the response positions' already; else every position's
     rows = logits[0] if selected else logits[0][on]
-    logp, entropy = vocab_parallel_logprobs(rows, mb.targets[0].to(logits.device)[on], vocab_size,
-                                            cfg.temperature, True)
+    logp, entropy = vocab_parallel_logprobs(
+        rows, mb.targets[0].to(logits.device)[on], vocab_size, cfg.temperature, True
+    )
     inputs = loss_inputs(mb, on, logp, entropy)
     out, per_token, kl_ref = per_token_loss(loss_fn, cfg, inputs)
     loss_sum = aggregate(cfg.agg, inputs, per_token, cfg.max_new_tokens)

@@ -156,7 +156,13 @@ def vocab_parallel_logprobs(
     lead = target.shape
     flat_logits = logits.reshape(-1, logits.shape[-1])
     logp, entropy = _VocabParallelLogProbs.apply(
-        flat_logits, target.reshape(-1), float(temperature), int(vocab_size), bool(with_entropy),
-        int(chunk_tokens), group, tp_rank,
+        flat_logits,
+        target.reshape(-1),
+        float(temperature),
+        int(vocab_size),
+        bool(with_entropy),
+        int(chunk_tokens),
+        group,
+        tp_rank,
     )
     return logp.reshape(lead), (entropy.reshape(lead) if entropy is not None else None)

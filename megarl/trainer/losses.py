@@ -151,8 +151,14 @@ def _check_aipo(params: dict) -> None:
     _check_mask(params)
 
 
-def aipo(inputs: LossInputs, *, rho: float = 4.0, is_level: str = "token", mask_c: Optional[float] = None,
-         mask_level: str = "token") -> LossOutput:
+def aipo(
+    inputs: LossInputs,
+    *,
+    rho: float = 4.0,
+    is_level: str = "token",
+    mask_c: Optional[float] = None,
+    mask_level: str = "token",
+) -> LossOutput:
     log_r = inputs.logprobs.detach() - inputs.behaviour_logprobs  # no gradient through the weight
     if is_level == "sequence":
         log_r = inputs.to_tokens(inputs.sequence_mean(log_r))
@@ -180,19 +186,32 @@ def _clipped_objective(ratio: torch.Tensor, adv: torch.Tensor, eps: float, eps_h
     return -unclipped.minimum(clipped), (clipped < unclipped).detach()
 
 
-def ppo_clip(inputs: LossInputs, *, eps: float = 0.2, eps_high: Optional[float] = None,
-             mask_c: Optional[float] = None, mask_level: str = "token") -> LossOutput:
+def ppo_clip(
+    inputs: LossInputs,
+    *,
+    eps: float = 0.2,
+    eps_high: Optional[float] = None,
+    mask_c: Optional[float] = None,
+    mask_level: str = "token",
+) -> LossOutput:
     """eps_high defaults to eps (symmetric); DAPO's clip-higher sets it above eps."""
-    loss, clipped = _clipped_objective((inputs.logprobs - inputs.behaviour_logprobs).exp(), inputs.advantages,
-                                       eps, eps_high)
+    loss, clipped = _clipped_objective(
+        (inputs.logprobs - inputs.behaviour_logprobs).exp(), inputs.advantages, eps, eps_high
+    )
     return _masked(LossOutput(loss, clipped=clipped), _keep(inputs, mask_c, mask_level))
 
 
 ppo_clip.check_params = _check_ppo_clip
 
 
-def dr_grpo(inputs: LossInputs, *, eps: float = 0.2, eps_high: Optional[float] = None,
-            mask_c: Optional[float] = None, mask_level: str = "token") -> LossOutput:
+def dr_grpo(
+    inputs: LossInputs,
+    *,
+    eps: float = 0.2,
+    eps_high: Optional[float] = None,
+    mask_c: Optional[float] = None,
+    mask_level: str = "token",
+) -> LossOutput:
     """Dr.GRPO: the PPO clip per token; what makes it Dr.GRPO is its aggregation (attributes below)."""
     return ppo_clip(inputs, eps=eps, eps_high=eps_high, mask_c=mask_c, mask_level=mask_level)
 
@@ -225,8 +244,13 @@ def reinforce(inputs: LossInputs) -> LossOutput:
     return LossOutput(-inputs.advantages * inputs.logprobs)
 
 
-BUILTIN_LOSSES: Dict[str, LossFn] = {"aipo": aipo, "ppo_clip": ppo_clip, "dr_grpo": dr_grpo, "gspo": gspo,
-                                     "reinforce": reinforce}
+BUILTIN_LOSSES: Dict[str, LossFn] = {
+    "aipo": aipo,
+    "ppo_clip": ppo_clip,
+    "dr_grpo": dr_grpo,
+    "gspo": gspo,
+    "reinforce": reinforce,
+}
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -275,27 +299,37 @@ def loss_parameters(fn: LossFn) -> Dict[str, inspect.Parameter]:
     others = params[1:]
     for p in others:
         if p.kind != p.KEYWORD_ONLY:
-            raise ConfigError(f"loss {fn.__name__!r}: parameter {p.name!r} must be keyword-only "
-                              f"(def {fn.__name__}(inputs, *, {p.name}=...))")
+            raise ConfigError(
+                f"loss {fn.__name__!r}: parameter {p.name!r} must be keyword-only "
+                f"(def {fn.__name__}(inputs, *, {p.name}=...))"
+            )
     return {p.name: p for p in others}
 
 
 def _coerce_param(loss: str, name: str, value: Any, annotation: Any) -> Any:
     if isinstance(annotation, str):  # postponed annotations: resolve the few plain types
-        annotation = {"float": float, "int": int, "bool": bool, "str": str, "Optional[float]": Optional[float],
-                      "Optional[int]": Optional[int], "Optional[str]": Optional[str]}.get(annotation, Any)
+        annotation = {
+            "float": float,
+            "int": int,
+            "bool": bool,
+            "str": str,
+            "Optional[float]": Optional[float],
+            "Optional[int]": Optional[int],
+            "Optional[str]": Optional[str],
+        }.get(annotation, Any)
     if typing.get_origin(annotation) is typing.Union:
         inner = [a for a in typing.get_args(annotation) if a is not type(None)]
         if value is None:
             return None
         annotation = inner[0] if len(inner) == 1 else Any
-    bad = ConfigError(f"trainer.loss_params.{name}: {loss} expects {getattr(annotation, '__name__', annotation)}, "
-                      f"got {value!r}")
+    bad = ConfigError(
+        f"trainer.loss_params.{name}: {loss} expects {getattr(annotation, '__name__', annotation)}, got {value!r}"
+    )
     if annotation is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise bad
         return float(value)
-    if annotation in (int, bool, str) and not (type(value) is annotation):
+    if annotation in (int, bool, str) and type(value) is not annotation:
         raise bad
     return value
 
@@ -311,8 +345,9 @@ def bind_loss_params(name: str, params: Dict[str, Any]) -> Dict[str, Any]:
     unknown = sorted(set(params) - set(declared))
     if unknown:
         known = ", ".join(declared) or "none"
-        raise ConfigError(f"trainer.loss_params.{unknown[0]}: loss {name!r} has no such parameter (its parameters: "
-                          f"{known})")
+        raise ConfigError(
+            f"trainer.loss_params.{unknown[0]}: loss {name!r} has no such parameter (its parameters: {known})"
+        )
     bound = {}
     for pname, p in declared.items():
         if pname in params:

@@ -101,11 +101,17 @@ def _packed_seq_params(seq_lengths: List[int]):
 
     cu = torch.tensor([0] + seq_lengths, dtype=torch.int32).cumsum(0).to(torch.int32)
     longest = max(seq_lengths)
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest)
+    return PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
+    )
 
 
 def build_micro_batch(
-    samples: Sequence[Sample], advantages: Sequence[float], indices: Sequence[int], row_length: int, thd: bool,
+    samples: Sequence[Sample],
+    advantages: Sequence[float],
+    indices: Sequence[int],
+    row_length: int,
+    thd: bool,
     version: Optional[int] = None,
 ) -> MicroBatch:
     """``version``: the trainer's, for each token's lag (default: the newest token version among ``indices``)."""
@@ -190,16 +196,20 @@ def plan_micro_batches(
     count = max(len(bins) for bins in bins_per_rank)
     count = -(-max(count, 1) // count_multiple) * count_multiple
     row_lengths = [
-        [max_tokens if fixed_row_length else -(-sum(lengths[i] for i in b) // row_multiple) * row_multiple
-         for b in bins] for bins in bins_per_rank
+        [
+            max_tokens if fixed_row_length else -(-sum(lengths[i] for i in b) // row_multiple) * row_multiple
+            for b in bins
+        ]
+        for bins in bins_per_rank
     ]
     empty_row = max_tokens if fixed_row_length else row_multiple
     processed = sum(sum(r) + (count - len(r)) * empty_row for r in row_lengths)
     if version is None:
         version = max((max(s.policy_versions) for s in samples), default=0)
     mine = bins_per_rank[dp_rank]
-    micro_batches = [build_micro_batch(samples, advantages, b, n, thd, version)
-                     for b, n in zip(mine, row_lengths[dp_rank])]
+    micro_batches = [
+        build_micro_batch(samples, advantages, b, n, thd, version) for b, n in zip(mine, row_lengths[dp_rank])
+    ]
     while len(micro_batches) < count:
         micro_batches.append(build_micro_batch(samples, advantages, [], empty_row, thd, version))
     step_tokens = sum(len(s.response_tokens) for s in samples)

@@ -52,13 +52,19 @@ def shape_batch(samples: Sequence[Sample], cfg: LossConfig) -> Tuple[List[Sample
     truncated = [s.meta.get("finish_reason") == TRUNCATED for s in samples]
     penalties = [0.0] * len(samples)
     if cfg.overlong == "penalty":
-        penalties = [overlong_penalty(len(s.response_tokens), cfg.max_new_tokens, cfg.overlong_buffer)
-                     for s in samples]
-    advantages = compute_advantages(samples, cfg.advantage_estimator, cfg.normalize_advantage_std,
-                                    rewards=[float(s.reward) + p for s, p in zip(samples, penalties)])
+        penalties = [overlong_penalty(len(s.response_tokens), cfg.max_new_tokens, cfg.overlong_buffer) for s in samples]
+    advantages = compute_advantages(
+        samples,
+        cfg.advantage_estimator,
+        cfg.normalize_advantage_std,
+        rewards=[float(s.reward) + p for s, p in zip(samples, penalties)],
+    )
     keep = [i for i, t in enumerate(truncated) if not (t and cfg.overlong == "mask")]
-    info = {"truncated_frac": sum(truncated) / len(samples), "overlong_masked": len(samples) - len(keep),
-            "overlong_penalty_mean": sum(penalties) / len(samples)}
+    info = {
+        "truncated_frac": sum(truncated) / len(samples),
+        "overlong_masked": len(samples) - len(keep),
+        "overlong_penalty_mean": sum(penalties) / len(samples),
+    }
     return [samples[i] for i in keep], [advantages[i] for i in keep], info
 
 
@@ -78,8 +84,9 @@ class PolicyTrainer:
 
         # defaults filled in, every value checked against the loss's declared parameters
         loss_fn = resolve_loss(loss.name)
-        loss = dataclasses.replace(loss, params=bind_loss_params(loss.name, loss.params),
-                                   agg=resolve_agg(loss_fn, loss.agg))
+        loss = dataclasses.replace(
+            loss, params=bind_loss_params(loss.name, loss.params), agg=resolve_agg(loss_fn, loss.agg)
+        )
         if loss.kl_coef and ref_chunks is None:
             raise ValueError("loss.kl_coef > 0 needs a reference model (ref_chunks)")
         if (loss.agg == "seq_mean_token_sum_norm" or loss.overlong == "penalty") and loss.max_new_tokens < 1:
@@ -109,8 +116,14 @@ class PolicyTrainer:
         config = self.ddp_chunks[0].config
         vp = config.virtual_pipeline_model_parallel_size
         return plan_micro_batches(
-            samples, advantages, mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size(),
-            self.max_tokens, fixed_row_length=pp > 1, thd=self.thd, count_multiple=pp if vp else 1,
+            samples,
+            advantages,
+            mpu.get_data_parallel_rank(),
+            mpu.get_data_parallel_world_size(),
+            self.max_tokens,
+            fixed_row_length=pp > 1,
+            thd=self.thd,
+            count_multiple=pp if vp else 1,
             row_multiple=mpu.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1,
             version=version,
         )
@@ -126,11 +139,24 @@ class PolicyTrainer:
         if self.ref_chunks is not None:
             collector = make_logprob_collector(self.vocab_size, self.loss.temperature)
             with torch.no_grad():
-                run_schedule(self.ref_chunks, collector, plan.micro_batches, plan.seq_length, 1,
-                             forward_only=True, collect_non_loss_data=True)
+                run_schedule(
+                    self.ref_chunks,
+                    collector,
+                    plan.micro_batches,
+                    plan.seq_length,
+                    1,
+                    forward_only=True,
+                    collect_non_loss_data=True,
+                )
         zero_grads(self.ddp_chunks, self.optimizer)
-        outputs = run_schedule(self.ddp_chunks, make_forward_step(self.loss_fn, self.loss, self.vocab_size),
-                               plan.micro_batches, plan.seq_length, 1, forward_only=False)
+        outputs = run_schedule(
+            self.ddp_chunks,
+            make_forward_step(self.loss_fn, self.loss, self.vocab_size),
+            plan.micro_batches,
+            plan.seq_length,
+            1,
+            forward_only=False,
+        )
         self._hand_back_logprobs(kept, plan)
         return plan, [o["stats"] for o in outputs]
 

@@ -49,8 +49,10 @@ def logits_at(model: torch.nn.Module, rows: torch.Tensor) -> Iterator[bool]:
     def keep_rows(_module, args, kwargs):
         hidden = args[0]
         if hidden.dim() != 3 or hidden.shape[1] != 1 or hidden.shape[0] != rows.numel():
-            raise ValueError(f"the output layer's input is {tuple(hidden.shape)}; the response selection expects "
-                             f"one packed row of {rows.numel()} positions, [seq, 1, hidden]")
+            raise ValueError(
+                f"the output layer's input is {tuple(hidden.shape)}; the response selection expects "
+                f"one packed row of {rows.numel()} positions, [seq, 1, hidden]"
+            )
         return (hidden[rows],) + tuple(args[1:]), kwargs
 
     handle = layer.register_forward_pre_hook(keep_rows, with_kwargs=True)

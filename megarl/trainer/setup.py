@@ -44,8 +44,9 @@ class OptimizerSettings:
         return cls(**{f.name: getattr(section, f.name) for f in dataclasses.fields(cls)})
 
 
-def wrap_ddp(chunks: List[torch.nn.Module], settings: OptimizerSettings = OptimizerSettings(),
-             wgrad_fusion: bool = True) -> list:
+def wrap_ddp(
+    chunks: List[torch.nn.Module], settings: OptimizerSettings = OptimizerSettings(), wgrad_fusion: bool = True
+) -> list:
     """Megatron DDP over the chunks; ``wgrad_fusion`` (CPU: megarl's accumulation into main_grad;
     GPUs read TransformerConfig.gradient_accumulation_fusion instead, see trainer/features.py)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -165,15 +166,24 @@ def configure_schedule(ddp_chunks: list, optimizer, settings: OptimizerSettings 
         if settings.overlap_grad_reduce:
             # the DP reduce-scatter of each bucket starts while backward goes on
             config.no_sync_func = [c.no_sync for c in ddp_chunks] if len(ddp_chunks) > 1 else ddp_chunks[0].no_sync
-            config.grad_sync_func = ([c.start_grad_sync for c in ddp_chunks] if len(ddp_chunks) > 1
-                                     else ddp_chunks[0].start_grad_sync)
+            config.grad_sync_func = (
+                [c.start_grad_sync for c in ddp_chunks] if len(ddp_chunks) > 1 else ddp_chunks[0].start_grad_sync
+            )
         if settings.overlap_param_gather:
-            config.param_sync_func = ([c.start_param_sync for c in ddp_chunks] if len(ddp_chunks) > 1
-                                      else ddp_chunks[0].start_param_sync)
+            config.param_sync_func = (
+                [c.start_param_sync for c in ddp_chunks] if len(ddp_chunks) > 1 else ddp_chunks[0].start_param_sync
+            )
 
 
-def run_schedule(chunks: list, forward_step_func, micro_batches: list, seq_length: int, micro_batch_size: int,
-                 forward_only: bool, **kwargs):
+def run_schedule(
+    chunks: list,
+    forward_step_func,
+    micro_batches: list,
+    seq_length: int,
+    micro_batch_size: int,
+    forward_only: bool,
+    **kwargs,
+):
     """Megatron's forward_backward_func over ``micro_batches`` (each model chunk reads its own iterator)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -198,11 +208,14 @@ def zero_grads(ddp_chunks: list, optimizer) -> None:
     optimizer.zero_grad()
 
 
-def train_step(ddp_chunks: list, optimizer, forward_step_func, micro_batches: list, seq_length: int,
-               micro_batch_size: int) -> dict:
+def train_step(
+    ddp_chunks: list, optimizer, forward_step_func, micro_batches: list, seq_length: int, micro_batch_size: int
+) -> dict:
     """One optimizer step through Megatron's schedule. Returns losses, grad norm, success."""
     zero_grads(ddp_chunks, optimizer)
-    losses = run_schedule(ddp_chunks, forward_step_func, micro_batches, seq_length, micro_batch_size, forward_only=False)
+    losses = run_schedule(
+        ddp_chunks, forward_step_func, micro_batches, seq_length, micro_batch_size, forward_only=False
+    )
     success, grad_norm, _ = optimizer.step()
     return {"losses": losses, "grad_norm": grad_norm, "success": success}
 

@@ -19,8 +19,19 @@ from typing import Tuple
 import torch
 
 BASE_FIELDS = (
-    "loss_sum", "tokens", "ratio_sum", "ratio_sq_sum", "ratio_max", "clipped",
-    "kl_mu_pi_sum", "entropy_sum", "kl_ref_sum", "masked", "seqs", "clipped_seqs", "masked_seqs",
+    "loss_sum",
+    "tokens",
+    "ratio_sum",
+    "ratio_sq_sum",
+    "ratio_max",
+    "clipped",
+    "kl_mu_pi_sum",
+    "entropy_sum",
+    "kl_ref_sum",
+    "masked",
+    "seqs",
+    "clipped_seqs",
+    "masked_seqs",
 )
 LAG_FIELDS = ("tokens", "kl_mu_pi_sum", "ratio_sum", "ratio_sq_sum")
 
@@ -46,10 +57,19 @@ def micro_batch_stats(inputs, out, loss_sum: torch.Tensor, kl_ref: torch.Tensor,
             return (per_sample > 0).sum()
 
         base = [
-            loss_sum.detach().to(f64), torch.tensor(float(ratio.numel()), dtype=f64), ratio.sum(),
-            (ratio * ratio).sum(), ratio.max() if ratio.numel() else torch.tensor(0.0, dtype=f64),
-            clipped.to(f64).sum(), kl.sum(), inputs.entropy.detach().to(f64).sum(), kl_ref.detach().to(f64).sum(),
-            masked.to(f64).sum(), torch.tensor(float(n), dtype=f64), touched(clipped), touched(masked),
+            loss_sum.detach().to(f64),
+            torch.tensor(float(ratio.numel()), dtype=f64),
+            ratio.sum(),
+            (ratio * ratio).sum(),
+            ratio.max() if ratio.numel() else torch.tensor(0.0, dtype=f64),
+            clipped.to(f64).sum(),
+            kl.sum(),
+            inputs.entropy.detach().to(f64).sum(),
+            kl_ref.detach().to(f64).sum(),
+            masked.to(f64).sum(),
+            torch.tensor(float(n), dtype=f64),
+            touched(clipped),
+            touched(masked),
         ]
         lags = inputs.lags if inputs.lags is not None else torch.zeros_like(index)
         bucket = lags.clamp(0, max_lag)

@@ -40,8 +40,15 @@ from megarl.weight_sync.planner import TrainerTopology
 from megarl.weight_sync.transport import DEFAULT_BUCKET_BYTES, as_2d
 
 # Hugging Face weights a block-fp8 checkpoint stores as e4m3 + weight_scale_inv.
-HF_FP8_LINEARS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
-                  "up_proj.weight", "down_proj.weight")
+HF_FP8_LINEARS = (
+    "q_proj.weight",
+    "k_proj.weight",
+    "v_proj.weight",
+    "o_proj.weight",
+    "gate_proj.weight",
+    "up_proj.weight",
+    "down_proj.weight",
+)
 
 
 @dataclass(frozen=True)
@@ -77,8 +84,14 @@ def _hf_names(t: LocalTensor) -> List[str]:
     return list(dict.fromkeys(b.logical for b in t.blocks))
 
 
-def stage_buckets(spec: LlamaSpec, pp: int, pp_rank: int, wire_dtype: torch.dtype,
-                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, fp8: bool = False) -> List[Bucket]:
+def stage_buckets(
+    spec: LlamaSpec,
+    pp: int,
+    pp_rank: int,
+    wire_dtype: torch.dtype,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    fp8: bool = False,
+) -> List[Bucket]:
     """The buckets stage ``pp_rank`` broadcasts, in order (a function of shapes only).
 
     Parameters are taken in Megatron's order; like slime, a parameter's HF tensors go
@@ -95,8 +108,9 @@ def stage_buckets(spec: LlamaSpec, pp: int, pp_rank: int, wire_dtype: torch.dtyp
             shape = shapes[name] if len(shapes[name]) == 2 else (shapes[name][0], 1)
             if fp8 and name.endswith(HF_FP8_LINEARS):
                 new.append(Entry(name, name, shape, torch.uint8, "fp8"))
-                new.append(Entry(fp8_format.scale_name(name), name, fp8_format.scale_shape(shape), torch.float32,
-                                 "scale"))
+                new.append(
+                    Entry(fp8_format.scale_name(name), name, fp8_format.scale_shape(shape), torch.float32, "scale")
+                )
             else:
                 new.append(Entry(name, name, shape, wire_dtype))
         n = sum(e.nbytes for e in new)
@@ -124,9 +138,17 @@ def _flat_numel(entries: Sequence[Entry]) -> int:
     return sum(e.shape[0] * e.shape[1] for e in entries)
 
 
-def gather_broadcast_send(spec: LlamaSpec, trainer: TrainerTopology, sync_rank: int,
-                          params: Dict[str, torch.Tensor], tp_group, stage_group, wire_dtype: torch.dtype,
-                          bucket_bytes: int = DEFAULT_BUCKET_BYTES, fp8: bool = False) -> dict:
+def gather_broadcast_send(
+    spec: LlamaSpec,
+    trainer: TrainerTopology,
+    sync_rank: int,
+    params: Dict[str, torch.Tensor],
+    tp_group,
+    stage_group,
+    wire_dtype: torch.dtype,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    fp8: bool = False,
+) -> dict:
     """Trainer side, on every trainer rank. ``tp_group``: Megatron's TP group of this rank;
     ``stage_group``: the stage's broadcast group (stage source = its rank 0, generator
     worker w = rank 1 + w) on the stage source, None elsewhere. ``sync_rank`` numbers the
@@ -138,13 +160,20 @@ def gather_broadcast_send(spec: LlamaSpec, trainer: TrainerTopology, sync_rank: 
     source = tp_rank == 0 and dp_rank == 0
     if source != (stage_group is not None):
         raise MegarlError(f"trainer rank {sync_rank}: the stage broadcast group belongs to TP rank 0 of DP rank 0 only")
-    layouts = [{t.name: t for t in megatron_rank_layout(spec, trainer.tp, trainer.pp, r, pp_rank,
-                                                        trainer.vocab_divisible_by, trainer.norm_names)}
-               for r in range(trainer.tp)]
+    layouts = [
+        {
+            t.name: t
+            for t in megatron_rank_layout(
+                spec, trainer.tp, trainer.pp, r, pp_rank, trainer.vocab_divisible_by, trainer.norm_names
+            )
+        }
+        for r in range(trainer.tp)
+    ]
     stats = {"gathered_bytes": 0, "all_gathers": 0, "broadcast_bytes": 0, "broadcasts": 0}
     for bucket in stage_buckets(spec, trainer.pp, pp_rank, wire_dtype, bucket_bytes, fp8):
-        flats = {dtype: torch.empty(_flat_numel(es), dtype=dtype, device=_device(params))
-                 for dtype, es in bucket.flats()}
+        flats = {
+            dtype: torch.empty(_flat_numel(es), dtype=dtype, device=_device(params)) for dtype, es in bucket.flats()
+        }
         views = {}
         for dtype, es in bucket.flats():
             views.update(_views(flats[dtype], es))
@@ -153,8 +182,9 @@ def gather_broadcast_send(spec: LlamaSpec, trainer: TrainerTopology, sync_rank: 
             by_logical[e.logical].append(e)
         for name in bucket.params:
             local = as_2d(params[name])
-            sharded = trainer.tp > 1 and any(layouts[r][name].blocks != layouts[0][name].blocks
-                                             for r in range(1, trainer.tp))
+            sharded = trainer.tp > 1 and any(
+                layouts[r][name].blocks != layouts[0][name].blocks for r in range(1, trainer.tp)
+            )
             if sharded:
                 shards = [torch.empty_like(local) for _ in range(trainer.tp)]
                 dist.all_gather(shards, local.contiguous(), group=tp_group)
@@ -165,24 +195,31 @@ def gather_broadcast_send(spec: LlamaSpec, trainer: TrainerTopology, sync_rank: 
             if not source:
                 continue
             # Convert: place every shard's row blocks into the full HF tensors.
-            names = _hf_names(layouts[0][name]) if not sharded else list(dict.fromkeys(
-                b.logical for r in range(trainer.tp) for b in layouts[r][name].blocks))
+            names = (
+                _hf_names(layouts[0][name])
+                if not sharded
+                else list(dict.fromkeys(b.logical for r in range(trainer.tp) for b in layouts[r][name].blocks))
+            )
             full = {}
             for logical in names:
                 kinds = {e.kind: e for e in by_logical[logical]}
-                full[logical] = (views[logical] if "full" in kinds
-                                 else torch.empty(kinds["fp8"].shape, dtype=wire_dtype, device=local.device))
+                full[logical] = (
+                    views[logical]
+                    if "full" in kinds
+                    else torch.empty(kinds["fp8"].shape, dtype=wire_dtype, device=local.device)
+                )
             for r in range(trainer.tp if sharded else 1):
                 for b in layouts[r][name].blocks:
-                    full[b.logical][b.rows[0] : b.rows[1], b.cols[0] : b.cols[1]] = \
-                        shards[r][b.local_row : b.local_row + b.num_rows]
+                    full[b.logical][b.rows[0] : b.rows[1], b.cols[0] : b.cols[1]] = shards[r][
+                        b.local_row : b.local_row + b.num_rows
+                    ]
             for logical in names:
                 if "fp8" in {e.kind for e in by_logical[logical]}:
                     q, scale_inv = fp8_format.quantize(full[logical])
                     views[logical].copy_(q.view(torch.uint8))
                     views[fp8_format.scale_name(logical)].copy_(scale_inv)
         if source:
-            for dtype, flat in flats.items():
+            for flat in flats.values():
                 dist.broadcast(flat, group=stage_group, group_src=0)
                 stats["broadcasts"] += 1
                 stats["broadcast_bytes"] += flat.numel() * flat.element_size()
@@ -212,22 +249,37 @@ def fp8_supported(spec: LlamaSpec, tp: int) -> bool:
     def ok(lo, hi, size):
         return lo % fp8_format.BLOCK == 0 and (hi % fp8_format.BLOCK == 0 or hi == size)
 
-    return all(ok(b.rows[0], b.rows[1], shapes[b.logical][0]) and ok(b.cols[0], b.cols[1], shapes[b.logical][1])
-               and ok(b.local_row, b.local_row + b.num_rows, t.shape[0])
-               for r in range(tp) for t in sglang_rank_layout(spec, tp, r) if fp8_format.is_fp8_param(t.name)
-               for b in t.blocks)
+    return all(
+        ok(b.rows[0], b.rows[1], shapes[b.logical][0])
+        and ok(b.cols[0], b.cols[1], shapes[b.logical][1])
+        and ok(b.local_row, b.local_row + b.num_rows, t.shape[0])
+        for r in range(tp)
+        for t in sglang_rank_layout(spec, tp, r)
+        if fp8_format.is_fp8_param(t.name)
+        for b in t.blocks
+    )
 
 
 def _block_range(lo: int, hi: int, size: int, what: str) -> Tuple[int, int]:
     if lo % fp8_format.BLOCK or (hi % fp8_format.BLOCK and hi != size):
-        raise MegarlError(f"baseline fp8: {what} [{lo}, {hi}) is not 128-aligned; SGLang's block-fp8 loader "
-                          f"needs head_dim and shard sizes that are multiples of 128")
+        raise MegarlError(
+            f"baseline fp8: {what} [{lo}, {hi}) is not 128-aligned; SGLang's block-fp8 loader "
+            f"needs head_dim and shard sizes that are multiples of 128"
+        )
     return lo // fp8_format.BLOCK, -(-hi // fp8_format.BLOCK)
 
 
-def gather_broadcast_receive(spec: LlamaSpec, trainer: TrainerTopology, tp: int, tp_rank: int,
-                             params: Dict[str, torch.Tensor], stage_groups: Sequence, wire_dtype: torch.dtype,
-                             bucket_bytes: int = DEFAULT_BUCKET_BYTES, fp8: bool = False) -> dict:
+def gather_broadcast_receive(
+    spec: LlamaSpec,
+    trainer: TrainerTopology,
+    tp: int,
+    tp_rank: int,
+    params: Dict[str, torch.Tensor],
+    stage_groups: Sequence,
+    wire_dtype: torch.dtype,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    fp8: bool = False,
+) -> dict:
     """Generator side: receive every stage's buckets in stage order (``stage_groups[s]``:
     stage s's broadcast group), keep this rank's SGLang shard of each full tensor."""
     start = time.perf_counter()
@@ -248,11 +300,13 @@ def gather_broadcast_receive(spec: LlamaSpec, trainer: TrainerTopology, tp: int,
                 full = views[e.name]
                 for pname, b in index.get(e.logical, ()):
                     if e.kind == "full":
-                        as_2d(params[pname])[b.local_row : b.local_row + b.num_rows] = \
-                            full[b.rows[0] : b.rows[1], b.cols[0] : b.cols[1]]
+                        as_2d(params[pname])[b.local_row : b.local_row + b.num_rows] = full[
+                            b.rows[0] : b.rows[1], b.cols[0] : b.cols[1]
+                        ]
                     elif e.kind == "fp8":
-                        params[pname].view(torch.uint8)[b.local_row : b.local_row + b.num_rows] = \
-                            full[b.rows[0] : b.rows[1], b.cols[0] : b.cols[1]]
+                        params[pname].view(torch.uint8)[b.local_row : b.local_row + b.num_rows] = full[
+                            b.rows[0] : b.rows[1], b.cols[0] : b.cols[1]
+                        ]
                     else:  # this shard's block scales; blocks never straddle shards
                         rows, cols = shapes[e.logical]
                         r0, r1 = _block_range(b.rows[0], b.rows[1], rows, e.logical)
@@ -261,4 +315,3 @@ def gather_broadcast_receive(spec: LlamaSpec, trainer: TrainerTopology, tp: int,
                         params[fp8_format.scale_name(pname)][l0 : l0 + r1 - r0] = full[r0:r1, c0:c1]
     stats["seconds"] = time.perf_counter() - start
     return stats
-

@@ -48,7 +48,11 @@ from megarl.models.spec import LlamaSpec
 from megarl.weight_sync import fp8 as fp8_format
 from megarl.weight_sync.endpoints import megatron_params
 from megarl.weight_sync.layouts import (
-    MEGATRON_NORM_NAMES, Range, logical_shapes, megatron_rank_layout, sglang_rank_layout,
+    MEGATRON_NORM_NAMES,
+    Range,
+    logical_shapes,
+    megatron_rank_layout,
+    sglang_rank_layout,
 )
 
 # An fp8 destination weight is quantised in fp32 bands of whole 128-row blocks of about this
@@ -59,6 +63,7 @@ DEFAULT_FP8_BAND_BYTES = 16 << 20
 @dataclass(frozen=True)
 class Rect:
     """``engine[dst][dst_rows, dst_cols] = shard[part][src_rows, src_cols]`` (1-D tensors as [n, 1])."""
+
     part: int  # TP rank whose shard holds it (0 for TP-replicated parameters: the rank's own copy)
     src_rows: Range
     src_cols: Range
@@ -70,6 +75,7 @@ class Rect:
 @dataclass(frozen=True)
 class Step:
     """One Megatron parameter of the whole model and what it writes into the engine."""
+
     stage: int  # pipeline stage that owns it
     name: str  # its name on that stage's ranks
     shape: Tuple[int, ...]  # per-TP-rank shard shape
@@ -105,8 +111,9 @@ def _overlap(a: Range, b: Range) -> Optional[Range]:
 
 
 @functools.lru_cache(maxsize=8)
-def build_copy_program(spec: LlamaSpec, tp: int, pp: int, norm_names: str = "local",
-                       vocab_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY) -> CopyProgram:
+def build_copy_program(
+    spec: LlamaSpec, tp: int, pp: int, norm_names: str = "local", vocab_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY
+) -> CopyProgram:
     """The steps of a colocated copy from Megatron TP x PP into SGLang's TP-1 layout (shapes only)."""
     spec.check_parallelism(tp, pp)
     dst_blocks = defaultdict(list)  # logical -> (engine tensor, block)
@@ -134,14 +141,16 @@ def build_copy_program(spec: LlamaSpec, tp: int, pp: int, norm_names: str = "loc
                         rows, cols = _overlap(sb.rows, db.rows), _overlap(sb.cols, db.cols)
                         if rows is None or cols is None:
                             continue
-                        rects.append(Rect(
-                            part,
-                            (rows[0] - sb.rows[0] + sb.local_row, rows[1] - sb.rows[0] + sb.local_row),
-                            (cols[0] - sb.cols[0], cols[1] - sb.cols[0]),
-                            dt.name,
-                            (rows[0] - db.rows[0] + db.local_row, rows[1] - db.rows[0] + db.local_row),
-                            (cols[0] - db.cols[0], cols[1] - db.cols[0]),
-                        ))
+                        rects.append(
+                            Rect(
+                                part,
+                                (rows[0] - sb.rows[0] + sb.local_row, rows[1] - sb.rows[0] + sb.local_row),
+                                (cols[0] - sb.cols[0], cols[1] - sb.cols[0]),
+                                dt.name,
+                                (rows[0] - db.rows[0] + db.local_row, rows[1] - db.rows[0] + db.local_row),
+                                (cols[0] - db.cols[0], cols[1] - db.cols[0]),
+                            )
+                        )
             if rects:
                 steps.append(Step(stage, first.name, first.shape, replicated, tuple(rects)))
     written = defaultdict(int)
@@ -207,19 +216,21 @@ def _quantise_band(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> Non
     """
     b = fp8_format.BLOCK
     for r0, nr, hr, c0, nc, hc in _block_regions(*w.shape):
+
         def blocks(t):
-            return t[r0:r0 + nr * hr, c0:c0 + nc * hc].unflatten(0, (nr, hr)).unflatten(2, (nc, hc))
+            return t[r0 : r0 + nr * hr, c0 : c0 + nc * hc].unflatten(0, (nr, hr)).unflatten(2, (nc, hc))
 
         region = blocks(w)
         amax = torch.maximum(region.amax(dim=(1, 3)), -region.amin(dim=(1, 3)))  # |w| without a copy
         scale_inv = amax.clamp(min=fp8_format.MIN_AMAX) / fp8_format.FP8_MAX
-        scale[r0 // b:r0 // b + nr, c0 // b:c0 // b + nc] = scale_inv
+        scale[r0 // b : r0 // b + nr, c0 // b : c0 // b + nc] = scale_inv
         region.div_(scale_inv[:, None, :, None]).clamp_(-fp8_format.FP8_MAX, fp8_format.FP8_MAX)
         blocks(q).copy_(region)  # the cast to e4m3
 
 
-def _quantise_into(rects: List[Rect], shards, dst: torch.Tensor, scale: torch.Tensor, temps: "_Temps",
-                   band_bytes: int) -> None:
+def _quantise_into(
+    rects: List[Rect], shards, dst: torch.Tensor, scale: torch.Tensor, temps: "_Temps", band_bytes: int
+) -> None:
     """Quantise a complete fp8 destination weight band by band: each band (whole 128-row
     blocks, about ``band_bytes``) is assembled in fp32 from its rectangles and quantised in place."""
     rows, cols = dst.shape
@@ -232,15 +243,17 @@ def _quantise_into(rects: List[Rect], shards, dst: torch.Tensor, scale: torch.Te
             lo, hi = max(r0, r.dst_rows[0]), min(r1, r.dst_rows[1])
             if lo < hi:
                 s0 = r.src_rows[0] + lo - r.dst_rows[0]
-                w[lo - r0:hi - r0, r.dst_cols[0]:r.dst_cols[1]] = \
-                    shards[r.part][s0:s0 + hi - lo, r.src_cols[0]:r.src_cols[1]]
-        _quantise_band(w, dst[r0:r1], scale[r0 // block:])
+                w[lo - r0 : hi - r0, r.dst_cols[0] : r.dst_cols[1]] = shards[r.part][
+                    s0 : s0 + hi - lo, r.src_cols[0] : r.src_cols[1]
+                ]
+        _quantise_band(w, dst[r0:r1], scale[r0 // block :])
         del w
         temps.free((r1 - r0) * cols * 4)
 
 
-def _shards_of(step: Step, local, pp_rank, tp_rank, tp, pp, tp_group, pp_group, dtype, temps: _Temps,
-               stats: ColocatedCopyStats):
+def _shards_of(
+    step: Step, local, pp_rank, tp_rank, tp, pp, tp_group, pp_group, dtype, temps: _Temps, stats: ColocatedCopyStats
+):
     """The shards of ``step``'s parameter this rank needs, as [rows, cols] views, and the
     bytes of the temporary buffer behind them."""
     n = torch.Size(step.shape).numel()
@@ -250,8 +263,10 @@ def _shards_of(step: Step, local, pp_rank, tp_rank, tp, pp, tp_group, pp_group, 
         mine = local.get(step.name)
         if mine is None or mine.numel() != n:
             got = None if mine is None else tuple(mine.shape)
-            raise ValueError(f"Megatron parameter {step.name} of stage {step.stage}: expected shard shape "
-                             f"{step.shape}, found {got} (norm_names / vocab_divisible_by?)")
+            raise ValueError(
+                f"Megatron parameter {step.name} of stage {step.stage}: expected shard shape "
+                f"{step.shape}, found {got} (norm_names / vocab_divisible_by?)"
+            )
         mine = mine.reshape(-1)
     if step.replicated or tp == 1:
         # One shard is enough, the rank's own: over PP from the owner stage's rank of its TP rank.
@@ -263,21 +278,28 @@ def _shards_of(step: Step, local, pp_rank, tp_rank, tp, pp, tp_group, pp_group, 
         return [_as_2d(own.view(step.shape))], held
     # Shard t over PP group t (into its slot of the gathered buffer), then all-gather over TP.
     gathered = temps.new(tp * n, dtype)
-    own = mine if owner else gathered[tp_rank * n:(tp_rank + 1) * n]
+    own = mine if owner else gathered[tp_rank * n : (tp_rank + 1) * n]
     if pp > 1:
         dist.broadcast(own, src=dist.get_global_rank(pp_group, step.stage), group=pp_group)
         stats.pp_bytes_received += 0 if owner else own.numel() * own.element_size()
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     all_gather(gathered, own, group=tp_group)  # in place on the stages that received their slot
     stats.tp_bytes_received += (tp - 1) * n * dtype.itemsize
-    return [_as_2d(gathered[t * n:(t + 1) * n].view(step.shape)) for t in range(tp)], \
-        gathered.numel() * gathered.element_size()
+    return [
+        _as_2d(gathered[t * n : (t + 1) * n].view(step.shape)) for t in range(tp)
+    ], gathered.numel() * gathered.element_size()
 
 
 @torch.no_grad()
-def copy_colocated(spec: LlamaSpec, chunks: List[torch.nn.Module], engine_params: Dict[str, torch.Tensor],
-                   norm_names: Optional[str] = None, *, vocab_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY,
-                   fp8_band_bytes: int = DEFAULT_FP8_BAND_BYTES) -> ColocatedCopyStats:
+def copy_colocated(
+    spec: LlamaSpec,
+    chunks: List[torch.nn.Module],
+    engine_params: Dict[str, torch.Tensor],
+    norm_names: Optional[str] = None,
+    *,
+    vocab_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY,
+    fp8_band_bytes: int = DEFAULT_FP8_BAND_BYTES,
+) -> ColocatedCopyStats:
     """Copy the policy from this rank's Megatron shards (any TP x PP x DP) into its TP-1 engine.
 
     A collective over the rank's TP and PP groups: every rank of the trainer calls it.
@@ -300,8 +322,11 @@ def copy_colocated(spec: LlamaSpec, chunks: List[torch.nn.Module], engine_params
     device = next(iter(local.values())).device
     program = build_copy_program(spec, tp, pp, norm_names or _detect_norm_names(local), vocab_divisible_by)
     temps = _Temps(device)
-    stats = ColocatedCopyStats(model_bytes=program.model_numel * dtype.itemsize, steps=len(program.steps),
-                               engine_bytes=sum(t.numel() * t.element_size() for t in engine_params.values()))
+    stats = ColocatedCopyStats(
+        model_bytes=program.model_numel * dtype.itemsize,
+        steps=len(program.steps),
+        engine_bytes=sum(t.numel() * t.element_size() for t in engine_params.values()),
+    )
 
     for step in program.steps:
         shards, held = _shards_of(step, local, pp_rank, tp_rank, tp, pp, tp_group, pp_group, dtype, temps, stats)
@@ -311,8 +336,9 @@ def copy_colocated(spec: LlamaSpec, chunks: List[torch.nn.Module], engine_params
             if dst.dtype == fp8_format.FP8_DTYPE:
                 fp8_rects[r.dst].append(r)
                 continue
-            _as_2d(dst)[r.dst_rows[0]:r.dst_rows[1], r.dst_cols[0]:r.dst_cols[1]].copy_(
-                shards[r.part][r.src_rows[0]:r.src_rows[1], r.src_cols[0]:r.src_cols[1]])
+            _as_2d(dst)[r.dst_rows[0] : r.dst_rows[1], r.dst_cols[0] : r.dst_cols[1]].copy_(
+                shards[r.part][r.src_rows[0] : r.src_rows[1], r.src_cols[0] : r.src_cols[1]]
+            )
             stats.bytes_copied += (r.dst_rows[1] - r.dst_rows[0]) * (r.dst_cols[1] - r.dst_cols[0]) * dst.element_size()
         for name, rects in fp8_rects.items():
             if program.dst_steps[name] != 1:

@@ -38,7 +38,11 @@ def megatron_params(chunks: List[torch.nn.Module]) -> Dict[str, torch.Tensor]:
 
 
 def allocate_generator_params(
-    spec: LlamaSpec, tp: int, tp_rank: int, dtype: torch.dtype = torch.bfloat16, fp8: bool = False,
+    spec: LlamaSpec,
+    tp: int,
+    tp_rank: int,
+    dtype: torch.dtype = torch.bfloat16,
+    fp8: bool = False,
     device: str | torch.device = "cpu",
 ) -> Dict[str, torch.Tensor]:
     """Zero-filled parameters of SGLang TP rank ``tp_rank``, named and shaped as SGLang holds them."""
@@ -55,13 +59,25 @@ def allocate_generator_params(
 
 
 class TrainerSync:
-    def __init__(self, spec: LlamaSpec, trainer: TrainerTopology, generator: GeneratorTopology,
-                 chunks: List[torch.nn.Module], group, sync_rank: int, fp8: bool = False,
-                 wire_dtype: torch.dtype = torch.bfloat16, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 verify: bool = False, plan: SyncPlan | None = None, ipc_peers: Optional[Set[int]] = None):
+    def __init__(
+        self,
+        spec: LlamaSpec,
+        trainer: TrainerTopology,
+        generator: GeneratorTopology,
+        chunks: List[torch.nn.Module],
+        group,
+        sync_rank: int,
+        fp8: bool = False,
+        wire_dtype: torch.dtype = torch.bfloat16,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        verify: bool = False,
+        plan: SyncPlan | None = None,
+        ipc_peers: Optional[Set[int]] = None,
+    ):
         self.plan = plan or build_plan(spec, trainer, generator)
-        self.sender = WeightSender(self.plan, sync_rank, group, megatron_params(chunks), fp8, wire_dtype,
-                                   bucket_bytes, verify, ipc_peers)
+        self.sender = WeightSender(
+            self.plan, sync_rank, group, megatron_params(chunks), fp8, wire_dtype, bucket_bytes, verify, ipc_peers
+        )
 
     @torch.no_grad()
     def push(self, version: int) -> SyncStats:
@@ -69,14 +85,27 @@ class TrainerSync:
 
 
 class GeneratorSync:
-    def __init__(self, spec: LlamaSpec, trainer: TrainerTopology, generator: GeneratorTopology,
-                 replica: int, tp_rank: int, params: Dict[str, torch.Tensor], group, fp8: bool = False,
-                 wire_dtype: torch.dtype = torch.bfloat16, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 verify: bool = False, plan: SyncPlan | None = None, ipc_peers: Optional[Set[int]] = None):
+    def __init__(
+        self,
+        spec: LlamaSpec,
+        trainer: TrainerTopology,
+        generator: GeneratorTopology,
+        replica: int,
+        tp_rank: int,
+        params: Dict[str, torch.Tensor],
+        group,
+        fp8: bool = False,
+        wire_dtype: torch.dtype = torch.bfloat16,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        verify: bool = False,
+        plan: SyncPlan | None = None,
+        ipc_peers: Optional[Set[int]] = None,
+    ):
         self.plan = plan or build_plan(spec, trainer, generator)
         self.sync_rank = generator.rank(replica, tp_rank)
-        self.receiver = WeightReceiver(self.plan, self.sync_rank, group, params, fp8, wire_dtype, bucket_bytes, verify,
-                                       ipc_peers)
+        self.receiver = WeightReceiver(
+            self.plan, self.sync_rank, group, params, fp8, wire_dtype, bucket_bytes, verify, ipc_peers
+        )
 
     @torch.no_grad()
     def pull(self, expected_version: int | None = None) -> SyncStats:

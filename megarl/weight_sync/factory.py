@@ -30,8 +30,8 @@ from megarl.weight_sync.synchronizer import (
     ColocatedCopy,
     EngineShardReceiver,
     NoWeights,
-    ShardToShardSender,
     SglangShardReceiver,
+    ShardToShardSender,
     WeightSynchronizer,
 )
 
@@ -82,12 +82,33 @@ def _in_world(cfg, job, spec, trainer, generator, trainer_topo, gen_topo) -> Wei
     # a collective over the sync group: trainer and generator ranks on one GPU pair up for CUDA IPC
     peers = colocated_peers(job.sync_group, job.rank, _device(job))
     if trainer is not None:
-        return ShardToShardSender(spec, trainer_topo, gen_topo, trainer.chunks, job.rank, g.fp8, g.verify_sync,
-                                  wire_dtype(g), connect=lambda: (job.sync_group, peers), eager=True)
+        return ShardToShardSender(
+            spec,
+            trainer_topo,
+            gen_topo,
+            trainer.chunks,
+            job.rank,
+            g.fp8,
+            g.verify_sync,
+            wire_dtype(g),
+            connect=lambda: (job.sync_group, peers),
+            eager=True,
+        )
     replica, tp_rank = job.topology.replica_of(job.rank)
-    receiver = GeneratorSync(spec, trainer_topo, gen_topo, replica, tp_rank, generator.backend.params, job.sync_group,
-                             fp8=g.fp8, wire_dtype=wire_dtype(g), verify=g.verify_sync,
-                             plan=build_plan(spec, trainer_topo, gen_topo), ipc_peers=peers)
+    receiver = GeneratorSync(
+        spec,
+        trainer_topo,
+        gen_topo,
+        replica,
+        tp_rank,
+        generator.backend.params,
+        job.sync_group,
+        fp8=g.fp8,
+        wire_dtype=wire_dtype(g),
+        verify=g.verify_sync,
+        plan=build_plan(spec, trainer_topo, gen_topo),
+        ipc_peers=peers,
+    )
     return EngineShardReceiver(generator.backend, receiver)
 
 
@@ -101,9 +122,19 @@ def _sglang(cfg, job, spec, trainer, generator, trainer_topo, gen_topo) -> Weigh
         timeout_s = g.sglang_startup_timeout_s + 600.0  # the first sync waits for the servers to start
         first = job.rank == job.topology.executors["trainer"][0]
         if first:
-            serving.write_sync_config(serving.sync_config_path(cfg.run.output_dir), spec, trainer_topo, gen_topo,
-                                      host, port, g.fp8, verify=g.verify_sync, backend=backend, timeout_s=timeout_s,
-                                      wire_dtype=g.dtype)
+            serving.write_sync_config(
+                serving.sync_config_path(cfg.run.output_dir),
+                spec,
+                trainer_topo,
+                gen_topo,
+                host,
+                port,
+                g.fp8,
+                verify=g.verify_sync,
+                backend=backend,
+                timeout_s=timeout_s,
+                wire_dtype=g.dtype,
+            )
         if not g.sglang_urls:
             from megarl.generator.sglang.launch import publish_policy
 
@@ -113,12 +144,20 @@ def _sglang(cfg, job, spec, trainer, generator, trainer_topo, gen_topo) -> Weigh
             from megarl.weight_sync.ipc import colocated_peers
             from megarl.weight_sync.rendezvous import init_sync_group
 
-            group = init_sync_group(host, port, trainer_topo.size + gen_topo.size, job.rank,
-                                    group_name=serving.SYNC_GROUP_NAME, backend=backend, timeout_s=timeout_s)
+            group = init_sync_group(
+                host,
+                port,
+                trainer_topo.size + gen_topo.size,
+                job.rank,
+                group_name=serving.SYNC_GROUP_NAME,
+                backend=backend,
+                timeout_s=timeout_s,
+            )
             return group, colocated_peers(group, job.rank, _device(job))
 
-        return ShardToShardSender(spec, trainer_topo, gen_topo, trainer.chunks, job.rank, g.fp8, g.verify_sync,
-                                  wire_dtype(g), connect=connect)
+        return ShardToShardSender(
+            spec, trainer_topo, gen_topo, trainer.chunks, job.rank, g.fp8, g.verify_sync, wire_dtype(g), connect=connect
+        )
     if generator is not None:
         return SglangShardReceiver(generator.backend, g.tp, serving.WORKER_LOADER)
     return NoWeights()

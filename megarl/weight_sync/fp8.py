@@ -23,8 +23,12 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_LINEARS = ("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight")
 SCALE_SUFFIX = "_scale_inv"
 # config.json's quantization_config of a block-fp8 checkpoint, as SGLang's Fp8Config reads it
-BLOCK_FP8_QUANT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                          "weight_block_size": [BLOCK, BLOCK]}
+BLOCK_FP8_QUANT_CONFIG = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "activation_scheme": "dynamic",
+    "weight_block_size": [BLOCK, BLOCK],
+}
 
 
 def is_fp8_param(name: str) -> bool:

@@ -52,8 +52,9 @@ def create_staging(nbytes: int, device: Optional[torch.device]) -> Tuple[torch.T
 
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
         return buffer, pickle.dumps(reduce_tensor(buffer))
-    path = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir(),
-                        f"megarl_sync_{uuid.uuid4().hex}")
+    path = os.path.join(
+        "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir(), f"megarl_sync_{uuid.uuid4().hex}"
+    )
     buffer = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
     return buffer, pickle.dumps(("file", path, nbytes))
 

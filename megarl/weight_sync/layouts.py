@@ -74,17 +74,19 @@ def logical_shapes(spec: LlamaSpec) -> Dict[str, Tuple[int, ...]]:
         shapes["lm_head.weight"] = (spec.vocab_size, h)
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
-        shapes.update({
-            p + "self_attn.q_proj.weight": (spec.num_attention_heads * d, h),
-            p + "self_attn.k_proj.weight": (spec.num_kv_heads * d, h),
-            p + "self_attn.v_proj.weight": (spec.num_kv_heads * d, h),
-            p + "self_attn.o_proj.weight": (h, spec.num_attention_heads * d),
-            p + "mlp.gate_proj.weight": (f, h),
-            p + "mlp.up_proj.weight": (f, h),
-            p + "mlp.down_proj.weight": (h, f),
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-        })
+        shapes.update(
+            {
+                p + "self_attn.q_proj.weight": (spec.num_attention_heads * d, h),
+                p + "self_attn.k_proj.weight": (spec.num_kv_heads * d, h),
+                p + "self_attn.v_proj.weight": (spec.num_kv_heads * d, h),
+                p + "self_attn.o_proj.weight": (h, spec.num_attention_heads * d),
+                p + "mlp.gate_proj.weight": (f, h),
+                p + "mlp.up_proj.weight": (f, h),
+                p + "mlp.down_proj.weight": (h, f),
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+            }
+        )
     return shapes
 
 
@@ -141,8 +143,14 @@ MEGATRON_NORM_NAMES = {
 
 
 def megatron_rank_layout(
-    spec: LlamaSpec, tp: int, pp: int, tp_rank: int, pp_rank: int,
-    vocab_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY, norm_names: str = "local", vp: Optional[int] = None,
+    spec: LlamaSpec,
+    tp: int,
+    pp: int,
+    tp_rank: int,
+    pp_rank: int,
+    vocab_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY,
+    norm_names: str = "local",
+    vp: Optional[int] = None,
 ) -> List[LocalTensor]:
     """The parameters of Megatron rank (tp_rank, pp_rank), by their names in GPTModel.
 
@@ -156,18 +164,37 @@ def megatron_rank_layout(
     per_chunk = spec.num_layers // (pp * vp)
     out: List[LocalTensor] = []
     for v in range(vp):
-        chunk = _stage_layout(spec, tp, pp, tp_rank, pp_rank, vocab_divisible_by, norm_names,
-                              first_layer=v * (spec.num_layers // vp) + pp_rank * per_chunk, layers=per_chunk,
-                              first=v == 0 and pp_rank == 0, last=v == vp - 1 and pp_rank == pp - 1,
-                              split=True)
+        chunk = _stage_layout(
+            spec,
+            tp,
+            pp,
+            tp_rank,
+            pp_rank,
+            vocab_divisible_by,
+            norm_names,
+            first_layer=v * (spec.num_layers // vp) + pp_rank * per_chunk,
+            layers=per_chunk,
+            first=v == 0 and pp_rank == 0,
+            last=v == vp - 1 and pp_rank == pp - 1,
+            split=True,
+        )
         out += [dataclasses.replace(t, name=f"{v}/{t.name}") for t in chunk]
     return out
 
 
 def _stage_layout(
-    spec: LlamaSpec, tp: int, pp: int, tp_rank: int, pp_rank: int, vocab_divisible_by: int, norm_names: str,
-    first_layer: Optional[int] = None, layers: Optional[int] = None, first: Optional[bool] = None,
-    last: Optional[bool] = None, split: Optional[bool] = None,
+    spec: LlamaSpec,
+    tp: int,
+    pp: int,
+    tp_rank: int,
+    pp_rank: int,
+    vocab_divisible_by: int,
+    norm_names: str,
+    first_layer: Optional[int] = None,
+    layers: Optional[int] = None,
+    first: Optional[bool] = None,
+    last: Optional[bool] = None,
+    split: Optional[bool] = None,
 ) -> List[LocalTensor]:
     """One model chunk: ``layers`` layers from global ``first_layer``; ``first`` / ``last``: it holds
     the embedding / the final norm and output layer; ``split``: the model spans several chunks."""
@@ -184,7 +211,9 @@ def _stage_layout(
     out: List[LocalTensor] = []
     padded = padded_vocab_size(spec.vocab_size, tp, vocab_divisible_by)
     if first:
-        out.append(_vocab_shard("embedding.word_embeddings.weight", "model.embed_tokens.weight", spec, padded, tp, tp_rank))
+        out.append(
+            _vocab_shard("embedding.word_embeddings.weight", "model.embed_tokens.weight", spec, padded, tp, tp_rank)
+        )
     for local in range(per_stage):
         i = first_layer + local
         hf, mg = f"model.layers.{i}.", f"decoder.layers.{local}."
@@ -198,11 +227,19 @@ def _stage_layout(
         out += [
             _replicated(mg + attn_norm, hf + "input_layernorm.weight", h),
             _stack(mg + "self_attention.linear_qkv.weight", qkv, h),
-            _col_split(mg + "self_attention.linear_proj.weight", hf + "self_attn.o_proj.weight",
-                       shapes[hf + "self_attn.o_proj.weight"], tp, tp_rank),
+            _col_split(
+                mg + "self_attention.linear_proj.weight",
+                hf + "self_attn.o_proj.weight",
+                shapes[hf + "self_attn.o_proj.weight"],
+                tp,
+                tp_rank,
+            ),
             _replicated(mg + mlp_norm, hf + "post_attention_layernorm.weight", h),
-            _stack(mg + "mlp.linear_fc1.weight", [(hf + "mlp.gate_proj.weight", ff, (0, h)),
-                                                   (hf + "mlp.up_proj.weight", ff, (0, h))], h),
+            _stack(
+                mg + "mlp.linear_fc1.weight",
+                [(hf + "mlp.gate_proj.weight", ff, (0, h)), (hf + "mlp.up_proj.weight", ff, (0, h))],
+                h,
+            ),
             _col_split(mg + "mlp.linear_fc2.weight", hf + "mlp.down_proj.weight", (h, f), tp, tp_rank),
         ]
     if last:
@@ -241,9 +278,13 @@ def check_sglang_tp(spec: LlamaSpec, tp: int) -> None:
     from megarl.errors import ConfigError
 
     if spec.num_attention_heads % tp:
-        raise ConfigError(f"generator tensor_parallel={tp} does not divide num_attention_heads={spec.num_attention_heads}")
+        raise ConfigError(
+            f"generator tensor_parallel={tp} does not divide num_attention_heads={spec.num_attention_heads}"
+        )
     if tp >= spec.num_kv_heads and tp % spec.num_kv_heads:
-        raise ConfigError(f"generator tensor_parallel={tp} is not a multiple of num_key_value_heads={spec.num_kv_heads}")
+        raise ConfigError(
+            f"generator tensor_parallel={tp} is not a multiple of num_key_value_heads={spec.num_kv_heads}"
+        )
     if tp < spec.num_kv_heads and spec.num_kv_heads % tp:
         raise ConfigError(f"generator tensor_parallel={tp} does not divide num_key_value_heads={spec.num_kv_heads}")
     if spec.ffn_hidden_size % tp:
@@ -264,16 +305,28 @@ def sglang_rank_layout(spec: LlamaSpec, tp: int, rank: int) -> List[LocalTensor]
         p = f"model.layers.{i}."
         out += [
             _replicated(p + "input_layernorm.weight", p + "input_layernorm.weight", h),
-            _stack(p + "self_attn.qkv_proj.weight", [
-                (p + "self_attn.q_proj.weight", (rank * heads * d, (rank + 1) * heads * d), (0, h)),
-                (p + "self_attn.k_proj.weight", (kv0 * d, kv1 * d), (0, h)),
-                (p + "self_attn.v_proj.weight", (kv0 * d, kv1 * d), (0, h)),
-            ], h),
-            _col_split(p + "self_attn.o_proj.weight", p + "self_attn.o_proj.weight",
-                       shapes[p + "self_attn.o_proj.weight"], tp, rank),
+            _stack(
+                p + "self_attn.qkv_proj.weight",
+                [
+                    (p + "self_attn.q_proj.weight", (rank * heads * d, (rank + 1) * heads * d), (0, h)),
+                    (p + "self_attn.k_proj.weight", (kv0 * d, kv1 * d), (0, h)),
+                    (p + "self_attn.v_proj.weight", (kv0 * d, kv1 * d), (0, h)),
+                ],
+                h,
+            ),
+            _col_split(
+                p + "self_attn.o_proj.weight",
+                p + "self_attn.o_proj.weight",
+                shapes[p + "self_attn.o_proj.weight"],
+                tp,
+                rank,
+            ),
             _replicated(p + "post_attention_layernorm.weight", p + "post_attention_layernorm.weight", h),
-            _stack(p + "mlp.gate_up_proj.weight", [(p + "mlp.gate_proj.weight", ff, (0, h)),
-                                                    (p + "mlp.up_proj.weight", ff, (0, h))], h),
+            _stack(
+                p + "mlp.gate_up_proj.weight",
+                [(p + "mlp.gate_proj.weight", ff, (0, h)), (p + "mlp.up_proj.weight", ff, (0, h))],
+                h,
+            ),
             _col_split(p + "mlp.down_proj.weight", p + "mlp.down_proj.weight", (h, f), tp, rank),
         ]
     out.append(_replicated("model.norm.weight", "model.norm.weight", h))

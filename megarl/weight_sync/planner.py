@@ -113,7 +113,13 @@ def build_plan(spec: LlamaSpec, trainer: TrainerTopology, generator: GeneratorTo
     for pp_rank in range(trainer.pp):
         for tp_rank in range(trainer.tp):
             layout = megatron_rank_layout(
-                spec, trainer.tp, trainer.pp, tp_rank, pp_rank, trainer.vocab_divisible_by, trainer.norm_names,
+                spec,
+                trainer.tp,
+                trainer.pp,
+                tp_rank,
+                pp_rank,
+                trainer.vocab_divisible_by,
+                trainer.norm_names,
                 trainer.vp,
             )
             for dp_rank in range(trainer.dp):
@@ -163,14 +169,16 @@ def build_plan(spec: LlamaSpec, trainer: TrainerTopology, generator: GeneratorTo
                 src_rank = chosen[key]
                 _, src_tensor, src_block = by_rank[src_rank]
                 load[src_rank] += (rows[1] - rows[0]) * (cols[1] - cols[0])
-                plan.transfers.setdefault((src_rank, dst_rank), []).append(Transfer(
-                    src_param=src_tensor.name,
-                    src_rows=_local(rows, src_block.rows[0], src_block.local_row),
-                    src_cols=(cols[0] - src_block.cols[0], cols[1] - src_block.cols[0]),
-                    dst_param=tensor.name,
-                    dst_rows=_local(rows, block.rows[0], block.local_row),
-                    dst_cols=(cols[0] - block.cols[0], cols[1] - block.cols[0]),
-                ))
+                plan.transfers.setdefault((src_rank, dst_rank), []).append(
+                    Transfer(
+                        src_param=src_tensor.name,
+                        src_rows=_local(rows, src_block.rows[0], src_block.local_row),
+                        src_cols=(cols[0] - src_block.cols[0], cols[1] - src_block.cols[0]),
+                        dst_param=tensor.name,
+                        dst_rows=_local(rows, block.rows[0], block.local_row),
+                        dst_cols=(cols[0] - block.cols[0], cols[1] - block.cols[0]),
+                    )
+                )
     return plan
 
 

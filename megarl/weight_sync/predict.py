@@ -81,8 +81,13 @@ def _wire_dtype(wire_bytes: int):
     return {2: torch.bfloat16, 4: torch.float32}[wire_bytes]
 
 
-def rank_messages(plan: SyncPlan, fp8: bool, wire_bytes: int = 2, bucket_bytes: Optional[int] = None,
-                  pack_below_bytes: Optional[int] = None) -> Dict[int, Dict[str, float]]:
+def rank_messages(
+    plan: SyncPlan,
+    fp8: bool,
+    wire_bytes: int = 2,
+    bucket_bytes: Optional[int] = None,
+    pack_below_bytes: Optional[int] = None,
+) -> Dict[int, Dict[str, float]]:
     """Per rank: point-to-point messages sent and received (headers included), and the
     bf16 bytes it quantises (``quant``), exactly as the transport would for this plan."""
     # Only containers are created here, none freed: the cyclic collector would rescan the
@@ -109,8 +114,10 @@ def _rank_messages(plan, fp8, wire_bytes, bucket_bytes, pack_below_bytes):
     # weights the senders quantise): generator replicas repeat the same pairs.
     seen: Dict[tuple, tuple] = {}
     for (src, dst), transfers in plan.transfers.items():
-        key = (tuple((t.dst_param, t.dst_rows, t.dst_cols) for t in transfers),
-               tuple(sorted({t.dst_param for t in transfers if (dst, t.dst_param) in boxes})))
+        key = (
+            tuple((t.dst_param, t.dst_rows, t.dst_cols) for t in transfers),
+            tuple(sorted({t.dst_param for t in transfers if (dst, t.dst_param) in boxes})),
+        )
         if key not in seen:
             messages = pair_messages(plan, src, dst, fp8, boxes)
             n = 1 + sum(r.wire_messages for r in wire_rounds(messages, wire_dtype, bucket_bytes, pack_below_bytes))
@@ -155,13 +162,23 @@ class Prediction:
         def rank(r: RankTime) -> dict:
             return {**asdict(r), "seconds": r.seconds}
 
-        return {"seconds": self.seconds, "busiest": rank(self.busiest),
-                "bandwidth_only_seconds": self.busiest_bandwidth_only.bandwidth_s,
-                "max_messages_per_rank": self.max_messages, "assumptions": asdict(self.links)}
+        return {
+            "seconds": self.seconds,
+            "busiest": rank(self.busiest),
+            "bandwidth_only_seconds": self.busiest_bandwidth_only.bandwidth_s,
+            "max_messages_per_rank": self.max_messages,
+            "assumptions": asdict(self.links),
+        }
 
 
-def predict(plan: SyncPlan, fp8: bool, links: Links = Links(), wire_bytes: int = 2,
-            bucket_bytes: Optional[int] = None, pack_below_bytes: Optional[int] = None) -> Prediction:
+def predict(
+    plan: SyncPlan,
+    fp8: bool,
+    links: Links = Links(),
+    wire_bytes: int = 2,
+    bucket_bytes: Optional[int] = None,
+    pack_below_bytes: Optional[int] = None,
+) -> Prediction:
     by_rank = rank_bytes(plan, fp8, links, wire_bytes)
     counts = rank_messages(plan, fp8, wire_bytes, bucket_bytes, pack_below_bytes)
     times: List[RankTime] = []
@@ -172,12 +189,19 @@ def predict(plan: SyncPlan, fp8: bool, links: Links = Links(), wire_bytes: int =
             n, q = int(c.get(direction, 0)), c.get(f"quant_{direction}", 0.0)
             if not (nv or net or n or q):
                 continue
-            times.append(RankTime(
-                rank, direction, nv, net, n, q,
-                bandwidth_s=max(nv / (links.nvlink_gb_s * 1e9), net / (links.network_gb_s * 1e9)),
-                latency_s=n * links.message_latency_us * 1e-6,
-                quantise_s=q / (links.fp8_quant_gb_s * 1e9),
-            ))
+            times.append(
+                RankTime(
+                    rank,
+                    direction,
+                    nv,
+                    net,
+                    n,
+                    q,
+                    bandwidth_s=max(nv / (links.nvlink_gb_s * 1e9), net / (links.network_gb_s * 1e9)),
+                    latency_s=n * links.message_latency_us * 1e-6,
+                    quantise_s=q / (links.fp8_quant_gb_s * 1e9),
+                )
+            )
     if not times:
         empty = RankTime(-1, "send")
         return Prediction(0.0, empty, empty, links)

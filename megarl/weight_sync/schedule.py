@@ -51,8 +51,10 @@ def _box(transfers: List[Transfer]) -> Tuple[Range, Range]:
 
 
 def _blocks(t: Transfer) -> Tuple[Range, Range]:
-    return ((t.dst_rows[0] // BLOCK, (t.dst_rows[1] - 1) // BLOCK + 1),
-            (t.dst_cols[0] // BLOCK, (t.dst_cols[1] - 1) // BLOCK + 1))
+    return (
+        (t.dst_rows[0] // BLOCK, (t.dst_rows[1] - 1) // BLOCK + 1),
+        (t.dst_cols[0] // BLOCK, (t.dst_cols[1] - 1) // BLOCK + 1),
+    )
 
 
 def _touch(a: Tuple[Range, Range], b: Tuple[Range, Range]) -> bool:
@@ -115,11 +117,19 @@ def _sender_boxes(transfers: List[Transfer], rows_total: int, cols_total: int) -
 
 
 def _inside(t: Transfer, box: Box) -> bool:
-    return box[0][0] <= t.dst_rows[0] and t.dst_rows[1] <= box[0][1] and box[1][0] <= t.dst_cols[0] and t.dst_cols[1] <= box[1][1]
+    return (
+        box[0][0] <= t.dst_rows[0]
+        and t.dst_rows[1] <= box[0][1]
+        and box[1][0] <= t.dst_cols[0]
+        and t.dst_cols[1] <= box[1][1]
+    )
 
 
 def pair_messages(
-    plan: SyncPlan, src: int, dst: int, fp8: bool,
+    plan: SyncPlan,
+    src: int,
+    dst: int,
+    fp8: bool,
     quantised_boxes: Optional[Dict[Tuple[int, str], Dict[int, List[Box]]]] = None,
 ) -> List[Message]:
     """The messages from ``src`` to ``dst``, in the order both ends use."""
@@ -141,8 +151,9 @@ def pair_messages(
             messages.append(Message("fp8", t.dst_param, box_rows=box[0], box_cols=box[1], parts=(t,)))
         else:
             m = messages[index[key]]
-            messages[index[key]] = Message("fp8", m.dst_param, box_rows=m.box_rows, box_cols=m.box_cols,
-                                           parts=m.parts + (t,))
+            messages[index[key]] = Message(
+                "fp8", m.dst_param, box_rows=m.box_rows, box_cols=m.box_cols, parts=m.parts + (t,)
+            )
     return messages
 
 

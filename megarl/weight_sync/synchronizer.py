@@ -52,8 +52,19 @@ class ShardToShardSender(WeightSynchronizer):
     ``connect()`` returns (sync group, same-device peers); it runs at the first sync, so a
     group whose other members are SGLang workers forms when the servers first receive."""
 
-    def __init__(self, spec, trainer_topology, generator_topology, chunks, sync_rank: int, fp8: bool, verify: bool,
-                 wire_dtype: torch.dtype, connect: Callable[[], Tuple[object, set]], eager: bool = False):
+    def __init__(
+        self,
+        spec,
+        trainer_topology,
+        generator_topology,
+        chunks,
+        sync_rank: int,
+        fp8: bool,
+        verify: bool,
+        wire_dtype: torch.dtype,
+        connect: Callable[[], Tuple[object, set]],
+        eager: bool = False,
+    ):
         self.args = (spec, trainer_topology, generator_topology, chunks)
         self.sync_rank, self.fp8, self.verify, self.wire_dtype = sync_rank, fp8, verify, wire_dtype
         self.connect = connect
@@ -65,8 +76,15 @@ class ShardToShardSender(WeightSynchronizer):
         from megarl.weight_sync.endpoints import TrainerSync
 
         group, peers = self.connect()
-        self.sender = TrainerSync(*self.args, group, self.sync_rank, fp8=self.fp8, wire_dtype=self.wire_dtype,
-                                  verify=self.verify, ipc_peers=peers)
+        self.sender = TrainerSync(
+            *self.args,
+            group,
+            self.sync_rank,
+            fp8=self.fp8,
+            wire_dtype=self.wire_dtype,
+            verify=self.verify,
+            ipc_peers=peers,
+        )
 
     def sync(self, version: int) -> SyncStats:
         if self.sender is None:

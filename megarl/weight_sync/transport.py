@@ -148,8 +148,12 @@ class WireRound:
         return (1 if self.packed else 0) + len(self.direct)
 
 
-def wire_rounds(messages: List[Message], wire_dtype: torch.dtype, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                pack_below_bytes: int = PACK_BELOW_BYTES) -> List[WireRound]:
+def wire_rounds(
+    messages: List[Message],
+    wire_dtype: torch.dtype,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    pack_below_bytes: int = PACK_BELOW_BYTES,
+) -> List[WireRound]:
     """The rounds of one pair's messages and, in each, which payloads share the pack.
 
     A function of the plan alone (shapes and dtypes), so sender and receiver agree.
@@ -179,8 +183,18 @@ def _region(pack: torch.Tensor, offset: int, spec: Tuple[Tuple[int, int], torch.
 
 
 class _Endpoint:
-    def __init__(self, plan: SyncPlan, rank: int, group, fp8: bool, wire_dtype: torch.dtype,
-                 bucket_bytes: int, verify: bool, ipc_peers: Optional[Set[int]], pack_below_bytes: int):
+    def __init__(
+        self,
+        plan: SyncPlan,
+        rank: int,
+        group,
+        fp8: bool,
+        wire_dtype: torch.dtype,
+        bucket_bytes: int,
+        verify: bool,
+        ipc_peers: Optional[Set[int]],
+        pack_below_bytes: int,
+    ):
         self.plan, self.rank, self.group = plan, rank, group
         self.fp8, self.wire_dtype, self.bucket_bytes, self.verify = fp8, wire_dtype, bucket_bytes, verify
         self.pack_below_bytes = pack_below_bytes
@@ -191,8 +205,10 @@ class _Endpoint:
         self.packs: Dict[int, List[torch.Tensor]] = {}  # peer -> two pack buffers (double buffering)
 
     def _wire_rounds(self, peers: Dict[int, List[Message]]) -> Dict[int, List[WireRound]]:
-        return {peer: wire_rounds(ms, self.wire_dtype, self.bucket_bytes, self.pack_below_bytes)
-                for peer, ms in peers.items()}
+        return {
+            peer: wire_rounds(ms, self.wire_dtype, self.bucket_bytes, self.pack_below_bytes)
+            for peer, ms in peers.items()
+        }
 
     def _pack(self, peer: int, k: int, device) -> torch.Tensor:
         """Round k's pack buffer for ``peer`` (two per peer, alternating, reused across syncs)."""
@@ -221,17 +237,30 @@ class _Endpoint:
 class WeightSender(_Endpoint):
     """Trainer side: ``params`` maps this rank's Megatron parameter names to tensors."""
 
-    def __init__(self, plan: SyncPlan, rank: int, group, params: Dict[str, torch.Tensor], fp8: bool = False,
-                 wire_dtype: torch.dtype = torch.bfloat16, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 verify: bool = False, ipc_peers: Optional[Set[int]] = None,
-                 pack_below_bytes: int = PACK_BELOW_BYTES):
+    def __init__(
+        self,
+        plan: SyncPlan,
+        rank: int,
+        group,
+        params: Dict[str, torch.Tensor],
+        fp8: bool = False,
+        wire_dtype: torch.dtype = torch.bfloat16,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        verify: bool = False,
+        ipc_peers: Optional[Set[int]] = None,
+        pack_below_bytes: int = PACK_BELOW_BYTES,
+    ):
         super().__init__(plan, rank, group, fp8, wire_dtype, bucket_bytes, verify, ipc_peers, pack_below_bytes)
         self.params = {name: as_2d(t) for name, t in params.items()}
-        self.peers = {dst: pair_messages(plan, rank, dst, fp8, self.boxes) for (src, dst) in plan.transfers if src == rank}
+        self.peers = {
+            dst: pair_messages(plan, rank, dst, fp8, self.boxes) for (src, dst) in plan.transfers if src == rank
+        }
         self.rounds = self._wire_rounds(self.peers)
         missing = {t.src_param for ms in plan.sends_of(rank).values() for t in ms} - set(self.params)
         if missing:
-            raise WeightSyncError(f"sync rank {rank}: the plan sends parameters this rank does not hold: {sorted(missing)[:5]}")
+            raise WeightSyncError(
+                f"sync rank {rank}: the plan sends parameters this rank does not hold: {sorted(missing)[:5]}"
+            )
 
     def _payload(self, m: Message) -> List[torch.Tensor]:
         """The message's tensors as they are at hand: a view of the parameter for a copy
@@ -239,12 +268,15 @@ class WeightSender(_Endpoint):
         if m.kind == "copy":
             t = m.transfer
             return [self.params[t.src_param][t.src_rows[0] : t.src_rows[1], t.src_cols[0] : t.src_cols[1]]]
-        box = torch.empty(m.box_rows[1] - m.box_rows[0], m.box_cols[1] - m.box_cols[0], dtype=torch.float32,
-                          device=self._device())
+        box = torch.empty(
+            m.box_rows[1] - m.box_rows[0], m.box_cols[1] - m.box_cols[0], dtype=torch.float32, device=self._device()
+        )
         for t in m.parts:
             src = self.params[t.src_param][t.src_rows[0] : t.src_rows[1], t.src_cols[0] : t.src_cols[1]]
-            box[t.dst_rows[0] - m.box_rows[0] : t.dst_rows[1] - m.box_rows[0],
-                t.dst_cols[0] - m.box_cols[0] : t.dst_cols[1] - m.box_cols[0]] = src.to(self.wire_dtype).float()
+            box[
+                t.dst_rows[0] - m.box_rows[0] : t.dst_rows[1] - m.box_rows[0],
+                t.dst_cols[0] - m.box_cols[0] : t.dst_cols[1] - m.box_cols[0],
+            ] = src.to(self.wire_dtype).float()
         q, scale_inv = fp8_format.quantize(box)
         return [q.view(torch.uint8), scale_inv]
 
@@ -259,8 +291,9 @@ class WeightSender(_Endpoint):
         for peer in ipc_peers:
             if peer in self.staging:
                 continue
-            size = max(ipc.layout([p for m in r.messages for p in self._payload_shapes(m)])[1]
-                       for r in self.rounds[peer])
+            size = max(
+                ipc.layout([p for m in r.messages for p in self._payload_shapes(m)])[1] for r in self.rounds[peer]
+            )
             self.staging[peer], handle = ipc.create_staging(size, self._device())
             ipc.send_bytes(handle, peer, self.group)
 
@@ -305,8 +338,12 @@ class WeightSender(_Endpoint):
         self._share_staging(ipc_peers)
 
         def pack(k):
-            return [op for peer, rs in rounds.items() if peer not in self.ipc_peers and k < len(rs)
-                    for op in self._round_ops(peer, k, sums)]
+            return [
+                op
+                for peer, rs in rounds.items()
+                if peer not in self.ipc_peers and k < len(rs)
+                for op in self._round_ops(peer, k, sums)
+            ]
 
         ready = pack(0) if n_rounds else []
         for k in range(n_rounds):
@@ -341,13 +378,24 @@ class WeightReceiver(_Endpoint):
     (with ``<name>_scale_inv`` tensors for fp8 weights in fp8 mode). Small enough
     to run inside an SGLang TP worker as well as in megarl's own engine."""
 
-    def __init__(self, plan: SyncPlan, rank: int, group, params: Dict[str, torch.Tensor], fp8: bool = False,
-                 wire_dtype: torch.dtype = torch.bfloat16, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 verify: bool = False, ipc_peers: Optional[Set[int]] = None,
-                 pack_below_bytes: int = PACK_BELOW_BYTES):
+    def __init__(
+        self,
+        plan: SyncPlan,
+        rank: int,
+        group,
+        params: Dict[str, torch.Tensor],
+        fp8: bool = False,
+        wire_dtype: torch.dtype = torch.bfloat16,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        verify: bool = False,
+        ipc_peers: Optional[Set[int]] = None,
+        pack_below_bytes: int = PACK_BELOW_BYTES,
+    ):
         super().__init__(plan, rank, group, fp8, wire_dtype, bucket_bytes, verify, ipc_peers, pack_below_bytes)
         self.params = {name: as_2d(t) for name, t in params.items()}
-        self.peers = {src: pair_messages(plan, src, rank, fp8, self.boxes) for (src, dst) in plan.transfers if dst == rank}
+        self.peers = {
+            src: pair_messages(plan, src, rank, fp8, self.boxes) for (src, dst) in plan.transfers if dst == rank
+        }
         self.rounds = self._wire_rounds(self.peers)
         self.late_quantised = receiver_quantised_params(plan, rank, self.boxes) if fp8 else set()
         expected = {t.name for t in plan.dst_layouts[rank]}
@@ -367,7 +415,9 @@ class WeightReceiver(_Endpoint):
         scales = self.params[fp8_format.scale_name(m.dst_param)][r0 : r0 + rb, c0 : c0 + cb]
         return [data, scales]
 
-    def _targets(self, m: Message, staging: Dict[str, torch.Tensor]) -> List[Tuple[torch.Tensor, Optional[torch.Tensor]]]:
+    def _targets(
+        self, m: Message, staging: Dict[str, torch.Tensor]
+    ) -> List[Tuple[torch.Tensor, Optional[torch.Tensor]]]:
         """(buffer to receive into, view to copy it to afterwards or None) for each payload tensor."""
         out = []
         for view, (_, dtype) in zip(self._dests(m, staging), payload_specs(m, self.wire_dtype)):
@@ -385,13 +435,17 @@ class WeightReceiver(_Endpoint):
         versions = {int(h[0]) for h in headers.values()}
         for peer, h in headers.items():
             if int(h[1]) != len(self.peers[peer]):
-                raise WeightSyncError(f"sync rank {self.rank}: sender {peer} announces {int(h[1])} messages, "
-                                      f"the plan says {len(self.peers[peer])}: the two sides use different plans")
+                raise WeightSyncError(
+                    f"sync rank {self.rank}: sender {peer} announces {int(h[1])} messages, "
+                    f"the plan says {len(self.peers[peer])}: the two sides use different plans"
+                )
         if len(versions) > 1 or (expected_version is not None and versions and versions != {expected_version}):
             raise WeightSyncError(f"sync rank {self.rank}: senders disagree on the policy version: {sorted(versions)}")
         stats.version = versions.pop() if versions else -1
-        staging = {name: torch.empty(self.params[name].shape, dtype=self.wire_dtype, device=self.params[name].device)
-                   for name in self.late_quantised}
+        staging = {
+            name: torch.empty(self.params[name].shape, dtype=self.wire_dtype, device=self.params[name].device)
+            for name in self.late_quantised
+        }
         rounds = self.rounds
         n_rounds = max((len(r) for r in rounds.values()), default=0)
         landed: Dict[int, List[Tuple[Message, List[torch.Tensor]]]] = {peer: [] for peer in self.peers}
@@ -411,8 +465,9 @@ class WeightReceiver(_Endpoint):
                     pack = self._pack(peer, k, next(iter(self.params.values())).device)
                     ops.append(self._p2p(dist.irecv, pack, peer))
                     for i, j, offset in r.packed:
-                        copies.append((_region(pack, offset, payload_specs(r.messages[i], self.wire_dtype)[j]),
-                                       dests[i][j]))
+                        copies.append(
+                            (_region(pack, offset, payload_specs(r.messages[i], self.wire_dtype)[j]), dests[i][j])
+                        )
                 for i, j in r.direct:
                     _, dtype = payload_specs(r.messages[i], self.wire_dtype)[j]
                     view = dests[i][j]

@@ -102,8 +102,11 @@ def _patch_heartbeat(module) -> None:
     module.Heartbeat.__init__ = marked_init
 
 
-_PATCHES = {"megarl.weight_sync.transport": _patch_transport, "megarl.checkpointing.manifest": _patch_manifest,
-            "megarl.runtime.heartbeat": _patch_heartbeat}
+_PATCHES = {
+    "megarl.weight_sync.transport": _patch_transport,
+    "megarl.checkpointing.manifest": _patch_manifest,
+    "megarl.runtime.heartbeat": _patch_heartbeat,
+}
 
 
 class _PatchAfterImport(importlib.abc.MetaPathFinder):

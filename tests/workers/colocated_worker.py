@@ -88,9 +88,18 @@ def main():
                     stats = copy_colocated(spec, chunks, params, fp8_band_bytes=band_bytes)
                 case = f"{tag}_{name}_{engine}"
                 torch.save(params, os.path.join(args.out, f"{case}_rank{rank}.pt"))
-                records.append({"case": case, "model": tag, "layout": name, "engine": engine, "rank": rank,
-                                "dp": world // (layout.tp * layout.pp), "tracked_peak_bytes": tracker.peak,
-                                **stats.as_dict()})
+                records.append(
+                    {
+                        "case": case,
+                        "model": tag,
+                        "layout": name,
+                        "engine": engine,
+                        "rank": rank,
+                        "dp": world // (layout.tp * layout.pp),
+                        "tracked_peak_bytes": tracker.peak,
+                        **stats.as_dict(),
+                    }
+                )
             del chunks
     with open(os.path.join(args.out, f"stats_rank{rank}.json"), "w") as f:
         json.dump(records, f)

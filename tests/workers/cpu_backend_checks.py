@@ -100,8 +100,11 @@ def fake_cuda() -> dict:
     original = torch.cuda.current_device
     import megatron_patches.cpu_backend as cpu_backend
 
-    return {"applied": cpu_backend.apply(), "untouched": torch.cuda.current_device is original,
-            "mode_active": cpu_backend.is_active()}
+    return {
+        "applied": cpu_backend.apply(),
+        "untouched": torch.cuda.current_device is original,
+        "mode_active": cpu_backend.is_active(),
+    }
 
 
 def other_version() -> dict:

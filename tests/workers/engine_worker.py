@@ -1,6 +1,6 @@
 """Rank body for the tensor-parallel engine test: every rank runs the same schedule.
 
-    torchrun --nproc-per-node 3 tests/workers/engine_worker.py --hf DIR --prompts FILE --out FILE
+torchrun --nproc-per-node 3 tests/workers/engine_worker.py --hf DIR --prompts FILE --out FILE
 """
 
 import argparse
@@ -31,8 +31,15 @@ def main():
     tp = dist.get_world_size()
     hf = SafetensorsCheckpoint(args.hf)
     spec = json.load(open(args.prompts))
-    engine = TorchEngine(hf.spec, load_generator_params(hf, tp, rank, torch.float32), max_running=4,
-                         max_seq_len=384, tp=tp, tp_rank=rank, group=dist.group.WORLD)
+    engine = TorchEngine(
+        hf.spec,
+        load_generator_params(hf, tp, rank, torch.float32),
+        max_running=4,
+        max_seq_len=384,
+        tp=tp,
+        tp_rank=rank,
+        group=dist.group.WORLD,
+    )
     params = SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens, stop_token_ids=tuple(spec["stops"]))
     engine.submit([GenerationRequest(str(i), ids, params) for i, ids in enumerate(spec["prompts"])])
     done = engine.run_until_idle()

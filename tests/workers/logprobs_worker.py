@@ -35,8 +35,10 @@ def main():
         mine, case["targets"], case["vocab_size"], case["temperature"], with_entropy=True, chunk_tokens=5
     )
     (logp * case["w_logp"] + entropy * case["w_entropy"]).sum().backward()
-    torch.save({"logp": logp.detach(), "entropy": entropy.detach(), "grad": mine.grad},
-               os.path.join(args.out, f"rank{rank}.pt"))
+    torch.save(
+        {"logp": logp.detach(), "entropy": entropy.detach(), "grad": mine.grad},
+        os.path.join(args.out, f"rank{rank}.pt"),
+    )
     shutdown()
 
 

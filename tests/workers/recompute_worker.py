@@ -93,8 +93,9 @@ def main():
         settings = OptimizerSettings(lr=1e-3, use_distributed_optimizer=False)
         ddp = wrap_ddp(chunks, settings)
         optimizer = build_optimizer(ddp, settings)
-        trainer = PolicyTrainer(ddp, optimizer, spec.vocab_size, LossConfig(params={"rho": RHO},
-                                                                            temperature=TEMPERATURE), 64)
+        trainer = PolicyTrainer(
+            ddp, optimizer, spec.vocab_size, LossConfig(params={"rho": RHO}, temperature=TEMPERATURE), 64
+        )
         meter = ActivationMeter([q for c in chunks for q in c.parameters()])
         with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
             plan, _ = trainer.forward_backward(samples)

@@ -41,7 +41,11 @@ def fresh(checkpoint, layout):
 def adam_step_counts(optimizer) -> dict:
     """Step count of every parameter's Adam state on this rank, and how many distinct tensors hold them."""
     steps = [s["step"] for opt in optimizer.chained_optimizers for s in opt.optimizer.state.values()]
-    return {"values": sorted({float(t) for t in steps}), "distinct_objects": len({id(t) for t in steps}), "n": len(steps)}
+    return {
+        "values": sorted({float(t) for t in steps}),
+        "distinct_objects": len({id(t) for t in steps}),
+        "n": len(steps),
+    }
 
 
 def main():

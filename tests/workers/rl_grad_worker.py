@@ -76,7 +76,7 @@ def main():
             layer = _output_layer(chunk)
             if layer is not None:
                 layer.register_forward_hook(count_rows)
-        for case in (cases[0].split(",") if cases else ["aipo"]):
+        for case in cases[0].split(",") if cases else ["aipo"]:
             loss = LossConfig(**CASES[case], temperature=TEMPERATURE, max_new_tokens=MAX_NEW_TOKENS, max_lag=MAX_LAG)
             trainer = PolicyTrainer(ddp, optimizer, spec.vocab_size, loss, int(budget))
             rows.zero_()
@@ -89,10 +89,13 @@ def main():
             save_grads(ddp, spec, os.path.join(args.out, name))
             if dist.get_rank() == 0:
                 record = dict(zip(trainer.stat_fields, totals.tolist()))
-                record.update(metrics=metrics_from_totals(totals, MAX_LAG), micro_batches=len(plan.micro_batches),
-                              output_layer_rows=output_layer_rows.item(),
-                              efficiency=plan.efficiency,
-                              trainer_logprobs=[s.meta["trainer_logprobs"] for s in samples])
+                record.update(
+                    metrics=metrics_from_totals(totals, MAX_LAG),
+                    micro_batches=len(plan.micro_batches),
+                    output_layer_rows=output_layer_rows.item(),
+                    efficiency=plan.efficiency,
+                    trainer_logprobs=[s.meta["trainer_logprobs"] for s in samples],
+                )
                 with open(os.path.join(args.out, name + ".json"), "w") as f:
                     json.dump(record, f)
     shutdown()

@@ -40,17 +40,29 @@ ENTROPY_COEF = 0.05
 KL_LR_AWAY = 1e-3  # step 1
 KL_LR = 1e-4  # steps 2, 3: lr x the KL's curvature along the step (|g|^2 / 2 KL ~ 700 here) ~ 0.07
 CASES = {
-    "custom": (LossConfig(name="examples.losses.entropy_bonus:aipo_with_entropy_bonus",
-                          params={"rho": RHO, "entropy_coef": ENTROPY_COEF}, temperature=TEMPERATURE),
-               OptimizerSettings(lr=1e-2)),
-    "nan": (LossConfig(name="tests.workers.nan_loss:aipo_with_nan", params={"rho": RHO}, temperature=TEMPERATURE),
-            OptimizerSettings(lr=1e-2)),
-    "overlong": (LossConfig(name="aipo", params={"rho": RHO}, temperature=TEMPERATURE, overlong="mask",
-                            max_new_tokens=16), OptimizerSettings(lr=1e-2)),
-    "kl": (LossConfig(name="aipo", params={"rho": RHO}, temperature=TEMPERATURE, kl_coef=1.0),
-           # Megatron's distributed optimizer is Adam-only
-           OptimizerSettings(optimizer="sgd", sgd_momentum=0.0, lr=KL_LR_AWAY, clip_grad=0.0,
-                             use_distributed_optimizer=False)),
+    "custom": (
+        LossConfig(
+            name="examples.losses.entropy_bonus:aipo_with_entropy_bonus",
+            params={"rho": RHO, "entropy_coef": ENTROPY_COEF},
+            temperature=TEMPERATURE,
+        ),
+        OptimizerSettings(lr=1e-2),
+    ),
+    "nan": (
+        LossConfig(name="tests.workers.nan_loss:aipo_with_nan", params={"rho": RHO}, temperature=TEMPERATURE),
+        OptimizerSettings(lr=1e-2),
+    ),
+    "overlong": (
+        LossConfig(name="aipo", params={"rho": RHO}, temperature=TEMPERATURE, overlong="mask", max_new_tokens=16),
+        OptimizerSettings(lr=1e-2),
+    ),
+    "kl": (
+        LossConfig(name="aipo", params={"rho": RHO}, temperature=TEMPERATURE, kl_coef=1.0),
+        # Megatron's distributed optimizer is Adam-only
+        OptimizerSettings(
+            optimizer="sgd", sgd_momentum=0.0, lr=KL_LR_AWAY, clip_grad=0.0, use_distributed_optimizer=False
+        ),
+    ),
 }
 
 
@@ -79,8 +91,10 @@ def main():
                 group["lr"] = KL_LR
             metrics[case] += [trainer.step(equal, version=VERSION) for _ in range(2)]
         elif case == "overlong":
-            cut = [dataclasses.replace(s, meta={"finish_reason": "length" if i in (0, 3) else "stop"})
-                   for i, s in enumerate(samples)]
+            cut = [
+                dataclasses.replace(s, meta={"finish_reason": "length" if i in (0, 3) else "stop"})
+                for i, s in enumerate(samples)
+            ]
             metrics[case] = [trainer.step(cut, version=VERSION)]
             metrics[case][0]["handed_back"] = ["trainer_logprobs" in s.meta for s in cut]
         else:

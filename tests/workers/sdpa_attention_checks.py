@@ -15,15 +15,14 @@ import torch  # noqa: E402
 
 
 def main() -> None:
+    import types
+
+    import megarl.models.sdpa_attention as sdpa_module
     from megarl.bench.attention import core_attention_pair
     from megarl.models.megatron_llama import layer_spec
     from megarl.models.sdpa_attention import SdpaDotProductAttention
     from megarl.runtime.distributed import ParallelLayout, init_distributed, init_megatron, shutdown
     from megarl.trainer.packing import _segments_mask
-
-    import types
-
-    import megarl.models.sdpa_attention as sdpa_module
 
     calls = []  # the fused path must be the one taken (Megatron's forward is its fallback): (case, rows, causal, masked)
     fused = torch.nn.functional.scaled_dot_product_attention
@@ -36,8 +35,10 @@ def main() -> None:
     sdpa_module.F = types.SimpleNamespace(scaled_dot_product_attention=counted)
     init_distributed()
     init_megatron(ParallelLayout(1, 1))
-    out = {"local_spec_uses_sdpa":
-           layer_spec(False).submodules.self_attention.submodules.core_attention is SdpaDotProductAttention}
+    out = {
+        "local_spec_uses_sdpa": layer_spec(False).submodules.self_attention.submodules.core_attention
+        is SdpaDotProductAttention
+    }
     heads, groups, dim, s, b = 9, 3, 64, 96, 2
     segments = torch.tensor([0] * 40 + [1] * 33 + [2] * 15 + [3] * 8)  # 3 samples, then padding
     shared_prefix = _segments_mask(segments).clone()
@@ -53,8 +54,7 @@ def main() -> None:
         v = torch.randn(s, b, groups, dim, generator=g).to(dtype)
         grad_out = torch.randn(s, b, heads * dim, generator=g).to(dtype)
         outputs = {}
-        for case, mask in (("segments", _segments_mask(segments)), ("shared_prefix", shared_prefix),
-                           ("causal", None)):
+        for case, mask in (("segments", _segments_mask(segments)), ("shared_prefix", shared_prefix), ("causal", None)):
             case_now[0] = f"{case}_{tag}"
             results = []
             for layer in (layers["megatron"], layers["sdpa"]):
@@ -69,8 +69,7 @@ def main() -> None:
                 "max_ref": [float(a.abs().max()) for a in results[0]],
             }
         # the segment mask is more than causal: ignoring it would change the output this much
-        out[f"segments_vs_causal_{tag}"] = float(
-            (outputs["segments"] - outputs["causal"]).abs().max())
+        out[f"segments_vs_causal_{tag}"] = float((outputs["segments"] - outputs["causal"]).abs().max())
     out["sdpa_calls"] = calls
     print(json.dumps(out))
     shutdown()

@@ -34,8 +34,9 @@ SETTINGS = OptimizerSettings(optimizer="adam", lr=0.5, adam_eps=1.0, clip_grad=1
 def run_steps(ddp, optimizer, spec, steps: int) -> list:
     record = []
     for _ in range(steps):
-        result = train_step(ddp, optimizer, make_forward_step(spec.vocab_size), micro_batches(spec.vocab_size), SEQ,
-                            MICRO_BATCH)
+        result = train_step(
+            ddp, optimizer, make_forward_step(spec.vocab_size), micro_batches(spec.vocab_size), SEQ, MICRO_BATCH
+        )
         record.append({"loss": global_loss(result["losses"]), "grad_norm": float(result["grad_norm"])})
     return record
 

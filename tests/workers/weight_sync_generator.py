@@ -61,8 +61,9 @@ def main():
         version += 1
         if args.baseline:
             groups = [stage_group(store, version, s, args.generators, 1 + rank) for s in range(trainer.pp)]
-            got = gather_broadcast_receive(spec, trainer, case.dst_tp, tp_rank, params, groups, case.dtype,
-                                           args.bucket_bytes, fp8=case.fp8)
+            got = gather_broadcast_receive(
+                spec, trainer, case.dst_tp, tp_rank, params, groups, case.dtype, args.bucket_bytes, fp8=case.fp8
+            )
             for g in groups:
                 destroy_sync_group(g)
             stats = SyncStats(version=version, bytes_received=got["received_bytes"])
@@ -71,19 +72,49 @@ def main():
             ipc_peers = set(range(args.trainers)) if args.ipc else None
             pack_below = pack_threshold(args, version)
             if pack_below is None:
-                stats = GeneratorSync(spec, trainer, generator, replica, tp_rank, params, group, fp8=case.fp8,
-                                      wire_dtype=case.dtype, verify=True, plan=plan, bucket_bytes=args.bucket_bytes,
-                                      ipc_peers=ipc_peers).pull(expected_version=version)
+                stats = GeneratorSync(
+                    spec,
+                    trainer,
+                    generator,
+                    replica,
+                    tp_rank,
+                    params,
+                    group,
+                    fp8=case.fp8,
+                    wire_dtype=case.dtype,
+                    verify=True,
+                    plan=plan,
+                    bucket_bytes=args.bucket_bytes,
+                    ipc_peers=ipc_peers,
+                ).pull(expected_version=version)
             else:
-                stats = WeightReceiver(plan, generator.rank(replica, tp_rank), group, params, case.fp8, case.dtype,
-                                       args.bucket_bytes, verify=True, ipc_peers=ipc_peers,
-                                       pack_below_bytes=pack_below).receive(expected_version=version)
+                stats = WeightReceiver(
+                    plan,
+                    generator.rank(replica, tp_rank),
+                    group,
+                    params,
+                    case.fp8,
+                    case.dtype,
+                    args.bucket_bytes,
+                    verify=True,
+                    ipc_peers=ipc_peers,
+                    pack_below_bytes=pack_below,
+                ).receive(expected_version=version)
         full, config = hf_tensors(case.model)
         reference = sglang_shard(full, config, case.dst_tp, tp_rank)
-        record = {"case": case.name, "rank": rank, "version": stats.version, "bytes_received": stats.bytes_received,
-                  "rounds": stats.rounds, "wire_messages": stats.wire_messages, "messages": stats.messages,
-                  "pack_below": None if args.baseline else pack_threshold(args, version),
-                  "mismatches": [], "max_fp8_error": 0.0, "scale_mismatches": []}
+        record = {
+            "case": case.name,
+            "rank": rank,
+            "version": stats.version,
+            "bytes_received": stats.bytes_received,
+            "rounds": stats.rounds,
+            "wire_messages": stats.wire_messages,
+            "messages": stats.messages,
+            "pack_below": None if args.baseline else pack_threshold(args, version),
+            "mismatches": [],
+            "max_fp8_error": 0.0,
+            "scale_mismatches": [],
+        }
         # The shard's size: every element SGLang's loader writes (not the vocabulary padding).
         real = 0
         for name, ref in reference.items():

@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import torch.distributed as dist  # noqa: E402
 from lm_batch import parse_layout  # noqa: E402
+from weight_sync_cases import cases  # noqa: E402
 
 from megarl.models.loading import load_llama  # noqa: E402
 from megarl.runtime.distributed import init_distributed, init_megatron, shutdown  # noqa: E402
@@ -26,7 +27,6 @@ from megarl.weight_sync.endpoints import TrainerSync, megatron_params  # noqa: E
 from megarl.weight_sync.planner import GeneratorTopology, TrainerTopology, build_plan  # noqa: E402
 from megarl.weight_sync.rendezvous import destroy_sync_group, init_sync_group  # noqa: E402
 from megarl.weight_sync.transport import WeightSender  # noqa: E402
-from weight_sync_cases import cases  # noqa: E402
 
 
 def main():
@@ -55,25 +55,49 @@ def main():
         plan = build_plan(spec, trainer, generator)
         pack_below = pack_threshold(args, version)
         if pack_below is None:
-            TrainerSync(spec, trainer, generator, chunks, group, rank, fp8=case.fp8, wire_dtype=case.dtype,
-                        verify=True, plan=plan, bucket_bytes=args.bucket_bytes, ipc_peers=ipc_peers).push(version)
+            TrainerSync(
+                spec,
+                trainer,
+                generator,
+                chunks,
+                group,
+                rank,
+                fp8=case.fp8,
+                wire_dtype=case.dtype,
+                verify=True,
+                plan=plan,
+                bucket_bytes=args.bucket_bytes,
+                ipc_peers=ipc_peers,
+            ).push(version)
         else:
-            WeightSender(plan, rank, group, megatron_params(chunks), case.fp8, case.dtype, args.bucket_bytes,
-                         verify=True, ipc_peers=ipc_peers, pack_below_bytes=pack_below).send(version)
+            WeightSender(
+                plan,
+                rank,
+                group,
+                megatron_params(chunks),
+                case.fp8,
+                case.dtype,
+                args.bucket_bytes,
+                verify=True,
+                ipc_peers=ipc_peers,
+                pack_below_bytes=pack_below,
+            ).send(version)
     dist.barrier(group=group)
     shutdown()
 
 
 def sync_group(args, sync_rank: int, size: int):
     """The sync group over a TCP store (hosted by sync rank 0) that the baseline's groups share."""
-    store = dist.TCPStore("127.0.0.1", args.port, size, is_master=sync_rank == 0,
-                          timeout=datetime.timedelta(seconds=300))
+    store = dist.TCPStore(
+        "127.0.0.1", args.port, size, is_master=sync_rank == 0, timeout=datetime.timedelta(seconds=300)
+    )
     return store, init_sync_group("127.0.0.1", args.port, size, sync_rank, store=store)
 
 
 def stage_group(store, version: int, stage: int, generators: int, rank_in_group: int):
-    return init_sync_group("127.0.0.1", 0, 1 + generators, rank_in_group, group_name=f"baseline{version}-pp_{stage}",
-                           store=store)
+    return init_sync_group(
+        "127.0.0.1", 0, 1 + generators, rank_in_group, group_name=f"baseline{version}-pp_{stage}", store=store
+    )
 
 
 def pack_threshold(args, version: int):
@@ -90,8 +114,17 @@ def run_baseline(args, spec, trainer, chunks, rank, case, version, store):
 
     sources = {trainer.rank(0, 0, s): s for s in range(trainer.pp)}
     group = stage_group(store, version, sources[rank], args.generators, 0) if rank in sources else None
-    gather_broadcast_send(spec, trainer, rank, megatron_params(chunks), parallel_state.get_tensor_model_parallel_group(),
-                          group, case.dtype, args.bucket_bytes, fp8=case.fp8)
+    gather_broadcast_send(
+        spec,
+        trainer,
+        rank,
+        megatron_params(chunks),
+        parallel_state.get_tensor_model_parallel_group(),
+        group,
+        case.dtype,
+        args.bucket_bytes,
+        fp8=case.fp8,
+    )
     if group is not None:
         destroy_sync_group(group)
 
@@ -107,8 +140,13 @@ def parse():
     p.add_argument("--fp8", action="store_true")
     p.add_argument("--ipc", action="store_true", help="treat every pair as colocated (shared-memory path)")
     p.add_argument("--bucket-bytes", type=int, default=1 << 16)
-    p.add_argument("--pack-below", nargs="*", type=int, default=[],
-                   help="transport pack thresholds (bytes), used in turn case by case; -1: the default")
+    p.add_argument(
+        "--pack-below",
+        nargs="*",
+        type=int,
+        default=[],
+        help="transport pack thresholds (bytes), used in turn case by case; -1: the default",
+    )
     p.add_argument("--baseline", action="store_true", help="run baseline.py's gather + broadcast instead")
     p.add_argument("--out", default=None)
     return p.parse_args()

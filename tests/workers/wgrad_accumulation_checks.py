@@ -38,8 +38,9 @@ def build(tied: bool, dtype: torch.dtype):
 def megatron_ddp(model):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    return DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True,
-                                                                              use_distributed_optimizer=True), model)
+    return DistributedDataParallel(
+        model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True), model
+    )
 
 
 def micro_batches(vocab: int):
@@ -86,8 +87,7 @@ def step(ddp, batches) -> dict:
     for event in prof.key_averages():
         ops[event.key] = event.count
     grads = {n: p.main_grad.detach().clone() for n, p in ddp.module.named_parameters()}
-    return {"grads": grads, "ops": ops,
-            "sync_changed": any(not torch.equal(before_sync[n], grads[n]) for n in grads)}
+    return {"grads": grads, "ops": ops, "sync_changed": any(not torch.equal(before_sync[n], grads[n]) for n in grads)}
 
 
 def main() -> None:
@@ -107,8 +107,10 @@ def main() -> None:
             new = step(wrap_ddp([fused])[0], batches)
             case = f"{'tied' if tied else 'untied'}_{tag}"
             out[case] = {
-                "relative_diff": {n: float((new["grads"][n] - g).abs().max() / g.abs().max().clamp_min(1e-30))
-                                  for n, g in ref["grads"].items()},
+                "relative_diff": {
+                    n: float((new["grads"][n] - g).abs().max() / g.abs().max().clamp_min(1e-30))
+                    for n, g in ref["grads"].items()
+                },
                 "zero_grads": [n for n, g in ref["grads"].items() if not g.abs().max() > 0],
                 "dense_embedding_backward": [r["ops"].get("aten::embedding_dense_backward", 0) for r in (ref, new)],
                 "reduce_scatter": [sum(c for k, c in r["ops"].items() if "reduce_scatter" in k) for r in (ref, new)],
@@ -117,9 +119,12 @@ def main() -> None:
             if tied and tag == "fp32":  # trainer.gradient_accumulation_fusion: false -- Megatron's unfused path
                 off = step(wrap_ddp([build(tied, dtype)], wgrad_fusion=False)[0], batches)
                 out[case]["fusion_off"] = {
-                    "max_relative_diff": max(float((off["grads"][n] - g).abs().max() / g.abs().max().clamp_min(1e-30))
-                                             for n, g in ref["grads"].items()),
-                    "dense_embedding_backward": off["ops"].get("aten::embedding_dense_backward", 0)}
+                    "max_relative_diff": max(
+                        float((off["grads"][n] - g).abs().max() / g.abs().max().clamp_min(1e-30))
+                        for n, g in ref["grads"].items()
+                    ),
+                    "dense_embedding_backward": off["ops"].get("aten::embedding_dense_backward", 0),
+                }
     print(json.dumps(out))
     shutdown()
 

@@ -24,18 +24,21 @@ from megarl.errors import ConfigError
 from megarl.generator.sglang import serving
 
 
-def replica_commands(cfg, model_path: Optional[str], host: str = "0.0.0.0", hosts: Sequence[str] = (),
-                     gpus_per_node: int = 8) -> List[str]:
+def replica_commands(
+    cfg, model_path: Optional[str], host: str = "0.0.0.0", hosts: Sequence[str] = (), gpus_per_node: int = 8
+) -> List[str]:
     g = cfg.generator
     if g.backend != "sglang":
         raise ConfigError(f"generator.backend is {g.backend!r}: sglang-command is for generator.backend=sglang")
     if model_path is None:
         source = Path(cfg.model.source)
         if g.fp8 or not (source / "config.json").is_file():
-            raise ConfigError("--model-path: give the Hugging Face directory the servers load (the policy's "
-                              "weights; for generator.fp8 a block-fp8 one: `megarl convert megatron-to-hf "
-                              "--megatron CKPT --output DIR --fp8`); only a bf16 run from an HF model.source "
-                              "can default to it")
+            raise ConfigError(
+                "--model-path: give the Hugging Face directory the servers load (the policy's "
+                "weights; for generator.fp8 a block-fp8 one: `megarl convert megatron-to-hf "
+                "--megatron CKPT --output DIR --fp8`); only a bf16 run from an HF model.source "
+                "can default to it"
+            )
         model_path = str(source.resolve())
     env = f"{serving.SYNC_CONFIG_ENV}={shlex.quote(str(serving.sync_config_path(cfg.run.output_dir)))}"
     lines = []
@@ -59,8 +62,14 @@ def replica_commands(cfg, model_path: Optional[str], host: str = "0.0.0.0", host
     return lines
 
 
-def run(config_path: str, overrides: Sequence[str], model_path: Optional[str], replica: Optional[int],
-        hosts: str = "", gpus_per_node: int = 8) -> None:
+def run(
+    config_path: str,
+    overrides: Sequence[str],
+    model_path: Optional[str],
+    replica: Optional[int],
+    hosts: str = "",
+    gpus_per_node: int = 8,
+) -> None:
     from megarl.config import load_config
 
     cfg = load_config(config_path, overrides)

@@ -64,9 +64,18 @@ def get_ok(url: str, path: str, timeout_s: float) -> bool:
 
 
 class SglangBackend(GeneratorBackend):
-    def __init__(self, url: str, replica: int = 0, max_inflight: int = 256, request_timeout_s: float = 3600.0,
-                 control_timeout_s: float = 600.0, health_interval_s: float = 5.0, health_timeout_s: float = 60.0,
-                 server=None, on_failure: Optional[Callable[[str], None]] = None):
+    def __init__(
+        self,
+        url: str,
+        replica: int = 0,
+        max_inflight: int = 256,
+        request_timeout_s: float = 3600.0,
+        control_timeout_s: float = 600.0,
+        health_interval_s: float = 5.0,
+        health_timeout_s: float = 60.0,
+        server=None,
+        on_failure: Optional[Callable[[str], None]] = None,
+    ):
         """``server``: the SglangServer this job launched for the replica (None when attached);
         ``on_failure(message)``: what the watchdog does about a dead server (default: end the rank)."""
         self.url = url.rstrip("/")
@@ -106,14 +115,20 @@ class SglangBackend(GeneratorBackend):
     def _generate(self, request: GenerationRequest, index: int) -> None:
         rid = protocol.sample_rid(request, index)
         try:
-            out = post(self.url, "/generate", protocol.generate_payload(request, index), self.request_timeout_s, self.name)
+            out = post(
+                self.url, "/generate", protocol.generate_payload(request, index), self.request_timeout_s, self.name
+            )
             c = protocol.parse_generate_output(out, request, index, self.url, self.version or 0)
             if c.finish_reason == ABORTED and rid not in self.aborting:
-                raise SglangServerError(f"{self.name}: request {rid} was aborted by the server, not by megarl: "
-                                        f"{out.get('meta_info', {}).get('finish_reason')}")
+                raise SglangServerError(
+                    f"{self.name}: request {rid} was aborted by the server, not by megarl: "
+                    f"{out.get('meta_info', {}).get('finish_reason')}"
+                )
             self.done.put(c)
         except BaseException as e:  # surfaced by the next step(): never lose a failure in a thread
-            self.done.put(self._explain(e if isinstance(e, MegarlError) else SglangServerError(f"{self.name}: {rid}: {e!r}")))
+            self.done.put(
+                self._explain(e if isinstance(e, MegarlError) else SglangServerError(f"{self.name}: {rid}: {e!r}"))
+            )
         finally:
             with self.lock:
                 self.inflight.pop(rid, None)
@@ -156,8 +171,9 @@ class SglangBackend(GeneratorBackend):
     def _explain(self, err: MegarlError) -> MegarlError:
         """A failed request to a launched server that has exited: say so, and where its log is."""
         if self.server is not None and self.server.exited(wait_s=1.0) is not None:
-            return SglangServerError(f"{self.name} exited with code {self.server.exited()} ({err}); its log: "
-                                     f"{self.server.log_path}")
+            return SglangServerError(
+                f"{self.name} exited with code {self.server.exited()} ({err}); its log: {self.server.log_path}"
+            )
         return err
 
     def update_weights(self, apply: Callable[[], object]):
@@ -210,8 +226,13 @@ class SglangBackend(GeneratorBackend):
         with self.lock:
             inflight = len(self.inflight)
         elapsed = time.perf_counter() - self.started
-        return {"queue_depth": 0, "running": inflight + self.done.qsize(), "generated_tokens": self.generated_tokens,
-                "tokens_per_s": self.generated_tokens / elapsed if elapsed else 0.0, "version": self.version}
+        return {
+            "queue_depth": 0,
+            "running": inflight + self.done.qsize(),
+            "generated_tokens": self.generated_tokens,
+            "tokens_per_s": self.generated_tokens / elapsed if elapsed else 0.0,
+            "version": self.version,
+        }
 
     def close(self) -> None:
         if self.closed.is_set():

@@ -55,14 +55,18 @@ def serving_model(run_dir, store, replica: int, fp8: bool, dtype: str, timeout_s
         if replica == 0:
             store.wait([POLICY_KEY], timeout)
             shutil.rmtree(out, ignore_errors=True)
-            convert(MegatronToHf(megatron=store.get(POLICY_KEY).decode(), output=str(out), dtype=dtype, fp8=fp8,
-                                 progress=False))
+            convert(
+                MegatronToHf(
+                    megatron=store.get(POLICY_KEY).decode(), output=str(out), dtype=dtype, fp8=fp8, progress=False
+                )
+            )
             store.set(MODEL_KEY, str(out))
         else:
             store.wait([MODEL_KEY], timeout)
     except RuntimeError as e:  # the store's wait timed out, or the store is gone (rank 0 died)
-        raise MegarlError(f"generator replica {replica}: the serving checkpoint {out} was not ready within "
-                          f"{timeout_s:.0f} s ({e})") from None
+        raise MegarlError(
+            f"generator replica {replica}: the serving checkpoint {out} was not ready within {timeout_s:.0f} s ({e})"
+        ) from None
     return out
 
 
@@ -71,9 +75,12 @@ def start_replica_server(g, replica: int, model_dir: Path, run_dir, base_gpu_id:
     from megarl.generator.sglang.server import SglangServer
 
     url = f"http://127.0.0.1:{g.sglang_port + replica}"
-    server = SglangServer(serving.replica_command(g, replica, str(model_dir), base_gpu_id),
-                          serving.server_env(str(serving.sync_config_path(run_dir))),
-                          serving.sglang_dir(run_dir) / f"replica{replica}.log", url,
-                          f"SGLang server of generator replica {replica} ({url})")
+    server = SglangServer(
+        serving.replica_command(g, replica, str(model_dir), base_gpu_id),
+        serving.server_env(str(serving.sync_config_path(run_dir))),
+        serving.sglang_dir(run_dir) / f"replica{replica}.log",
+        url,
+        f"SGLang server of generator replica {replica} ({url})",
+    )
     server.wait_healthy(g.sglang_startup_timeout_s)
     return server

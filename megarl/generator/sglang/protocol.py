@@ -117,14 +117,16 @@ def token_versions(meta_info: Dict, n_tokens: int, server_version: int) -> List[
     return versions
 
 
-def parse_generate_output(out: Dict, request: GenerationRequest, sample_index: int, server: str = "?",
-                          server_version: int = 0) -> Completion:
+def parse_generate_output(
+    out: Dict, request: GenerationRequest, sample_index: int, server: str = "?", server_version: int = 0
+) -> Completion:
     """One ``/generate`` answer -> a Completion (tokens, behaviour log-probs, versions)."""
     rid = sample_rid(request, sample_index)
     meta = out.get("meta_info")
     if meta is None or "output_ids" not in out:
-        raise SglangResponseError(f"server {server}, request {rid}: answer has no output_ids/meta_info: "
-                                  f"{str(out)[:300]}")
+        raise SglangResponseError(
+            f"server {server}, request {rid}: answer has no output_ids/meta_info: {str(out)[:300]}"
+        )
     output_ids = [int(t) for t in out["output_ids"]]
     entries = meta.get("output_token_logprobs")
     if entries is None or len(entries) != len(output_ids):
@@ -137,16 +139,26 @@ def parse_generate_output(out: Dict, request: GenerationRequest, sample_index: i
     for i, (entry, token) in enumerate(zip(entries, output_ids)):
         logprob, entry_token = entry[0], entry[1]  # [logprob, token_id, token_text or None]
         if int(entry_token) != token:
-            raise SglangResponseError(f"server {server}, request {rid}: log-prob {i} is for token {entry_token}, "
-                                      f"output token is {token}")
+            raise SglangResponseError(
+                f"server {server}, request {rid}: log-prob {i} is for token {entry_token}, output token is {token}"
+            )
         logprobs.append(float(logprob))
     finish = meta.get("finish_reason") or {}
     kind = finish.get("type") if isinstance(finish, dict) else str(finish)
     # an abort megarl asked for (the caller checks that it did); its tokens are never trained on
     reason = ABORTED if kind == "abort" else "length" if kind == "length" else "stop"
     versions = token_versions(meta, len(output_ids), server_version)
-    return Completion(request.request_id, sample_index, request.group_id, list(request.prompt_ids), output_ids,
-                      logprobs, versions, reason, dict(request.meta))
+    return Completion(
+        request.request_id,
+        sample_index,
+        request.group_id,
+        list(request.prompt_ids),
+        output_ids,
+        logprobs,
+        versions,
+        reason,
+        dict(request.meta),
+    )
 
 
 def abort_payload(rid: str) -> Dict:
@@ -165,7 +177,9 @@ def parse_sync_trigger_name(name: str) -> Tuple[int, int]:
     """(version, replica) from the trigger's tensor name; names the fault otherwise."""
     parts = name.split("/")
     if len(parts) != 3 or parts[0] != SYNC_TENSOR_PREFIX:
-        raise MegarlError(f"megarl's weight loader got tensor {name!r}; expected '{SYNC_TENSOR_PREFIX}/<version>/<replica>'")
+        raise MegarlError(
+            f"megarl's weight loader got tensor {name!r}; expected '{SYNC_TENSOR_PREFIX}/<version>/<replica>'"
+        )
     return int(parts[1]), int(parts[2])
 
 
@@ -180,16 +194,21 @@ def sync_trigger_payload(version: int, replica: int, tp: int, loader: str) -> Di
     on any host, and passes SGLang's SafeUnpickler allow-list (an empty
     storage rebuilds through ``rebuild_storage_empty``).
     """
-    import torch
     from multiprocessing.reduction import ForkingPickler
 
+    import torch
     import torch.multiprocessing  # noqa: F401  (registers torch's ForkingPickler reductions)
 
     buf = io.BytesIO()
     ForkingPickler(buf).dump([(sync_trigger_name(version, replica), torch.empty(0, dtype=torch.int64))])
     blob = base64.b64encode(buf.getvalue()).decode()
-    return {"serialized_named_tensors": [blob] * tp, "load_format": loader, "flush_cache": False,
-            "abort_all_requests": False, "weight_version": str(version)}
+    return {
+        "serialized_named_tensors": [blob] * tp,
+        "load_format": loader,
+        "flush_cache": False,
+        "abort_all_requests": False,
+        "weight_version": str(version),
+    }
 
 
 def update_version_payload(version: int) -> Dict:
@@ -197,8 +216,13 @@ def update_version_payload(version: int) -> Dict:
     return {"new_version": str(version), "abort_all_requests": False}
 
 
-def distributed_update(names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
-                       version: int, group_name: str = "weight_update_group") -> Dict:
+def distributed_update(
+    names: Sequence[str],
+    dtypes: Sequence[str],
+    shapes: Sequence[Sequence[int]],
+    version: int,
+    group_name: str = "weight_update_group",
+) -> Dict:
     """Body of stock ``POST /update_weights_from_distributed`` for one flattened bucket.
 
     ``flush_cache: false`` keeps the paused requests' KV cache (in-flight

@@ -48,8 +48,10 @@ def wait_for_attached(url: str, name: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not get_ok(url, "/health", timeout_s=5):
         if time.monotonic() > deadline:
-            raise SglangLaunchError(f"{name} did not answer /health within {timeout_s:.0f} s "
-                                    f"(generator.sglang_startup_timeout_s); is it started, and is the URL right?")
+            raise SglangLaunchError(
+                f"{name} did not answer /health within {timeout_s:.0f} s "
+                f"(generator.sglang_startup_timeout_s); is it started, and is the URL right?"
+            )
         time.sleep(1.0)
 
 
@@ -60,8 +62,14 @@ class SglangServer:
         self._log = open(self.log_path, "ab")
         self._log.write(("$ " + " ".join(cmd) + "\n").encode())
         self._log.flush()
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     preexec_fn=_die_with_parent)
+        self.proc = subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent,
+        )
         atexit.register(self.stop)
 
     def exited(self, wait_s: float = 0.0) -> Optional[int]:
@@ -79,15 +87,19 @@ class SglangServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise SglangLaunchError(f"{self.name} exited with code {self.proc.returncode} while starting; "
-                                        f"its log ({self.log_path}) ends with:\n{_log_tail(self.log_path)}")
+                raise SglangLaunchError(
+                    f"{self.name} exited with code {self.proc.returncode} while starting; "
+                    f"its log ({self.log_path}) ends with:\n{_log_tail(self.log_path)}"
+                )
             if get_ok(self.url, "/health", timeout_s=5):
                 return
             time.sleep(0.5)
         self.stop()
-        raise SglangLaunchError(f"{self.name} did not answer /health within {timeout_s:.0f} s "
-                                f"(generator.sglang_startup_timeout_s); see its log {self.log_path}:\n"
-                                f"{_log_tail(self.log_path)}")
+        raise SglangLaunchError(
+            f"{self.name} did not answer /health within {timeout_s:.0f} s "
+            f"(generator.sglang_startup_timeout_s); see its log {self.log_path}:\n"
+            f"{_log_tail(self.log_path)}"
+        )
 
     def stop(self, grace_s: float = 20.0) -> None:
         if self.proc.poll() is None:

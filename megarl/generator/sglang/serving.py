@@ -29,7 +29,6 @@ from megarl.models.spec import LlamaSpec
 from megarl.weight_sync.fp8 import BLOCK_FP8_QUANT_CONFIG
 from megarl.weight_sync.planner import GeneratorTopology, TrainerTopology
 
-
 WORKER_LOADER = "megarl.generator.sglang.worker_receiver.pull_shards"
 SYNC_GROUP_NAME = "megarl_sglang_weight_sync"
 SYNC_CONFIG_ENV = "MEGARL_SYNC_CONFIG"
@@ -48,30 +47,75 @@ def block_fp8_hf_config(hf_config: Dict) -> Dict:
     return dict(hf_config, quantization_config=dict(BLOCK_FP8_QUANT_CONFIG))
 
 
-def write_sync_config(path, spec: LlamaSpec, trainer: TrainerTopology, generator: GeneratorTopology,
-                      host: str, port: int, fp8: bool, verify: bool = False, backend: str = "gloo",
-                      timeout_s: float = 600.0, wire_dtype: str = "bf16") -> str:
+def write_sync_config(
+    path,
+    spec: LlamaSpec,
+    trainer: TrainerTopology,
+    generator: GeneratorTopology,
+    host: str,
+    port: int,
+    fp8: bool,
+    verify: bool = False,
+    backend: str = "gloo",
+    timeout_s: float = 600.0,
+    wire_dtype: str = "bf16",
+) -> str:
     """The receiver's settings. ``backend``: gloo when a trainer rank may share a GPU with a
     worker (bytes then go through CUDA IPC), nccl when every sync rank has its own GPU;
     ``wire_dtype`` (bf16 | fp32): how non-fp8 bytes travel (the served dtype)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"spec": spec.to_dict(), "trainer": asdict(trainer), "generator": asdict(generator),
-                               "host": host, "port": port, "fp8": fp8, "verify": verify, "backend": backend,
-                               "group_name": SYNC_GROUP_NAME, "timeout_s": timeout_s, "wire_dtype": wire_dtype}))
+    tmp.write_text(
+        json.dumps(
+            {
+                "spec": spec.to_dict(),
+                "trainer": asdict(trainer),
+                "generator": asdict(generator),
+                "host": host,
+                "port": port,
+                "fp8": fp8,
+                "verify": verify,
+                "backend": backend,
+                "group_name": SYNC_GROUP_NAME,
+                "timeout_s": timeout_s,
+                "wire_dtype": wire_dtype,
+            }
+        )
+    )
     os.replace(tmp, path)  # a server reading it never sees half a file
     return str(path)
 
 
-def server_args(model_dir: str, port: int, tp: int, base_gpu_id: int, version: int = 0,
-                mem_fraction: float = 0.85, host: str = "127.0.0.1") -> List[str]:
+def server_args(
+    model_dir: str,
+    port: int,
+    tp: int,
+    base_gpu_id: int,
+    version: int = 0,
+    mem_fraction: float = 0.85,
+    host: str = "127.0.0.1",
+) -> List[str]:
     """``sglang.launch_server`` arguments for one generator replica (token ids in and out)."""
     return [
-        "--model-path", str(model_dir), "--host", host, "--port", str(port), "--tp-size", str(tp),
-        "--base-gpu-id", str(base_gpu_id), "--weight-version", str(version),
-        "--custom-weight-loader", WORKER_LOADER, "--mem-fraction-static", str(mem_fraction),
-        "--skip-server-warmup", "--skip-tokenizer-init",
+        "--model-path",
+        str(model_dir),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--tp-size",
+        str(tp),
+        "--base-gpu-id",
+        str(base_gpu_id),
+        "--weight-version",
+        str(version),
+        "--custom-weight-loader",
+        WORKER_LOADER,
+        "--mem-fraction-static",
+        str(mem_fraction),
+        "--skip-server-warmup",
+        "--skip-tokenizer-init",
     ]
 
 
@@ -82,8 +126,13 @@ def launcher(command: str) -> List[str]:
 
 def replica_command(g, replica: int, model_dir: str, base_gpu_id: int, host: str = "127.0.0.1") -> List[str]:
     """The full command line of replica ``replica``'s server (``g``: the generator config section)."""
-    return launcher(g.sglang_launcher) + server_args(model_dir, g.sglang_port + replica, g.tp, base_gpu_id,
-                                                     mem_fraction=g.sglang_mem_fraction, host=host) + list(g.sglang_args)
+    return (
+        launcher(g.sglang_launcher)
+        + server_args(
+            model_dir, g.sglang_port + replica, g.tp, base_gpu_id, mem_fraction=g.sglang_mem_fraction, host=host
+        )
+        + list(g.sglang_args)
+    )
 
 
 def server_env(sync_config_path: str) -> Dict[str, str]:

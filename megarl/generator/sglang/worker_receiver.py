@@ -41,11 +41,15 @@ def _config() -> dict:
 
     path = os.environ.get(SYNC_CONFIG_ENV)
     if not path:
-        raise ConfigError(f"{SYNC_CONFIG_ENV} is not set in the SGLang server's environment (start servers with "
-                          f"the command `megarl sglang-command --config FILE` prints, or let the job launch them)")
+        raise ConfigError(
+            f"{SYNC_CONFIG_ENV} is not set in the SGLang server's environment (start servers with "
+            f"the command `megarl sglang-command --config FILE` prints, or let the job launch them)"
+        )
     if not os.path.isfile(path):
-        raise ConfigError(f"{SYNC_CONFIG_ENV}={path}: no such file; the megarl job writes it at start -- is the run "
-                          f"directory shared with this server's node?")
+        raise ConfigError(
+            f"{SYNC_CONFIG_ENV}={path}: no such file; the megarl job writes it at start -- is the run "
+            f"directory shared with this server's node?"
+        )
     with open(path) as f:
         return json.load(f)
 
@@ -75,15 +79,32 @@ def _receiver(model: torch.nn.Module, replica: int):
     generator = GeneratorTopology(**cfg["generator"])
     tp_rank = _tp_rank()
     rank = generator.rank(replica, tp_rank)
-    group = init_sync_group(cfg["host"], cfg["port"], trainer.size + generator.size, rank,
-                            group_name=cfg["group_name"], backend=cfg.get("backend"),
-                            timeout_s=cfg.get("timeout_s", 600.0))
+    group = init_sync_group(
+        cfg["host"],
+        cfg["port"],
+        trainer.size + generator.size,
+        rank,
+        group_name=cfg["group_name"],
+        backend=cfg.get("backend"),
+        timeout_s=cfg.get("timeout_s", 600.0),
+    )
     params = _model_params(model)
     # a trainer rank on this same GPU (single-GPU checks, colocated layouts): CUDA IPC, not NCCL
     peers = colocated_peers(group, rank, next(iter(params.values())).device)
     wire = torch.float32 if cfg.get("wire_dtype") == "fp32" else torch.bfloat16
-    sync = GeneratorSync(spec, trainer, generator, replica, tp_rank, params, group, fp8=cfg["fp8"],
-                         wire_dtype=wire, verify=cfg.get("verify", False), ipc_peers=peers)
+    sync = GeneratorSync(
+        spec,
+        trainer,
+        generator,
+        replica,
+        tp_rank,
+        params,
+        group,
+        fp8=cfg["fp8"],
+        wire_dtype=wire,
+        verify=cfg.get("verify", False),
+        ipc_peers=peers,
+    )
     _STATE["sync"] = sync
     return sync
 

@@ -51,18 +51,36 @@ class _Sequence:
 
 
 class TorchEngine(GeneratorBackend):
-    def __init__(self, spec: LlamaSpec, params: Dict[str, torch.Tensor], max_running: int = 64,
-                 max_seq_len: int = 2048, tp: int = 1, tp_rank: int = 0, group=None,
-                 recompute_kv_on_update: bool = False, version: int = 0, linear_path: str = "auto",
-                 cpu_kernels: str = "auto"):
+    def __init__(
+        self,
+        spec: LlamaSpec,
+        params: Dict[str, torch.Tensor],
+        max_running: int = 64,
+        max_seq_len: int = 2048,
+        tp: int = 1,
+        tp_rank: int = 0,
+        group=None,
+        recompute_kv_on_update: bool = False,
+        version: int = 0,
+        linear_path: str = "auto",
+        cpu_kernels: str = "auto",
+    ):
         self.spec = spec
         if params["model.norm.weight"].device.type == "cpu":
             keep_freed_memory()  # a CPU engine's per-step logits reuse the heap (runtime/cpu_memory.py)
-        self.model = SglangLayoutLlama(spec, params, tp, tp_rank, group, decode_rows=max_running,
-                                       linear_path=linear_path, cpu_kernels=cpu_kernels)
+        self.model = SglangLayoutLlama(
+            spec, params, tp, tp_rank, group, decode_rows=max_running, linear_path=linear_path, cpu_kernels=cpu_kernels
+        )
         self.params = params
-        self.cache = KVCache(spec.num_layers, max_running, self.model.kv_heads, max_seq_len, spec.head_dim,
-                             self.model.dtype, self.model.device)
+        self.cache = KVCache(
+            spec.num_layers,
+            max_running,
+            self.model.kv_heads,
+            max_seq_len,
+            spec.head_dim,
+            self.model.dtype,
+            self.model.device,
+        )
         self.max_seq_len = max_seq_len
         self.free_slots = list(range(max_running))[::-1]
         self.waiting: Deque[_Sequence] = deque()
@@ -80,8 +98,10 @@ class TorchEngine(GeneratorBackend):
         for r in requests:
             r.params.validate()
             if len(r.prompt_ids) + 1 > self.max_seq_len:
-                raise ConfigError(f"request {r.request_id}: prompt of {len(r.prompt_ids)} tokens does not fit "
-                                  f"max_seq_len={self.max_seq_len}")
+                raise ConfigError(
+                    f"request {r.request_id}: prompt of {len(r.prompt_ids)} tokens does not fit "
+                    f"max_seq_len={self.max_seq_len}"
+                )
             for i in range(r.n):
                 g = None
                 if r.params.seed is not None:
@@ -154,8 +174,13 @@ class TorchEngine(GeneratorBackend):
             last_rows.append(len(tokens) - 1)
             seq.cached = start + length
         device = self.model.device
-        logits = self.model.forward(torch.tensor(tokens, device=device), torch.tensor(positions, device=device),
-                                    segments, self.cache, torch.tensor(last_rows, device=device))
+        logits = self.model.forward(
+            torch.tensor(tokens, device=device),
+            torch.tensor(positions, device=device),
+            segments,
+            self.cache,
+            torch.tensor(last_rows, device=device),
+        )
         return logits if want_logits else None
 
     def _advance(self, seqs: List[_Sequence], work) -> List[Completion]:
@@ -185,5 +210,14 @@ class TorchEngine(GeneratorBackend):
     @staticmethod
     def _completion(seq: _Sequence, reason: str) -> Completion:
         r = seq.request
-        return Completion(r.request_id, seq.index, r.group_id, list(r.prompt_ids), seq.output, seq.logprobs,
-                          seq.versions, reason, dict(r.meta))
+        return Completion(
+            r.request_id,
+            seq.index,
+            r.group_id,
+            list(r.prompt_ids),
+            seq.output,
+            seq.logprobs,
+            seq.versions,
+            reason,
+            dict(r.meta),
+        )

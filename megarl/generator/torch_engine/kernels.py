@@ -31,9 +31,15 @@ PROBE_ROUNDS = 3
 
 
 def onednn_linear_available(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and weight.dim() == 2
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and _packs(weight.dtype))
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype in (torch.float32, torch.bfloat16)
+        and weight.dim() == 2
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and _packs(weight.dtype)
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -113,6 +119,12 @@ class LinearKernels:
 
     def summary(self) -> Dict[str, str]:
         """Per weight shape: the path and both measured times, for logs and benchmarks."""
-        return {f"{o}x{i}": self.choice[(o, i)] + (" (mkl {:.2f} ms, onednn {:.2f} ms)".format(
-                    *(1e3 * t for t in self.timings[(o, i)])) if (o, i) in self.timings else "")
-                for (o, i) in self.choice}
+        return {
+            f"{o}x{i}": self.choice[(o, i)]
+            + (
+                " (mkl {:.2f} ms, onednn {:.2f} ms)".format(*(1e3 * t for t in self.timings[(o, i)]))
+                if (o, i) in self.timings
+                else ""
+            )
+            for (o, i) in self.choice
+        }

@@ -43,7 +43,9 @@ def rope_inv_freq(spec: LlamaSpec) -> torch.Tensor:
     high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
-    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
     smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
     medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
     return torch.where(medium, smoothed, scaled)
@@ -69,8 +71,9 @@ class Segment:
 class KVCache:
     """Preallocated keys and values: [slots, local KV heads, max_len, head_dim] per layer."""
 
-    def __init__(self, layers: int, slots: int, kv_heads: int, max_len: int, head_dim: int,
-                 dtype: torch.dtype, device="cpu"):
+    def __init__(
+        self, layers: int, slots: int, kv_heads: int, max_len: int, head_dim: int, dtype: torch.dtype, device="cpu"
+    ):
         shape = (slots, kv_heads, max_len, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
@@ -81,9 +84,18 @@ class KVCache:
 
 
 class SglangLayoutLlama:
-    def __init__(self, spec: LlamaSpec, params: Dict[str, torch.Tensor], tp: int = 1, tp_rank: int = 0,
-                 group=None, fp8: bool = False, decode_rows: int = 0, linear_path: str = "mkl",
-                 cpu_kernels: str = "auto"):
+    def __init__(
+        self,
+        spec: LlamaSpec,
+        params: Dict[str, torch.Tensor],
+        tp: int = 1,
+        tp_rank: int = 0,
+        group=None,
+        fp8: bool = False,
+        decode_rows: int = 0,
+        linear_path: str = "mkl",
+        cpu_kernels: str = "auto",
+    ):
         """``linear_path`` "auto": time MKL against oneDNN at ``decode_rows`` rows per weight shape
         and use the faster (kernels.py); "mkl": plain ``F.linear``; "onednn": oneDNN wherever it runs.
         ``cpu_kernels`` "auto": on CPU, megarl's C kernels where they build (native.py: decode
@@ -103,8 +115,12 @@ class SglangLayoutLlama:
         self.kernels = LinearKernels(params, linears, decode_rows, linear_path)
         if cpu_kernels not in ("auto", "torch"):
             raise ValueError(f"cpu_kernels {cpu_kernels!r}: 'auto' or 'torch'")
-        self.native_ops = (cpu_kernels == "auto" and self.device.type == "cpu"
-                           and self.dtype in (torch.float32, torch.bfloat16) and native.load() is not None)
+        self.native_ops = (
+            cpu_kernels == "auto"
+            and self.device.type == "cpu"
+            and self.dtype in (torch.float32, torch.bfloat16)
+            and native.load() is not None
+        )
         self.native_decode = self.native_ops and spec.head_dim % 16 == 0
 
     # -- building blocks -----------------------------------------------------------------------
@@ -168,8 +184,14 @@ class SglangLayoutLlama:
     # -- the forward ---------------------------------------------------------------------------
 
     @torch.no_grad()
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, segments: List[Segment], cache: KVCache,
-                logit_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        segments: List[Segment],
+        cache: KVCache,
+        logit_rows: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """Run the new tokens of several sequences (flattened [T]); write their keys and values
         into the cache; return fp32 logits [len(logit_rows), vocab] (default: every row)."""
         d = self.spec.head_dim
@@ -203,8 +225,9 @@ class SglangLayoutLlama:
                 attn = torch.empty_like(q)
                 self._attend_ragged(q, k, v, ragged, cache, i, attn)
                 if decode:
-                    attn[decode_rows] = self._attend_decode(q[decode_rows], k[decode_rows], v[decode_rows], plan,
-                                                            cache, i)
+                    attn[decode_rows] = self._attend_decode(
+                        q[decode_rows], k[decode_rows], v[decode_rows], plan, cache, i
+                    )
             else:  # decode only: every row
                 attn = self._attend_decode(q, k, v, plan, cache, i)
             delta = self._all_reduce(self._linear(attn.reshape(-1, self.heads * d), p + "self_attn.o_proj.weight"))
@@ -233,9 +256,13 @@ class SglangLayoutLlama:
             values = cache.v[layer][s.slot, :, :end].unsqueeze(0)
             query = q[rows].transpose(0, 1).unsqueeze(0)
             # causal over absolute positions: new token j (at start + j) sees keys 0..start + j
-            mask = torch.arange(end, device=q.device)[None, :] <= (s.start + torch.arange(s.length, device=q.device))[:, None]
-            o = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale,
-                                               enable_gqa=self.heads != self.kv_heads)
+            mask = (
+                torch.arange(end, device=q.device)[None, :]
+                <= (s.start + torch.arange(s.length, device=q.device))[:, None]
+            )
+            o = F.scaled_dot_product_attention(
+                query, keys, values, attn_mask=mask, scale=scale, enable_gqa=self.heads != self.kv_heads
+            )
             out[rows] = o[0].transpose(0, 1)
 
     def _decode_plan(self, segments: List[Segment], cache: KVCache, device) -> "_DecodePlan":
@@ -263,8 +290,9 @@ class SglangLayoutLlama:
         queries ([B, kv_heads, group, d]): no copy of the keys per query head (GQA)."""
         d = self.spec.head_dim
         if self.native_decode:  # writes the new keys and values itself, reads q, k, v in place
-            return native.decode_attention(q, cache.k[layer], cache.v[layer], plan.slots, plan.lengths,
-                                           1.0 / math.sqrt(d), new_k=k, new_v=v)
+            return native.decode_attention(
+                q, cache.k[layer], cache.v[layer], plan.slots, plan.lengths, 1.0 / math.sqrt(d), new_k=k, new_v=v
+            )
         cache.k[layer].view(-1, d).index_copy_(0, plan.write_rows, k.reshape(-1, d))
         cache.v[layer].view(-1, d).index_copy_(0, plan.write_rows, v.reshape(-1, d))
         grouped = q.reshape(q.shape[0], self.kv_heads, self.heads // self.kv_heads, d)

@@ -55,8 +55,9 @@ def _build(cc: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, renamed: concurrent builders are safe
         built = Path(tmp) / target.name
-        proc = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", str(built), "-lm"], capture_output=True, text=True,
-                              timeout=300)
+        proc = subprocess.run(
+            [cc, *FLAGS, *map(str, SOURCES), "-o", str(built), "-lm"], capture_output=True, text=True, timeout=300
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} exited {proc.returncode}: {proc.stderr.strip()[-400:]}")
         os.replace(built, target)
@@ -81,8 +82,28 @@ def load() -> Optional[ctypes.CDLL]:
         return None
     fn = lib.megarl_decode_attention
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
-                   ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    fn.argtypes = [
+        ptr,
+        i64,
+        ptr,
+        i64,
+        ptr,
+        i64,
+        ptr,
+        ptr,
+        ptr,
+        ptr,
+        ptr,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        ctypes.c_float,
+        ctypes.c_int,
+        ctypes.c_int,
+    ]
     fn.restype = ctypes.c_int
     f32, cint = ctypes.c_float, ctypes.c_int
     lib.megarl_add_rms_norm.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, f32, cint, cint]
@@ -101,14 +122,23 @@ def why_not() -> str:
 def _rows(name: str, t: torch.Tensor, batch: int, heads: int, d: int) -> int:
     """The stride between tokens of a [batch, heads, d] tensor whose heads lie contiguously in each token."""
     if t.shape != (batch, heads, d) or t.stride(2) != 1 or t.stride(1) != d:
-        raise ValueError(f"decode_attention: {name} must be [{batch}, {heads}, {d}] with each token's heads "
-                         f"contiguous, got shape {tuple(t.shape)} strides {t.stride()}")
+        raise ValueError(
+            f"decode_attention: {name} must be [{batch}, {heads}, {d}] with each token's heads "
+            f"contiguous, got shape {tuple(t.shape)} strides {t.stride()}"
+        )
     return t.stride(0)
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                     lengths: torch.Tensor, scale: float, new_k: Optional[torch.Tensor] = None,
-                     new_v: Optional[torch.Tensor] = None) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    new_k: Optional[torch.Tensor] = None,
+    new_v: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """Attention of one new token per sequence, q [batch, heads, d], against cache slot slots[b]
     (int64 [batch]), keys [0, lengths[b]) of k_cache / v_cache [slots, kv_heads, max_len, d];
     query head j reads KV head j // (heads / kv_heads). ``new_k`` / ``new_v`` [batch, kv_heads, d]
@@ -134,10 +164,27 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     v_stride = _rows("new_v", new_v, batch, kv_heads, d) if new_v is not None else 0
     out = torch.empty(batch, heads, d, dtype=dtype)
     rc = lib.megarl_decode_attention(
-        q.data_ptr(), q_stride, new_k.data_ptr() if new_k is not None else None, k_stride,
-        new_v.data_ptr() if new_v is not None else None, v_stride, k_cache.data_ptr(), v_cache.data_ptr(),
-        slots.data_ptr(), lengths.data_ptr(), out.data_ptr(), batch, kv_heads, heads // kv_heads, d,
-        k_cache.shape[0], k_cache.shape[2], scale, bf16, torch.get_num_threads())
+        q.data_ptr(),
+        q_stride,
+        new_k.data_ptr() if new_k is not None else None,
+        k_stride,
+        new_v.data_ptr() if new_v is not None else None,
+        v_stride,
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        slots.data_ptr(),
+        lengths.data_ptr(),
+        out.data_ptr(),
+        batch,
+        kv_heads,
+        heads // kv_heads,
+        d,
+        k_cache.shape[0],
+        k_cache.shape[2],
+        scale,
+        bf16,
+        torch.get_num_threads(),
+    )
     if rc == -2:
         raise ValueError(f"decode_attention: head_dim {d} is not a multiple of 16")
     if rc == -3:
@@ -149,26 +196,33 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 # -- decoder_ops.c: the layer's elementwise steps ------------------------------------------------
 
+
 def _dtype_flag(op: str, named: list) -> int:
     """1 for bf16, 0 for fp32; refuses other dtypes, mixed dtypes and non-CPU tensors, naming them."""
     dtype = named[0][1].dtype
-    if dtype not in (torch.bfloat16, torch.float32) or any(t.dtype != dtype or t.device.type != "cpu"
-                                                         for _, t in named):
-        raise ValueError(f"{op}: bf16 or fp32 CPU tensors of one dtype, got "
-                         + ", ".join(f"{n} {t.dtype} on {t.device}" for n, t in named))
+    if dtype not in (torch.bfloat16, torch.float32) or any(
+        t.dtype != dtype or t.device.type != "cpu" for _, t in named
+    ):
+        raise ValueError(
+            f"{op}: bf16 or fp32 CPU tensors of one dtype, got "
+            + ", ".join(f"{n} {t.dtype} on {t.device}" for n, t in named)
+        )
     return int(dtype == torch.bfloat16)
 
 
 def _row_major(op: str, name: str, t: torch.Tensor, width: int) -> int:
     """The row stride of a 2-D tensor whose rows hold at least ``width`` contiguous values."""
     if t.dim() != 2 or t.stride(1) != 1 or t.shape[1] < width or (t.shape[0] > 1 and t.stride(0) < width):
-        raise ValueError(f"{op}: {name} must be 2-D with contiguous rows of >= {width} values, "
-                         f"got shape {tuple(t.shape)} strides {t.stride()}")
+        raise ValueError(
+            f"{op}: {name} must be 2-D with contiguous rows of >= {width} values, "
+            f"got shape {tuple(t.shape)} strides {t.stride()}"
+        )
     return t.stride(0)
 
 
-def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 delta: Optional[torch.Tensor] = None) -> torch.Tensor:
+def add_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, delta: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """``x += delta`` in place (when given), then ``weight * RMSNorm(x)`` (transformers' LlamaRMSNorm,
     rounded where its ops round). x [rows, hidden] with contiguous rows; delta [rows, hidden] contiguous."""
     rows, hidden = x.shape if x.dim() == 2 else (-1, -1)
@@ -180,8 +234,18 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if delta is not None and (delta.shape != x.shape or not delta.is_contiguous()):
         raise ValueError(f"add_rms_norm: delta must be contiguous {tuple(x.shape)}, got {tuple(delta.shape)}")
     out = torch.empty(rows, hidden, dtype=x.dtype)
-    load().megarl_add_rms_norm(x.data_ptr(), x_stride, delta.data_ptr() if delta is not None else None,
-                               weight.data_ptr(), out.data_ptr(), rows, hidden, eps, bf16, torch.get_num_threads())
+    load().megarl_add_rms_norm(
+        x.data_ptr(),
+        x_stride,
+        delta.data_ptr() if delta is not None else None,
+        weight.data_ptr(),
+        out.data_ptr(),
+        rows,
+        hidden,
+        eps,
+        bf16,
+        torch.get_num_threads(),
+    )
     return out
 
 
@@ -194,10 +258,21 @@ def rope_(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, heads:
     rows = qkv.shape[0]
     for name, t in (("cos", cos), ("signed_sin", signed_sin)):
         if t.numel() != rows * head_dim or not t.is_contiguous():
-            raise ValueError(f"rope_: {name} must be contiguous with {head_dim} values per row of qkv "
-                             f"({rows} rows), got shape {tuple(t.shape)}")
-    if load().megarl_rope(qkv.data_ptr(), stride, cos.data_ptr(), signed_sin.data_ptr(), rows, heads, head_dim,
-                          bf16, torch.get_num_threads()):
+            raise ValueError(
+                f"rope_: {name} must be contiguous with {head_dim} values per row of qkv "
+                f"({rows} rows), got shape {tuple(t.shape)}"
+            )
+    if load().megarl_rope(
+        qkv.data_ptr(),
+        stride,
+        cos.data_ptr(),
+        signed_sin.data_ptr(),
+        rows,
+        heads,
+        head_dim,
+        bf16,
+        torch.get_num_threads(),
+    ):
         raise ValueError(f"rope_: head_dim {head_dim} must be even and at most 1024")
 
 
