@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from megarl.errors import ConfigError
+from megarl.parallel_dims import GeneratorDims, ParallelDims
 
 
 @dataclass
@@ -40,6 +41,10 @@ class TrainerConfig:
     dp: int = 1
     cp: int = 1  # context parallelism: splits each sequence over cp ranks (needs Transformer Engine)
     vpp: int = 1  # virtual pipeline stages per PP rank (interleaved 1F1B); 1 = not interleaved
+    # expert (model) parallel size and expert tensor parallel size (None: trainer.tp), carved out of
+    # tp x cp x dp as Megatron-Core does (megarl/parallel_dims.py); for mixture-of-experts models only
+    ep: int = 1
+    etp: Optional[int] = None
     sequence_parallel: bool = False  # shard norms/dropout activations over TP (needs Transformer Engine)
     # Activation recomputation (Megatron-LM's --recompute-*): None | selective | full
     recompute_granularity: Optional[str] = None
@@ -98,6 +103,7 @@ class GeneratorConfig:
     backend: str = "torch"  # torch | sglang
     tp: int = 1
     replicas: int = 1
+    ep: int = 1  # expert parallel size within a replica's TP ranks (SGLang's --ep-size); MoE models only
     max_running: int = 32  # sequences in flight per replica
     max_seq_len: int = 1024
     fp8: bool = False
@@ -192,12 +198,14 @@ class Config:
         _choice("generator.backend", g.backend, ("torch", "sglang"))
         _choice("model.dtype", self.model.dtype, ("fp32", "bf16", "auto"))
         _choice("generator.dtype", g.dtype, ("fp32", "bf16", "auto"))
+        dims = self.trainer_dims()  # each dimension checked, naming its field
+        self.generator_dims()
+        if dims.ep > 1 or t.etp is not None or g.ep > 1:
+            name = "trainer.ep" if dims.ep > 1 else "trainer.etp" if t.etp is not None else "generator.ep"
+            raise ConfigError(
+                f"{name}: expert parallelism is for mixture-of-experts models; megarl's model families are dense so far"
+            )
         for name in (
-            "trainer.tp",
-            "trainer.pp",
-            "trainer.dp",
-            "generator.tp",
-            "generator.replicas",
             "generator.max_running",
             "rollout.prompts_per_step",
             "rollout.samples_per_prompt",
@@ -273,12 +281,6 @@ class Config:
 
     def _validate_trainer(self) -> None:
         t = self.trainer
-        for name in ("trainer.cp", "trainer.vpp"):
-            _positive(name, self.get(name))
-        if t.vpp > 1 and t.pp == 1:
-            raise ConfigError(
-                f"trainer.vpp={t.vpp}: virtual pipeline stages interleave a pipeline; needs trainer.pp > 1"
-            )
         _choice("trainer.recompute_granularity", t.recompute_granularity, (None, "selective", "full"))
         _choice("trainer.recompute_method", t.recompute_method, (None, "uniform", "block"))
         _choice("trainer.kl_estimator", t.kl_estimator, ("k1", "k2", "k3"))
@@ -409,18 +411,22 @@ class Config:
             if getattr(g, name) <= 0:
                 raise ConfigError(f"generator.{name}: must be > 0, got {getattr(g, name)}")
 
-    def trainer_size(self) -> int:
-        return self.trainer.tp * self.trainer.pp * self.trainer.cp * self.trainer.dp
+    def trainer_dims(self) -> ParallelDims:
+        t = self.trainer
+        return ParallelDims(tp=t.tp, pp=t.pp, dp=t.dp, cp=t.cp, vpp=t.vpp, ep=t.ep, etp=t.etp)
 
-    def generator_size(self) -> int:
-        return self.generator.tp * self.generator.replicas
+    def generator_dims(self) -> GeneratorDims:
+        """The generators as configured (async mode's; sync mode colocates TP-1 engines on the
+        trainer's ranks instead: loop/wiring.py)."""
+        g = self.generator
+        return GeneratorDims(tp=g.tp, replicas=g.replicas, ep=g.ep)
 
     def world_size(self) -> int:
         """GPUs (ranks) of the job: trainer + generators (async; SGLang servers' GPUs included),
         or the trainer's alone (sync, colocated)."""
         if self.run.mode == "sync":
-            return self.trainer_size()
-        return self.trainer_size() + self.generator_size()
+            return self.trainer_dims().world_size
+        return self.trainer_dims().world_size + self.generator_dims().world_size
 
     def get(self, dotted: str) -> Any:
         section, _, name = dotted.partition(".")

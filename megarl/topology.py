@@ -54,12 +54,12 @@ class Topology:
     @classmethod
     def from_config(cls, cfg) -> "Topology":
         t, g = cfg.trainer, cfg.generator
-        trainer = tuple(range(cfg.trainer_size()))
+        trainer = tuple(range(cfg.trainer_dims().world_size))
         if cfg.run.mode == "sync":
             gen_tp, replicas, generator = 1, len(trainer), trainer
         else:
             gen_tp, replicas = g.tp, g.replicas
-            generator = tuple(range(len(trainer), len(trainer) + cfg.generator_size()))
+            generator = tuple(range(len(trainer), len(trainer) + cfg.generator_dims().world_size))
         leaders = generator[::gen_tp]
         topo = cls(
             cfg.run.mode,

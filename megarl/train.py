@@ -73,7 +73,7 @@ def train(
                 file=sys.stderr,
                 flush=True,
             )
-        run_world("megarl.replay:replay_rank", cfg.trainer_size(), cfg.to_dict(), prepared, replay)
+        run_world("megarl.replay:replay_rank", cfg.trainer_dims().world_size, cfg.to_dict(), prepared, replay)
     else:
         # by path: this launcher never imports the controller, nor torch (runtime/launch.py)
         run_world("megarl.controller:run_rank", cfg.world_size(), cfg.to_dict(), prepared)

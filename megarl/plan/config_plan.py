@@ -162,8 +162,8 @@ def model_preset(cfg, section: Optional[PlanSection] = None) -> str:
 def gpus_used(cfg) -> int:
     """GPUs the run occupies: trainer + generators (async, whichever backend), or the trainer's (sync)."""
     if cfg.run.mode == "sync":
-        return cfg.trainer_size()
-    return cfg.trainer_size() + cfg.generator_size()
+        return cfg.trainer_dims().world_size
+    return cfg.trainer_dims().world_size + cfg.generator_dims().world_size
 
 
 def _precision(name: str, value: str, hint: str) -> str:
@@ -267,7 +267,10 @@ def configured_layout(
                     f"per replica at the mean context; the rest wait (priced at {room})"
                 )
     return FixedLayout(
-        trainer_layout(cfg, inputs), GeneratorLayout(g.tp), trainer_gpus=cfg.trainer_size(), generator_batch=sequences
+        trainer_layout(cfg, inputs),
+        GeneratorLayout(g.tp),
+        trainer_gpus=cfg.trainer_dims().world_size,
+        generator_batch=sequences,
     )
 
 
@@ -393,8 +396,8 @@ def plan_config(cfg, path: str = "config") -> ConfigPlan:
     used, notes = gpus_used(cfg), []
     if used > inputs.gpus:
         raise ConfigError(
-            f"plan.gpus={inputs.gpus}: the config uses {used} GPUs (trainer {cfg.trainer_size()} "
-            f"+ generator {cfg.generator_size()}); raise plan.gpus or shrink trainer.dp / "
+            f"plan.gpus={inputs.gpus}: the config uses {used} GPUs (trainer {cfg.trainer_dims().world_size} "
+            f"+ generator {cfg.generator_dims().world_size}); raise plan.gpus or shrink trainer.dp / "
             f"generator.replicas"
         )
     if used < inputs.gpus:

@@ -124,9 +124,9 @@ def check_model_shards(cfg, spec) -> str:
 def check_allocation(cfg, plan_gpus, gpus_per_node: int) -> str:
     used = gpus_used(cfg)
     split = (
-        f"trainer {cfg.trainer_size()} + generator {cfg.generator_size()}"
+        f"trainer {cfg.trainer_dims().world_size} + generator {cfg.generator_dims().world_size}"
         if cfg.run.mode == "async"
-        else f"trainer {cfg.trainer_size()}"
+        else f"trainer {cfg.trainer_dims().world_size}"
     )
     if plan_gpus is not None and used > plan_gpus:
         raise ConfigError(

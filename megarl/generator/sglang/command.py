@@ -43,7 +43,7 @@ def replica_commands(
     env = f"{serving.SYNC_CONFIG_ENV}={shlex.quote(str(serving.sync_config_path(cfg.run.output_dir)))}"
     lines = []
     for r in range(g.replicas):
-        first_gpu = cfg.trainer_size() + r * g.tp
+        first_gpu = cfg.trainer_dims().world_size + r * g.tp
         base = first_gpu % gpus_per_node if hosts else 0
         cmd = serving.replica_command(g, r, model_path, base_gpu_id=base, host=host)
         port = g.sglang_port + r
