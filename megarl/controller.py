@@ -416,10 +416,10 @@ class Controller:
                             "step": step,
                             "group": s.group_id,
                             "reward": s.reward,
-                            "reward_reason": s.meta.get("reward_reason"),
-                            "answer": s.meta.get("answer"),
-                            "response": s.meta.get("response_text"),
-                            "finish_reason": s.meta.get("finish_reason"),
+                            "reward_reason": s.reward_reason,
+                            "answer": s.answer,
+                            "response": s.response_text,
+                            "finish_reason": s.finish_reason,
                             "trained_version": version,
                             "versions": s.policy_versions,
                             "behaviour_logprobs": s.behaviour_logprobs,
@@ -427,7 +427,8 @@ class Controller:
                             "prompt_tokens": s.prompt_tokens,
                             "response_tokens": s.response_tokens,
                             # log pi of each response token as the trainer's loss saw it: ratios, ESS, replays
-                            "trainer_logprobs": s.meta.get("trainer_logprobs"),
+                            "trainer_logprobs": s.trainer_logprobs,
+                            "loss_mask": s.loss_mask,
                         }
                     )
                     + "\n"

@@ -26,7 +26,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from megarl.rollout import Sample
+from megarl.rollout import sample_from_dict
 
 
 @dataclass
@@ -81,4 +81,4 @@ def pending_to_state(pending: dict) -> dict:
 def pending_from_state(state: Optional[dict]) -> Optional[dict]:
     if state is None:
         return None
-    return dict(state, samples=[Sample(**s) for s in state["samples"]])
+    return dict(state, samples=[sample_from_dict(s) for s in state["samples"]])

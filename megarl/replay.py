@@ -45,7 +45,8 @@ def load_recorded_batches(path: Path) -> Dict[int, dict]:
                 r["versions"],
                 reward=r["reward"],
                 group_id=r["group"],
-                meta={"finish_reason": r.get("finish_reason")},
+                finish_reason=r.get("finish_reason"),
+                loss_mask=r.get("loss_mask") or [],  # rollouts logged before the mask existed: all trained
             )
         )
     if not by_step:

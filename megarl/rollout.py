@@ -3,14 +3,25 @@
 Produced by the generators (one per sampled completion), scored by the reward
 executor, consumed by the trainer. Per-token fields are aligned with
 ``response_tokens``.
+
+``loss_mask`` says which response tokens the loss trains on (1) and which it
+leaves out (0): all ones for a single-turn completion; a multi-turn episode
+marks the tokens its environment inserted (tool output, user turns, template
+glue) 0. A masked token contributes nothing to any loss, aggregation, token
+count or metric, so its behaviour log-prob and policy version are placeholders
+(``MASKED_LOGPROB``, ``MASKED_VERSION``) that nothing reads.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 from megarl.errors import ConfigError
+
+MASKED_LOGPROB = math.nan  # a masked token's behaviour log-prob: NaN, so a sum that read it would show
+MASKED_VERSION = -1  # a masked token's policy version: older than any real one, so a check that read it would fail
 
 
 @dataclass
@@ -26,14 +37,33 @@ class Sample:
     reward: float = 0.0
     # Samples of the same prompt share a group id (the group baseline's group).
     group_id: int = 0
-    # Free-form: the generator's "finish_reason" ("length": cut by max_new_tokens), the reward's
-    # "answer"/"reward_reason", and after a train step the trainer's "trainer_logprobs" (log pi
-    # of each response token as the loss saw it; the other side of each importance ratio).
-    meta: dict = field(default_factory=dict)
+    # 1: a token the loss trains on; 0: left out (see the module doc). Empty: all ones.
+    loss_mask: List[int] = field(default_factory=list)
+    # why generation ended: "stop", "length" (cut by rollout.max_new_tokens), ...
+    finish_reason: Optional[str] = None
+    answer: Optional[str] = None  # the prompt's reference answer, as the reward saw it
+    response_text: Optional[str] = None  # the response as the reward read it
+    reward_reason: Optional[str] = None  # "ok", or why the reward scored 0 (timeout, error)
+    # after a train step: log pi of each response token as the loss saw it (the other side of
+    # each importance ratio); None for masked tokens and before training
+    trainer_logprobs: Optional[List[Optional[float]]] = None
+
+    def __post_init__(self) -> None:
+        if not self.loss_mask:
+            self.loss_mask = [1] * len(self.response_tokens)
 
     def __len__(self) -> int:
         """Model positions this sample occupies: all tokens but the last (no next token)."""
         return len(self.prompt_tokens) + len(self.response_tokens) - 1
+
+    @property
+    def trained_tokens(self) -> int:
+        """Response tokens the loss trains on (loss_mask 1)."""
+        return sum(self.loss_mask)
+
+    def trained(self, values: Sequence) -> list:
+        """The entries of a per-token list at the tokens the loss trains on."""
+        return [v for v, m in zip(values, self.loss_mask) if m]
 
     def validate(self, index: int = 0) -> None:
         name = f"sample {index} (group {self.group_id})"
@@ -42,11 +72,13 @@ class Sample:
         if not self.response_tokens:
             raise ConfigError(f"{name}: response_tokens is empty")
         n = len(self.response_tokens)
-        for field_name in ("behaviour_logprobs", "policy_versions"):
+        for field_name in ("behaviour_logprobs", "policy_versions", "loss_mask"):
             if len(getattr(self, field_name)) != n:
                 raise ConfigError(
                     f"{name}: {field_name} has {len(getattr(self, field_name))} entries for {n} response tokens"
                 )
+        if any(m not in (0, 1) for m in self.loss_mask):
+            raise ConfigError(f"{name}: loss_mask holds values other than 0 and 1")
 
 
 def validate_samples(samples: Sequence[Sample]) -> None:
@@ -54,3 +86,18 @@ def validate_samples(samples: Sequence[Sample]) -> None:
         raise ConfigError("the batch holds no samples")
     for i, sample in enumerate(samples):
         sample.validate(i)
+
+
+# Sample.meta of checkpoints and rollouts written before the fields were typed
+_LEGACY_META_FIELDS = ("finish_reason", "answer", "response_text", "reward_reason", "trainer_logprobs")
+
+
+def sample_from_dict(data: dict) -> Sample:
+    """A Sample from ``dataclasses.asdict`` output, also that of older checkpoints (a free-form
+    ``meta`` dict then held finish_reason, answer, ... ; other keys in it were never read)."""
+    data = dict(data)
+    meta = data.pop("meta", None) or {}
+    for key in _LEGACY_META_FIELDS:
+        if key in meta and key not in data:
+            data[key] = meta[key]
+    return Sample(**data)

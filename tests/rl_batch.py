@@ -14,7 +14,7 @@ from dataclasses import asdict
 
 import torch
 
-from megarl.rollout import Sample
+from megarl.rollout import Sample, sample_from_dict
 
 TEMPERATURE = 0.8
 RHO = 4.0
@@ -84,7 +84,7 @@ def save_samples(samples, path):
 
 
 def load_samples(path):
-    return [Sample(**d) for d in torch.load(path)]
+    return [sample_from_dict(d) for d in torch.load(path)]
 
 
 def group_mean_advantages(samples):

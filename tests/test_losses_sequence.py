@@ -263,7 +263,7 @@ def test_the_modes_differ_on_this_batch():
 def batch_samples(finish=("stop", "stop", "stop")):
     out = []
     for (lp, mu, a, g, ver), f in zip(SAMPLES, finish):
-        out.append(Sample([7] * (4 + g), [11] * len(lp), mu, ver, reward=a, group_id=g, meta={"finish_reason": f}))
+        out.append(Sample([7] * (4 + g), [11] * len(lp), mu, ver, reward=a, group_id=g, finish_reason=f))
     return out
 
 

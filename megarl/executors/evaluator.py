@@ -65,7 +65,7 @@ class ReplicaEvaluator:
                 {
                     "prompt_index": i,
                     "answer": prompt.record.answer,
-                    "response": greedy.meta.get("response_text"),
+                    "response": greedy.response_text,
                     "reward": greedy.reward,
                     "response_tokens": greedy.response_tokens,
                 }

@@ -38,7 +38,7 @@ class RewardExecutor:
         samples: List[Sample] = []
         for c, text, res in zip(flat, texts, results):
             s = c.to_sample(reward=res.score)
-            s.meta.update(response_text=text, reward_reason=res.reason)
+            s.response_text, s.reward_reason = text, res.reason
             samples.append(s)
         return {
             "samples": samples,

@@ -93,7 +93,8 @@ class Completion:
             list(self.versions),
             reward=reward,
             group_id=self.group_id,
-            meta=dict(self.meta, finish_reason=self.finish_reason),
+            finish_reason=self.finish_reason,
+            answer=self.meta.get("answer"),
         )
 
 

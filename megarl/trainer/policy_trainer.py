@@ -10,7 +10,7 @@ Every rank of the trainer calls ``step`` with the same list of samples; each
 rank picks its own DP shard. The returned metrics are identical on every rank.
 ``step(samples, version)``: the trainer's policy version gives each token's lag
 (trainer version - token version) for the loss and the per-lag mismatch metrics.
-Each trained sample gets ``meta["trainer_logprobs"]``: log pi of its response
+Each trained sample gets ``trainer_logprobs``: log pi of its response
 tokens as the loss saw them (gathered from the last pipeline stage of every DP
 rank), so a run's log holds both sides of every importance ratio.
 """
@@ -37,7 +37,7 @@ from megarl.trainer.stats import BASE_FIELDS, metrics_from_totals, stat_fields
 
 logger = logging.getLogger(__name__)
 RATIO_MAX = BASE_FIELDS.index("ratio_max")
-TRUNCATED = "length"  # Sample.meta["finish_reason"] of a sample cut by max_new_tokens
+TRUNCATED = "length"  # Sample.finish_reason of a sample cut by max_new_tokens
 
 
 def shape_batch(samples: Sequence[Sample], cfg: LossConfig) -> Tuple[List[Sample], List[float], dict]:
@@ -49,7 +49,7 @@ def shape_batch(samples: Sequence[Sample], cfg: LossConfig) -> Tuple[List[Sample
     group's baseline, as DAPO's overlong filtering does.
     """
     validate_samples(samples)
-    truncated = [s.meta.get("finish_reason") == TRUNCATED for s in samples]
+    truncated = [s.finish_reason == TRUNCATED for s in samples]
     penalties = [0.0] * len(samples)
     if cfg.overlong == "penalty":
         penalties = [overlong_penalty(len(s.response_tokens), cfg.max_new_tokens, cfg.overlong_buffer) for s in samples]
@@ -217,7 +217,7 @@ class PolicyTrainer:
         return total.cpu()
 
     def _hand_back_logprobs(self, samples: Sequence[Sample], plan: PackingPlan) -> None:
-        """Each sample's log pi (as the loss saw it) into its meta["trainer_logprobs"], on every rank.
+        """Each sample's log pi (as the loss saw it) into its trainer_logprobs, on every rank.
 
         The owner of each micro-batch writes its samples' slots of one flat vector of the
         step's response tokens; one SUM all-reduce gives every rank all of them."""
@@ -237,7 +237,7 @@ class PolicyTrainer:
         dist.all_reduce(flat)
         values = flat.tolist()
         for i, s in enumerate(samples):
-            s.meta["trainer_logprobs"] = values[offsets[i] : offsets[i + 1]]
+            s.trainer_logprobs = values[offsets[i] : offsets[i + 1]]
 
     def _nonfinite_reason(self, totals: torch.Tensor) -> Optional[str]:
         loss_sum = totals[BASE_FIELDS.index("loss_sum")].item()

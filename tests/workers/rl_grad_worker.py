@@ -94,7 +94,7 @@ def main():
                     micro_batches=len(plan.micro_batches),
                     output_layer_rows=output_layer_rows.item(),
                     efficiency=plan.efficiency,
-                    trainer_logprobs=[s.meta["trainer_logprobs"] for s in samples],
+                    trainer_logprobs=[s.trainer_logprobs for s in samples],
                 )
                 with open(os.path.join(args.out, name + ".json"), "w") as f:
                     json.dump(record, f)

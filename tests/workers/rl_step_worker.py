@@ -85,18 +85,17 @@ def main():
         optimizer = build_optimizer(ddp, settings)
         trainer = PolicyTrainer(ddp, optimizer, spec.vocab_size, loss, 32, ref_chunks=ref_chunks)
         if case == "kl":
-            equal = [dataclasses.replace(s, reward=0.0, meta={}) for s in samples]
+            equal = [dataclasses.replace(s, reward=0.0, trainer_logprobs=None) for s in samples]
             metrics[case] = [trainer.step(samples, version=VERSION)]
             for group in optimizer.param_groups:
                 group["lr"] = KL_LR
             metrics[case] += [trainer.step(equal, version=VERSION) for _ in range(2)]
         elif case == "overlong":
             cut = [
-                dataclasses.replace(s, meta={"finish_reason": "length" if i in (0, 3) else "stop"})
-                for i, s in enumerate(samples)
+                dataclasses.replace(s, finish_reason="length" if i in (0, 3) else "stop") for i, s in enumerate(samples)
             ]
             metrics[case] = [trainer.step(cut, version=VERSION)]
-            metrics[case][0]["handed_back"] = ["trainer_logprobs" in s.meta for s in cut]
+            metrics[case][0]["handed_back"] = [s.trainer_logprobs is not None for s in cut]
         else:
             metrics[case] = [trainer.step(samples, version=VERSION)]
         save_model(unwrap(ddp), os.path.join(args.out, case), spec)
