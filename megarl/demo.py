@@ -25,12 +25,12 @@ PROMPT = "What is 12 + 30? Answer with the number only."
 
 
 def _greedy_rank(ckpt: str, tokens: list, max_new_tokens: int, tp: int, out: str) -> None:
-    from megarl.models.forward import full_logits
-    from megarl.models.loading import load_llama
-    from megarl.runtime.distributed import ParallelLayout, init_distributed, init_megatron, shutdown
+    from megarl.checkpointing.model_loading import load_llama
+    from megarl.runtime.distributed import init_distributed, init_megatron, shutdown, world_dims
+    from megarl.trainer.forward import full_logits
 
     rank = init_distributed()
-    layout = ParallelLayout(tp, 1)
+    layout = world_dims(tp, 1)
     init_megatron(layout)
     spec, chunks = load_llama(ckpt, layout)
     seq = torch.tensor([tokens])

@@ -120,19 +120,19 @@ def _eval_rank(
     dtype: str = "fp32",
     sampling: dict | None = None,
 ) -> None:
+    from megarl.checkpointing.model_loading import load_llama
     from megarl.data.datasets import load_records, tokenize_prompts
     from megarl.generator.interface import GenerationRequest, SamplingParams
     from megarl.generator.tokenizer import load_tokenizer, stop_ids
     from megarl.generator.torch_engine.engine import TorchEngine
-    from megarl.models.loading import load_llama
     from megarl.rewards.scoring import score_batch
-    from megarl.runtime.distributed import ParallelLayout, init_distributed, init_megatron, shutdown
+    from megarl.runtime.distributed import init_distributed, init_megatron, shutdown, world_dims
     from megarl.weight_sync.colocated import copy_colocated
     from megarl.weight_sync.endpoints import allocate_generator_params
 
     init_distributed()
-    init_megatron(ParallelLayout(1, 1))
-    spec, chunks = load_llama(ckpt_dir, ParallelLayout(1, 1))  # in the dtype it was saved in
+    init_megatron(world_dims(1, 1))
+    spec, chunks = load_llama(ckpt_dir, world_dims(1, 1))  # in the dtype it was saved in
     # decoded in the dtype of dtype_rule: the checkpoint's weights are cast into it by the copy
     params = allocate_generator_params(spec, 1, 0, torch.bfloat16 if dtype == "bf16" else torch.float32)
     copy_colocated(spec, chunks, params)

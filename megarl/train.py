@@ -37,10 +37,10 @@ def train(
         # every rank resolves the model; converting is a job of its own, done before the launch
         # (scripts/launch.sh runs `megarl train --prepare-only` first)
         prepared = prepare_model(cfg.model, convert=False)
-        from megarl.controller import run_rank
+        from megarl.loop.controller import run_rank
 
         if replay:
-            from megarl.replay import replay_rank
+            from megarl.loop.replay import replay_rank
 
             replay_rank(cfg.to_dict(), prepared, replay)
         else:
@@ -73,10 +73,10 @@ def train(
                 file=sys.stderr,
                 flush=True,
             )
-        run_world("megarl.replay:replay_rank", cfg.trainer_dims().world_size, cfg.to_dict(), prepared, replay)
+        run_world("megarl.loop.replay:replay_rank", cfg.trainer_dims().world_size, cfg.to_dict(), prepared, replay)
     else:
         # by path: this launcher never imports the controller, nor torch (runtime/launch.py)
-        run_world("megarl.controller:run_rank", cfg.world_size(), cfg.to_dict(), prepared)
+        run_world("megarl.loop.controller:run_rank", cfg.world_size(), cfg.to_dict(), prepared)
     summary = json.loads((Path(cfg.run.output_dir) / "summary.json").read_text())
     print(json.dumps(summary), flush=True)
     return summary

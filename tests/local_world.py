@@ -41,7 +41,7 @@ PRELOAD = [
     "megatron.core.distributed",
     "megatron.core.dist_checkpointing",
     "megarl.runtime.distributed",
-    "megarl.models.loading",
+    "megarl.checkpointing.model_loading",
     "megarl.models.megatron_llama",
     "megarl.checkpointing.megatron_checkpoint",
     "megarl.checkpointing.training_checkpoint",

@@ -16,7 +16,7 @@ import pytest
 from megarl.config import load_config
 from megarl.errors import ConfigError
 from megarl.evaluate import _run_config, dtype_rule
-from megarl.loop_state import checkpoint_loop_state, resume_point
+from megarl.loop.loop_state import checkpoint_loop_state, resume_point
 from megarl.runtime.cpu_dtype import (
     cpu_bf16_native,
     read_cpu_flags,

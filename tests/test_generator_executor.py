@@ -86,15 +86,15 @@ def test_groups_that_cannot_be_trained_in_time_are_aborted_not_finished():
     backend = ScriptedBackend(tokens_per_sample=6, first_group_tokens=3)  # staggered: slots free up early
     ex = _executor(backend, max_running=4, n=2, max_lag=1)
     out = ex.generate(train_version=0, n_groups=2, drain=False)
-    assert len(out["groups"]) == 2 and out["stale_aborted"] == 0
-    in_flight = {g for g, e in ex.pending.items()}  # started under version 0, still running
+    assert len(out.groups) == 2 and out.stale_aborted == 0
+    in_flight = set(ex.pending)  # started under version 0, still running
     assert in_flight
     _update(backend, 1)
     _update(backend, 2)  # the trainer moved on twice: a version-0 group would have lag 3 > max_lag at batch 3
     out = ex.generate(train_version=3, n_groups=2, drain=False)
-    assert ex.stale_aborted == len(in_flight) and out["stale_aborted"] == len(in_flight)
+    assert ex.stale_aborted == len(in_flight) and out.stale_aborted == len(in_flight)
     assert ex.aborted_samples == 2 * len(in_flight)  # both samples of each doomed group came back aborted
-    for group in out["groups"]:
+    for group in out.groups:
         assert group[0].group_id not in in_flight
         assert all(3 - min(c.versions) <= 1 for c in group)  # only trainable groups are handed over
         assert all(c.finish_reason != ABORTED for c in group)
@@ -108,7 +108,7 @@ def test_finished_groups_that_aged_are_dropped():
     assert leftover >= 1  # finished meanwhile, all version 0
     _update(backend, 2)
     out = ex.generate(train_version=2, n_groups=1, drain=False)
-    assert out["stale_dropped"] == leftover and min(out["groups"][0][0].versions) == 2
+    assert out.stale_dropped == leftover and min(out.groups[0][0].versions) == 2
 
 
 def test_generating_ahead_stops_at_what_the_next_batches_can_use():
@@ -128,4 +128,4 @@ def test_sync_mode_drains_exactly_its_share():
     backend = ScriptedBackend(tokens_per_sample=3)
     ex = _executor(backend, max_running=64, n=2, max_lag=0)
     out = ex.generate(train_version=0, n_groups=3, drain=True)
-    assert len(out["groups"]) == 3 and len(backend.submitted) == 3 and out["in_flight"] == 0
+    assert len(out.groups) == 3 and len(backend.submitted) == 3 and out.in_flight == 0

@@ -59,7 +59,7 @@ def test_megarl_trains_launcher_imports_neither_torch_nor_the_controller(tmp_pat
         "import megarl.runtime.launch as launch\n"
         "def record(fn, n, *args):\n"
         "    print(json.dumps({'fn': fn, 'n': n, 'loaded': sorted(m for m in ('torch', 'transformers', "
-        "'megatron.core', 'megarl.controller') if m in sys.modules)}))\n"
+        "'megatron.core', 'megarl.loop.controller') if m in sys.modules)}))\n"
         "    raise SystemExit(0)\n"
         "launch.run_world = record\n"
         "from megarl.train import train\n"
@@ -73,7 +73,11 @@ def test_megarl_trains_launcher_imports_neither_torch_nor_the_controller(tmp_pat
         [sys.executable, "-c", probe], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"fn": "megarl.controller:run_rank", "n": 3, "loaded": []}
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {
+        "fn": "megarl.loop.controller:run_rank",
+        "n": 3,
+        "loaded": [],
+    }
 
 
 def test_the_launchers_vocabulary_size_is_transformers_len_of_the_tokenizer(tmp_path):

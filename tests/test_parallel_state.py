@@ -8,11 +8,11 @@ from tests.conftest import run_command
 CODE = """
 import json
 import torch.distributed.distributed_c10d as c10d
-from megarl.runtime.distributed import ParallelLayout, init_distributed, init_megatron, shutdown
+from megarl.runtime.distributed import init_distributed, init_megatron, shutdown, world_dims
 init_distributed()
 counts = []
 for _ in range(3):
-    init_megatron(ParallelLayout(1, 1))
+    init_megatron(world_dims(1, 1))
     counts.append(len(c10d._world.pg_map))
 shutdown()
 print(json.dumps(counts))

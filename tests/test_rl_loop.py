@@ -21,7 +21,7 @@ import pytest
 
 from megarl.config import load_config
 from megarl.errors import ConfigError
-from megarl.topology import Topology
+from megarl.loop.wiring import topology
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
@@ -77,7 +77,7 @@ def test_config_errors_name_the_field(tmp_path):
 
 def test_topology_assigns_every_rank_once():
     cfg = load_config(TINY, ["trainer.dp=2", "generator.tp=2", "generator.replicas=2"])
-    topo = Topology.from_config(cfg)
+    topo = topology(cfg)
     assert topo.world_size == 8
     assert topo.executors == {"trainer": (0, 1, 2, 3), "generator": (4, 5, 6, 7), "reward": (4, 6)}
     assert topo.trainer_groups()["tp"] == [[0, 1], [2, 3]] and topo.trainer_groups()["dp"] == [[0, 2], [1, 3]]
@@ -85,8 +85,8 @@ def test_topology_assigns_every_rank_once():
     assert len(topo.check(gpus_per_node=4)) == 4
     # ranks 0-1 trainer, [2, 3] and [4, 5] generator replicas: [2, 3] straddles nodes of 3 GPUs
     with pytest.raises(ConfigError, match="generator TP group \\[2, 3\\] spans nodes"):
-        Topology.from_config(load_config(TINY, ["generator.tp=2", "generator.replicas=2"])).check(gpus_per_node=3)
-    sync = Topology.from_config(load_config(TINY, ["run.mode=sync"]))
+        topology(load_config(TINY, ["generator.tp=2", "generator.replicas=2"])).check(gpus_per_node=3)
+    sync = topology(load_config(TINY, ["run.mode=sync"]))
     assert sync.executors == {"trainer": (0, 1), "generator": (0, 1), "reward": (0, 1)}
     assert [c.name for c in sync.channels] == ["rollouts", "batch", "weights"]
 

@@ -6,9 +6,10 @@ import torch
 
 from megarl.models.presets import preset_spec
 from megarl.models.spec import LlamaSpec
+from megarl.parallel_dims import GeneratorDims, ParallelDims, generator_rank
 from megarl.weight_sync.fp8 import FP8_LINEARS
 from megarl.weight_sync.layouts import sglang_padded_vocab
-from megarl.weight_sync.planner import GeneratorTopology, TrainerTopology, build_plan
+from megarl.weight_sync.planner import build_plan
 from megarl.weight_sync.predict import Links, predict
 from megarl.weight_sync.schedule import pair_messages, receiver_quantised_params, sender_quantised_boxes
 from megarl.weight_sync.transport import PACK_BELOW_BYTES, payload_specs, wire_rounds
@@ -25,7 +26,7 @@ def tiny(**overrides):
 @pytest.mark.parametrize("tied", [False, True])
 def test_every_destination_element_is_written_exactly_once(tp, pp, dp, dst_tp, replicas, tied):
     spec = tiny(tie_word_embeddings=tied)
-    plan = build_plan(spec, TrainerTopology(tp, pp, dp), GeneratorTopology(dst_tp, replicas, first_rank=tp * pp * dp))
+    plan = build_plan(spec, ParallelDims(tp=tp, pp=pp, dp=dp), GeneratorDims(tp=dst_tp, replicas=replicas))
     for dst, layout in plan.dst_layouts.items():
         counts = {
             t.name: torch.zeros(t.shape[0], t.shape[1] if len(t.shape) > 1 else 1, dtype=torch.int32) for t in layout
@@ -56,15 +57,15 @@ def expected_sglang_elements(spec: LlamaSpec, tp: int, rank: int) -> int:
 
 def test_llama3_405b_plan_at_1024_gpus():
     spec = preset_spec("llama3-405b")
-    trainer = TrainerTopology(tp=16, pp=9, dp=4)  # 576 GPUs, TP16 over 8 KV heads
-    generator = GeneratorTopology(tp=8, replicas=56, first_rank=trainer.size)  # 448 GPUs, fp8
+    trainer = ParallelDims(tp=16, pp=9, dp=4)  # 576 GPUs, TP16 over 8 KV heads
+    generator = GeneratorDims(tp=8, replicas=56)  # 448 GPUs, fp8
     plan = build_plan(spec, trainer, generator)
     received = plan.elements_received()
     for replica in (0, 55):
         for r in range(8):
-            assert received[generator.rank(replica, r)] == expected_sglang_elements(spec, 8, r)
+            assert received[generator_rank(trainer, generator, replica, r)] == expected_sglang_elements(spec, 8, r)
     sent = plan.elements_sent()
-    assert len(sent) == trainer.size and max(sent.values()) / min(sent.values()) < 1.2  # every rank sends, evenly
+    assert len(sent) == trainer.world_size and max(sent.values()) / min(sent.values()) < 1.2  # every rank sends, evenly
     p = predict(plan, fp8=True, links=Links())
     # by bandwidth alone, the busiest generator GPU receives ~51 GB of fp8 over a 50 GB/s NIC
     assert p.busiest_bandwidth_only.bandwidth_s == pytest.approx(
@@ -79,7 +80,7 @@ def test_llama3_405b_plan_at_1024_gpus():
 
 def test_fp8_senders_quantise_every_block_of_llama_shapes():
     spec = preset_spec("llama3-405b")
-    plan = build_plan(spec, TrainerTopology(16, 9, 1), GeneratorTopology(8, 1, first_rank=144))
+    plan = build_plan(spec, ParallelDims(tp=16, pp=9, dp=1), GeneratorDims(tp=8, replicas=1))
     boxes = sender_quantised_boxes(plan)
     for r in range(8):
         assert not receiver_quantised_params(plan, 144 + r, boxes)  # head_dim 128: no block has two senders
@@ -87,7 +88,7 @@ def test_fp8_senders_quantise_every_block_of_llama_shapes():
 
 def test_fp8_boxes_fall_back_to_the_receiver_for_unaligned_toy_shapes():
     spec = tiny()
-    plan = build_plan(spec, TrainerTopology(2, 1, 1), GeneratorTopology(1, 1, first_rank=2))
+    plan = build_plan(spec, ParallelDims(tp=2, pp=1, dp=1), GeneratorDims(tp=1, replicas=1))
     boxes = sender_quantised_boxes(plan)
     late = receiver_quantised_params(plan, 2, boxes)
     assert "model.layers.0.self_attn.qkv_proj.weight" in late  # k heads of 16 rows from two senders in one block
@@ -97,7 +98,7 @@ def test_fp8_boxes_fall_back_to_the_receiver_for_unaligned_toy_shapes():
 
 def test_tp_beyond_kv_heads_on_both_sides():
     spec = preset_spec("llama3-8b")
-    plan = build_plan(spec, TrainerTopology(16, 2, 1), GeneratorTopology(16, 1, first_rank=32))
+    plan = build_plan(spec, ParallelDims(tp=16, pp=2, dp=1), GeneratorDims(tp=16, replicas=1))
     assert plan.elements_received()[32] == expected_sglang_elements(spec, 16, 0)
 
 
@@ -105,7 +106,7 @@ def test_tp_beyond_kv_heads_on_both_sides():
 def test_wire_rounds_pack_small_payloads_densely(fp8):
     # llama-mini TP4 -> 2 x TP2: norms, fp8 scales and thin rectangles below 1 MiB, q/o/mlp pieces above
     spec = preset_spec("llama-mini")
-    plan = build_plan(spec, TrainerTopology(4, 1, 1), GeneratorTopology(2, 2, first_rank=4))
+    plan = build_plan(spec, ParallelDims(tp=4, pp=1, dp=1), GeneratorDims(tp=2, replicas=2))
     boxes = sender_quantised_boxes(plan) if fp8 else {}
     total, packed_any, direct_any = 0, False, False
     for src, dst in plan.transfers:

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from megarl.models.spec import LlamaSpec
-from megarl.weight_sync.planner import GeneratorTopology, TrainerTopology, build_plan
+from megarl.parallel_dims import GeneratorDims, ParallelDims
+from megarl.weight_sync.planner import build_plan
 from megarl.weight_sync.predict import Links, predict
 from tests.conftest import TINY_CONFIG
 
@@ -17,7 +18,7 @@ def tiny():
 
 
 def one_to_one(spec):
-    return build_plan(spec, TrainerTopology(1, 1, 1), GeneratorTopology(1, 1, first_rank=1))
+    return build_plan(spec, ParallelDims(tp=1, pp=1, dp=1), GeneratorDims(tp=1, replicas=1))
 
 
 # The tiny Llama (vocab 300, hidden 64, ffn 96, 4 layers, 4 heads of 16, 2 KV heads, untied):
@@ -101,10 +102,10 @@ def test_plan_only_plans_the_configs_virtual_stages(tmp_path, monkeypatch):
     config.write_text(text)
     seen = []
     real = planner.build_plan
-    monkeypatch.setattr(planner, "build_plan", lambda spec, t, g: seen.append(t) or real(spec, t, g))
+    monkeypatch.setattr(planner, "build_plan", lambda spec, t, g, *a: seen.append(t) or real(spec, t, g, *a))
     result = run(WeightSyncBench(plan_only=True, config=str(config)))
     assert result["trainer"] == "TP1 x PP2 (VPP2) x DP1 = 2 GPUs"
-    assert [(t.pp, t.vp) for t in seen] == [(2, 2)]
+    assert [(t.pp, t.vpp) for t in seen] == [(2, 2)]
     # the measured run builds one chunk per PP rank: refused, naming the flag, before any process starts
     with pytest.raises(ConfigError, match="--src-vpp 2"):
         run(WeightSyncBench(model="tiny", src_tp=1, src_pp=2, src_vpp=2))

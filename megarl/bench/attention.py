@@ -64,11 +64,11 @@ def _call(layer, q, k, v, mask, grad):
 
 
 def run(b: AttentionBench) -> dict:
-    from megarl.runtime.distributed import ParallelLayout, init_distributed, init_megatron, shutdown
+    from megarl.runtime.distributed import init_distributed, init_megatron, shutdown, world_dims
     from megarl.trainer.packing import _segments_mask
 
     init_distributed()
-    init_megatron(ParallelLayout(1, 1))
+    init_megatron(world_dims(1, 1))
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[b.dtype]
     layers = core_attention_pair(dtype, b.heads, b.groups, b.head_dim)
     result = {

@@ -170,14 +170,14 @@ def _padding_efficiency(batch, per_micro_batch: int) -> float:
 
 
 def _megatron_step_time(ckpt: Path, batch, s: BenchSettings):
-    from megarl.models.loading import load_llama
-    from megarl.runtime.distributed import ParallelLayout, init_distributed, init_megatron, shutdown
+    from megarl.checkpointing.model_loading import load_llama
+    from megarl.runtime.distributed import init_distributed, init_megatron, shutdown, world_dims
     from megarl.trainer.hooks import LossConfig
     from megarl.trainer.policy_trainer import PolicyTrainer
     from megarl.trainer.setup import OptimizerSettings, build_optimizer, wrap_ddp
 
     init_distributed()
-    layout = ParallelLayout(1, 1)
+    layout = world_dims(1, 1)
     init_megatron(layout)
     spec, chunks = load_llama(ckpt, layout, params_dtype=torch.bfloat16 if s.dtype == "bf16" else torch.float32)
     ddp = wrap_ddp(chunks)

@@ -121,14 +121,15 @@ def links_of(b: WeightSyncBench):
 
 
 def plan_only(b: WeightSyncBench) -> dict:
-    from megarl.weight_sync.planner import GeneratorTopology, TrainerTopology, build_plan
+    from megarl.parallel_dims import GeneratorDims, ParallelDims
+    from megarl.weight_sync.planner import build_plan
     from megarl.weight_sync.predict import predict, rank_bytes
 
     b = resolved(b)
     spec = model_spec(b.model)
     # interleaved stages change which PP rank holds (and sends) which layers: the job's own plan
-    trainer = TrainerTopology(b.src_tp, b.src_pp, b.src_dp, vp=b.src_vpp if b.src_vpp > 1 else None)
-    generator = GeneratorTopology(b.dst_tp, b.dst_replicas, first_rank=trainer.size)
+    trainer = ParallelDims(tp=b.src_tp, pp=b.src_pp, dp=b.src_dp, vpp=b.src_vpp)
+    generator = GeneratorDims(tp=b.dst_tp, replicas=b.dst_replicas)
     start = time.perf_counter()
     plan = build_plan(spec, trainer, generator)
     plan_s = time.perf_counter() - start
@@ -136,9 +137,9 @@ def plan_only(b: WeightSyncBench) -> dict:
     per_rank = rank_bytes(plan, b.fp8, links)
     recv = [
         sum(v for k, v in per_rank[r].items() if k.startswith("recv"))
-        for r in range(trainer.size, trainer.size + generator.size)
+        for r in range(trainer.world_size, trainer.world_size + generator.world_size)
     ]
-    send = [sum(v for k, v in per_rank[r].items() if k.startswith("send")) for r in range(trainer.size)]
+    send = [sum(v for k, v in per_rank[r].items() if k.startswith("send")) for r in range(trainer.world_size)]
     p = predict(plan, b.fp8, links, bucket_bytes=b.bucket_bytes)
     busy = p.busiest
     result = {
@@ -146,8 +147,8 @@ def plan_only(b: WeightSyncBench) -> dict:
         "config": b.config,
         "parameters_B": spec.num_parameters() / 1e9,
         "trainer": f"TP{b.src_tp} x PP{b.src_pp}{f' (VPP{b.src_vpp})' if b.src_vpp > 1 else ''} x DP{b.src_dp} "
-        f"= {trainer.size} GPUs",
-        "generator": f"{b.dst_replicas} x TP{b.dst_tp} = {generator.size} GPUs",
+        f"= {trainer.world_size} GPUs",
+        "generator": f"{b.dst_replicas} x TP{b.dst_tp} = {generator.world_size} GPUs",
         "fp8": b.fp8,
         "plan_seconds": round(plan_s, 2),
         "transfers": sum(len(v) for v in plan.transfers.values()),
@@ -159,7 +160,7 @@ def plan_only(b: WeightSyncBench) -> dict:
         "kind": "prediction from a model (predict.py), not a measurement",
         "breakdown": {  # of the GPU that sets the time
             "rank": busy.rank,
-            "role": "generator" if busy.rank >= trainer.size else "trainer",
+            "role": "generator" if busy.rank >= trainer.world_size else "trainer",
             "direction": busy.direction,
             "bandwidth_s": busy.bandwidth_s,
             "latency_s": busy.latency_s,
@@ -208,7 +209,7 @@ def _groups(b: WeightSyncBench, port: int, sync_rank: int, trainer_size: int, ge
     ({stage: group}), all over one TCP store hosted by sync rank 0."""
     import torch.distributed as dist
 
-    from megarl.weight_sync.rendezvous import init_sync_group
+    from megarl.runtime.rendezvous import init_sync_group
 
     world = trainer_size + generators
     store = dist.TCPStore("127.0.0.1", port, world, is_master=sync_rank == 0, timeout=datetime.timedelta(seconds=300))
@@ -236,14 +237,15 @@ def _trainer_rank(b: WeightSyncBench, port: int, out_dir: str, generators: int) 
     from megatron.core import parallel_state
 
     from megarl.models.megatron_llama import build_model_chunks, transformer_config
-    from megarl.runtime.distributed import ParallelLayout, init_distributed, init_megatron, shutdown
+    from megarl.parallel_dims import GeneratorDims
+    from megarl.runtime.distributed import init_distributed, init_megatron, shutdown, world_dims
     from megarl.weight_sync.baseline import gather_broadcast_send
     from megarl.weight_sync.endpoints import TrainerSync, megatron_params
-    from megarl.weight_sync.planner import GeneratorTopology, TrainerTopology, build_plan
+    from megarl.weight_sync.planner import build_plan
 
     rank = init_distributed()
     spec = model_spec(b.model)
-    init_megatron(ParallelLayout(b.src_tp, b.src_pp))
+    init_megatron(world_dims(b.src_tp, b.src_pp))
     config = transformer_config(spec, b.src_tp, b.src_pp, params_dtype=torch.bfloat16, perform_initialization=False)
     chunks = build_model_chunks(spec, config)
     tp_rank, pp_rank = (
@@ -256,10 +258,12 @@ def _trainer_rank(b: WeightSyncBench, port: int, out_dir: str, generators: int) 
             sharded = getattr(p, "tensor_model_parallel", False)
             seed = (pp_rank * 1000 + i) * 1000 + (tp_rank if sharded else 0)
             p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)) * 0.02)
-    trainer = TrainerTopology(b.src_tp, b.src_pp, dist.get_world_size() // (b.src_tp * b.src_pp))
-    generator = GeneratorTopology(b.dst_tp, b.dst_replicas, first_rank=trainer.size)
-    sources = {trainer.rank(0, 0, s): s for s in range(trainer.pp)}
-    sync, stages = _groups(b, port, rank, trainer.size, generators, lambda s: 0 if sources.get(rank) == s else None)
+    trainer = world_dims(b.src_tp, b.src_pp)
+    generator = GeneratorDims(tp=b.dst_tp, replicas=b.dst_replicas)
+    sources = {trainer.rank(pp_rank=s): s for s in range(trainer.pp)}
+    sync, stages = _groups(
+        b, port, rank, trainer.world_size, generators, lambda s: 0 if sources.get(rank) == s else None
+    )
     plan = build_plan(spec, trainer, generator)
     ours = TrainerSync(
         spec,
@@ -316,17 +320,18 @@ def _trainer_rank(b: WeightSyncBench, port: int, out_dir: str, generators: int) 
 def _generator_rank(b: WeightSyncBench, port: int, out_dir: str, trainer_size: int) -> None:
     import torch.distributed as dist
 
+    from megarl.parallel_dims import GeneratorDims, ParallelDims
     from megarl.runtime.distributed import init_distributed, shutdown
     from megarl.weight_sync.baseline import gather_broadcast_receive
     from megarl.weight_sync.endpoints import GeneratorSync, allocate_generator_params
-    from megarl.weight_sync.planner import GeneratorTopology, TrainerTopology, build_plan
+    from megarl.weight_sync.planner import build_plan
 
     rank = init_distributed()
     spec = model_spec(b.model)
-    trainer = TrainerTopology(b.src_tp, b.src_pp, trainer_size // (b.src_tp * b.src_pp))
-    generator = GeneratorTopology(b.dst_tp, b.dst_replicas, first_rank=trainer.size)
-    sync_rank = trainer.size + rank
-    sync, stages = _groups(b, port, sync_rank, trainer.size, generator.size, lambda s: 1 + rank)
+    trainer = ParallelDims(tp=b.src_tp, pp=b.src_pp, dp=trainer_size // (b.src_tp * b.src_pp))
+    generator = GeneratorDims(tp=b.dst_tp, replicas=b.dst_replicas)
+    sync_rank = trainer.world_size + rank
+    sync, stages = _groups(b, port, sync_rank, trainer.world_size, generator.world_size, lambda s: 1 + rank)
     replica, tp_rank = divmod(rank, b.dst_tp)
     params = allocate_generator_params(spec, b.dst_tp, tp_rank, torch.bfloat16, b.fp8)
     ours = GeneratorSync(
@@ -396,9 +401,10 @@ def run(b: WeightSyncBench) -> dict:
             f"--src-vpp {b.src_vpp}: the measured run builds one model chunk per PP rank; "
             "virtual stages go with --plan-only"
         )
+    from megarl.parallel_dims import GeneratorDims, ParallelDims
     from megarl.runtime.distributed import free_port
     from megarl.runtime.launch import run_worlds
-    from megarl.weight_sync.planner import GeneratorTopology, TrainerTopology, build_plan
+    from megarl.weight_sync.planner import build_plan
     from megarl.weight_sync.predict import transfer_bytes
 
     spec = model_spec(b.model)
@@ -416,8 +422,8 @@ def run(b: WeightSyncBench) -> dict:
         gens = [json.loads(Path(out, f"generator{r}.json").read_text()) for r in range(generators)]
     plan = build_plan(
         spec,
-        TrainerTopology(b.src_tp, b.src_pp, b.src_dp),
-        GeneratorTopology(b.dst_tp, b.dst_replicas, first_rank=trainer_size),
+        ParallelDims(tp=b.src_tp, pp=b.src_pp, dp=b.src_dp),
+        GeneratorDims(tp=b.dst_tp, replicas=b.dst_replicas),
     )
     # every worker's own shard, once (fp8 weights at one byte plus their scales)
     minimum = int(sum(transfer_bytes(t.dst_param, t.numel, b.fp8) for ts_ in plan.transfers.values() for t in ts_))

@@ -80,8 +80,7 @@ def load_training_state(
     loaded = dist_checkpointing.load(state, str(ckpt_dir))
     load_model_state(chunks, loaded, ckpt_dir)
     optimizer.load_state_dict(loaded["optimizer"])
+    # the loaded param groups carry the saving run's settings: the caller applies this machine's
+    # again (trainer.setup.fuse_torch_adam_on_cpu)
     optimizer_state.untie_adam_step_state(optimizer)
-    from megarl.trainer.setup import fuse_torch_adam_on_cpu
-
-    fuse_torch_adam_on_cpu(optimizer)  # the loaded param groups carry the saving run's setting
     return dict(loaded.get("loop_state", {}), iteration=loaded.get("iteration", 0))

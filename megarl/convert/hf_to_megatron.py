@@ -33,7 +33,7 @@ from megarl.models.hf_checkpoint import SafetensorsCheckpoint, gguf_spec, materi
 from megarl.models.hf_mapping import mapping_by_key, to_megatron
 from megarl.models.megatron_llama import DEFAULT_VOCAB_DIVISIBLE_BY, build_model_chunks, transformer_config
 from megarl.models.spec import LlamaSpec
-from megarl.runtime.distributed import ParallelLayout, init_distributed, init_megatron, shutdown
+from megarl.runtime.distributed import init_distributed, init_megatron, shutdown, world_dims
 from megarl.runtime.launch import run_world, running_under_torchrun
 
 GGUF_STAGING = ".hf_from_gguf"
@@ -91,7 +91,7 @@ def convert_rank(args: HfToMegatron) -> None:
     spec = hf.spec
     spec.check_parallelism(args.tp, args.pp)
     dtype = parse_dtype(args.dtype) or hf.dtype()
-    init_megatron(ParallelLayout(args.tp, args.pp))
+    init_megatron(world_dims(args.tp, args.pp))
     config = transformer_config(spec, args.tp, args.pp, params_dtype=dtype, perform_initialization=False)
     chunks = build_model_chunks(spec, config, vocab_divisible_by=args.vocab_divisible_by)
     fill_from_hf(chunks, spec, hf.get, show_progress=rank == 0)

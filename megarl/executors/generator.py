@@ -47,6 +47,18 @@ from megarl.generator.interface import ABORTED, Completion, GenerationRequest, G
 
 
 @dataclass
+class GeneratedGroups:
+    """What one ``generate`` call hands over: finished groups and the replica's counters."""
+
+    groups: List[List[Completion]]
+    time_generate: float  # seconds of this call
+    engine_version: int  # the backend's policy version at hand-over
+    stale_dropped: int  # running totals of the replica (admission control, see the module doc)
+    stale_aborted: int
+    in_flight: int  # samples still in the backend
+
+
+@dataclass
 class _InFlight:
     request_id: str
     submitted_version: int
@@ -185,7 +197,7 @@ class GeneratorExecutor:
             self.groups.pop(gid, None)  # its finished samples are useless without the rest
         self.stale_aborted += len(doomed)
 
-    def generate(self, train_version: int, n_groups: int, drain: bool) -> dict:
+    def generate(self, train_version: int, n_groups: int, drain: bool) -> GeneratedGroups:
         """Groups for the trainer, and this replica's timing.
 
         ``drain`` (sync mode): submit exactly n_groups prompts and run them to the end.
@@ -206,18 +218,18 @@ class GeneratorExecutor:
             self.ready.sort(key=lambda g: g[0].group_id)
         return self._hand_over(n_groups, start)
 
-    def _hand_over(self, n_groups: int, start: float) -> dict:
+    def _hand_over(self, n_groups: int, start: float) -> "GeneratedGroups":
         ready, self.ready = self.ready[:n_groups], self.ready[n_groups:]
         for group in ready:
             self.prompt_of.pop(group[0].group_id, None)
-        return {
-            "groups": ready,
-            "time_generate": time.perf_counter() - start,
-            "engine_version": self.version,
-            "stale_dropped": self.stale_dropped,
-            "stale_aborted": self.stale_aborted,
-            "in_flight": self.in_flight,
-        }
+        return GeneratedGroups(
+            groups=ready,
+            time_generate=time.perf_counter() - start,
+            engine_version=self.version,
+            stale_dropped=self.stale_dropped,
+            stale_aborted=self.stale_aborted,
+            in_flight=self.in_flight,
+        )
 
     def generate_until(self, stop, next_train_version: int) -> int:
         """Keep decoding (groups that finish wait for the next batch) until ``stop()`` says the

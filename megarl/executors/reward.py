@@ -9,10 +9,18 @@ pathological answer costs at most ``reward.timeout_s``, never the loop.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import List
 
 from megarl.generator.interface import Completion
 from megarl.rollout import Sample
+
+
+@dataclass
+class ScoredSamples:
+    samples: List[Sample]  # the groups' samples in order, each with its reward
+    time_reward: float  # seconds of scoring
+    reward_timeouts: int  # samples scored 0 because their reward timed out or failed
 
 
 class RewardExecutor:
@@ -28,7 +36,7 @@ class RewardExecutor:
             return " ".join(map(str, c.output_ids))
         return self.tokenizer.decode(c.output_ids, skip_special_tokens=True)
 
-    def score(self, groups: List[List[Completion]]) -> dict:
+    def score(self, groups: List[List[Completion]]) -> ScoredSamples:
         from megarl.rewards.scoring import score_batch
 
         start = time.perf_counter()
@@ -40,8 +48,4 @@ class RewardExecutor:
             s = c.to_sample(reward=res.score)
             s.response_text, s.reward_reason = text, res.reason
             samples.append(s)
-        return {
-            "samples": samples,
-            "time_reward": time.perf_counter() - start,
-            "reward_timeouts": sum(r.reason != "ok" for r in results),
-        }
+        return ScoredSamples(samples, time.perf_counter() - start, sum(r.reason != "ok" for r in results))

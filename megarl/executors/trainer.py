@@ -51,7 +51,7 @@ def megatron_model_settings(t) -> dict:
     return settings
 
 
-def loss_config(cfg):
+def loss_config(cfg, lag_bound: int = 0):
     """The loss hook's settings from the config: the loss, its parameters (checked, defaults filled)."""
     from megarl.trainer.hooks import LossConfig
     from megarl.trainer.losses import bind_loss_params
@@ -70,23 +70,25 @@ def loss_config(cfg):
         max_new_tokens=cfg.rollout.max_new_tokens,
         overlong=t.overlong,
         overlong_buffer=t.overlong_buffer,
-        # the lag buckets of the mismatch metrics: sync mode trains on lag 0 only
-        max_lag=cfg.rollout.max_lag if cfg.run.mode == "async" else 0,
+        # the lag buckets of the mismatch metrics
+        max_lag=lag_bound,
     )
 
 
 class TrainerExecutor:
-    def __init__(self, cfg, job, prepared, resume_dir: Optional[Path]):
-        from megarl.models.loading import load_llama
+    def __init__(self, cfg, prepared, resume_dir: Optional[Path], lag_bound: int, on_gpu: bool):
+        """``lag_bound``: the most policy versions a trained token may lag (rollout.max_lag; 0 where
+        generation and training alternate); ``on_gpu``: this rank's device is a GPU."""
+        from megarl.checkpointing.model_loading import load_llama
         from megarl.models.megatron_llama import build_model_chunks, transformer_config
         from megarl.models.spec import LlamaSpec
-        from megarl.runtime.distributed import ParallelLayout, init_megatron
+        from megarl.runtime.distributed import init_megatron
         from megarl.trainer.features import gradient_accumulation_fusion
         from megarl.trainer.policy_trainer import PolicyTrainer
         from megarl.trainer.setup import OptimizerSettings, build_lr_scheduler, build_optimizer, wrap_ddp
 
         t = cfg.trainer
-        self.cfg, self.job = cfg, job
+        self.cfg, self.lag_bound = cfg, lag_bound
         # saved with every checkpoint, so `megarl eval` and exports find the tokenizer beside the weights
         from megarl.generator.tokenizer import NO_TOKENIZER
 
@@ -95,21 +97,25 @@ class TrainerExecutor:
             if prepared.tokenizer == NO_TOKENIZER
             else sorted(p for p in Path(prepared.tokenizer).iterdir() if p.is_file())
         )
-        layout = ParallelLayout(t.tp, t.pp, t.vpp if t.vpp > 1 else None)
-        init_megatron(layout, seed=cfg.run.seed)
+        dims = cfg.trainer_dims()
+        init_megatron(dims, seed=cfg.run.seed)
         dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
         model_settings = megatron_model_settings(t)
-        # the job's device; `megarl train --replay` runs without a job, on CUDA wherever it exists
-        on_gpu = job.device == "cuda" if job is not None else torch.cuda.is_available()
         wgrad_fusion = gradient_accumulation_fusion(t.gradient_accumulation_fusion, on_gpu=on_gpu)
         # GPUs: Megatron's own switch; CPU: megarl's patch, turned on by wrap_ddp
         model_settings["gradient_accumulation_fusion"] = wgrad_fusion and on_gpu
         if prepared.checkpoint:
-            self.spec, chunks = load_llama(prepared.checkpoint, layout, params_dtype=dtype, **model_settings)
+            self.spec, chunks = load_llama(prepared.checkpoint, dims, params_dtype=dtype, **model_settings)
         else:  # random:<preset>: Megatron's own initialisation, seeded
             self.spec = LlamaSpec.from_dict(prepared.spec)
             config = transformer_config(
-                self.spec, t.tp, t.pp, layout.vp, params_dtype=dtype, perform_initialization=True, **model_settings
+                self.spec,
+                dims.tp,
+                dims.pp,
+                dims.virtual_pipeline_model_parallel_size,
+                params_dtype=dtype,
+                perform_initialization=True,
+                **model_settings,
             )
             chunks = build_model_chunks(self.spec, config)
         settings = OptimizerSettings.from_config(cfg.optimizer)
@@ -120,14 +126,15 @@ class TrainerExecutor:
         self.loop_state: dict = {}
         if resume_dir is not None:
             from megarl.checkpointing.training_checkpoint import load_training_state
-            from megarl.trainer.setup import unwrap
+            from megarl.trainer.setup import fuse_torch_adam_on_cpu, unwrap
 
             self.loop_state = load_training_state(unwrap(self.ddp), self.optimizer, resume_dir)
+            fuse_torch_adam_on_cpu(self.optimizer)  # the loaded param groups carry the saving run's setting
             self.version = int(self.loop_state.get("version", self.loop_state["iteration"]))
             if "opt_param_scheduler" in self.loop_state:  # Megatron-LM's key
                 self.lr_scheduler.load_state_dict(self.loop_state["opt_param_scheduler"])
-        loss = loss_config(cfg)
-        ref = load_llama(prepared.checkpoint, layout, params_dtype=dtype, **model_settings)[1] if t.kl_coef else None
+        loss = loss_config(cfg, lag_bound)
+        ref = load_llama(prepared.checkpoint, dims, params_dtype=dtype, **model_settings)[1] if t.kl_coef else None
         self.trainer = PolicyTrainer(
             self.ddp,
             self.optimizer,
@@ -151,18 +158,12 @@ class TrainerExecutor:
     # -- the step ------------------------------------------------------------------------------
 
     def step(self, samples: Sequence[Sample]) -> dict:
-        lags = check_lag(samples, self.version, self.cfg.rollout.max_lag if self.cfg.run.mode == "async" else 0)
+        lags = check_lag(samples, self.version, self.lag_bound)
         metrics = self.trainer.step(samples, version=self.version)
         metrics.update(lag_mean=sum(lags) / len(lags), lag_max=max(lags), trained_version=self.version)
         if not metrics.get("skipped"):
             self.version += 1
         return metrics
-
-    def restored_pending(self) -> Optional[dict]:
-        """Async: the batch the checkpoint had generated but not trained on (loop_state.py)."""
-        from megarl.loop_state import pending_from_state
-
-        return pending_from_state(self.loop_state.get("pending"))
 
     def save_checkpoint(self, root: Path, step: int, loop_state: dict) -> Path:
         from megarl.checkpointing.training_checkpoint import save_training_state

@@ -1,4 +1,4 @@
-"""Build a generator replica's backend from ``generator.backend``.
+"""Build a generator replica's backend (the wiring, loop/wiring.py, picks which from ``generator.backend``).
 
     torch    megarl's reference engine in this process, its weights in SGLang's TP layout
              (every TP rank of the replica builds one over the replica's TP group)
@@ -12,59 +12,46 @@ The generator executor above never knows which one it drives.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
 
 from megarl.generator.interface import GeneratorBackend
+from megarl.parallel_dims import GeneratorDims
 
 
 @dataclass(frozen=True)
-class ReplicaPlacement:
+class GeneratorRank:
+    """Where this rank sits among the generators: replica, TP rank, the replica's TP group."""
+
+    dims: GeneratorDims  # the engines' parallelism (sync mode: TP-1 engines, one per rank)
     replica: int
-    tp: int  # the engine's tensor-parallel size (1 for sync mode's colocated engines)
     tp_rank: int
     tp_group: object = None
     device: str = "cpu"
     local_rank: int = 0  # the first GPU of a launched server (its node-local rank)
 
 
-def build_backend(
-    g,
-    spec,
-    placement: ReplicaPlacement,
-    samples_per_prompt: int,
-    run_dir=None,
-    store=None,
-    on_failure: Optional[Callable[[str], None]] = None,
-) -> GeneratorBackend:
-    """``g``: the config's GeneratorConfig section."""
-    if g.backend == "torch":
-        return _torch_engine(g, spec, placement)
-    if g.backend == "sglang":
-        return _sglang(g, placement, samples_per_prompt, run_dir, store, on_failure)
-    raise ValueError(f"generator.backend {g.backend!r}")  # refused by the config already
-
-
-def _torch_engine(g, spec, p: ReplicaPlacement) -> GeneratorBackend:
+def torch_engine_backend(g, spec, p: GeneratorRank) -> GeneratorBackend:
+    """megarl's reference engine: this rank's TP shard of its replica, in SGLang's layout."""
     from megarl.generator.torch_engine.engine import TorchEngine
     from megarl.weight_sync.endpoints import allocate_generator_params
 
     dtype = torch.bfloat16 if g.dtype == "bf16" else torch.float32
-    params = allocate_generator_params(spec, p.tp, p.tp_rank, dtype, g.fp8, device=p.device)
+    params = allocate_generator_params(spec, p.dims.tp, p.tp_rank, dtype, g.fp8, device=p.device)
     return TorchEngine(
         spec,
         params,
         max_running=g.max_running,
         max_seq_len=g.max_seq_len,
-        tp=p.tp,
+        tp=p.dims.tp,
         tp_rank=p.tp_rank,
         group=p.tp_group,
         recompute_kv_on_update=g.recompute_kv_on_update,
     )
 
 
-def _sglang(g, p: ReplicaPlacement, samples_per_prompt: int, run_dir, store, on_failure) -> GeneratorBackend:
+def sglang_backend(g, p: GeneratorRank, samples_per_prompt: int, run_dir, store, on_failure) -> GeneratorBackend:
+    """An SGLang server driven over HTTP: attached (generator.sglang_urls) or launched here."""
     from megarl.generator.sglang.http_backend import SglangBackend
 
     server = None

@@ -4,7 +4,7 @@ What a launch would find out only after minutes of start-up on a thousand
 GPUs, checked from shapes in seconds:
 
 - the model shards at the configured TP / PP (trainer) and TP (generator);
-- the ranks: ``Topology.from_config(cfg).check(gpus_per_node)`` (every rank in
+- the ranks: ``wiring.topology(cfg).check(gpus_per_node)`` (every rank in
   exactly one executor, every TP group within a node), and the job fits the
   allocation (plan.gpus) in whole nodes, as scripts/launch.sh starts it;
 - a sample of the longest length fits a trainer micro-batch;
@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from megarl.errors import ConfigError
+from megarl.loop.topology import Topology, _ranges
+from megarl.loop.wiring import topology
 from megarl.plan.config_plan import gpus_used, model_preset, plan_section, section_hardware
-from megarl.topology import Topology, _ranges
 
 
 @dataclass
@@ -68,7 +69,7 @@ def dry_run(cfg, path: str = "config") -> DryRun:
     gpn = section.gpus_per_node
     preset = model_preset(cfg, section)
     spec = preset_spec(preset)
-    topo = Topology.from_config(cfg)
+    topo = topology(cfg)
     report = DryRun(path, preset, gpn, topo)
     if cfg.run.mode == "async" and cfg.generator.backend != "torch":
         # SGLang spawns its own TP workers outside the torchrun world; they still occupy GPUs and
@@ -149,7 +150,7 @@ def check_tp_groups_within_nodes(cfg, topo: Topology, gpus_per_node: int) -> Non
     """topology.check's rule, with the field to change named (Megatron's and SGLang's TP all-reduces
     run every layer and need NVLink)."""
     roles = [("trainer.tp", cfg.trainer.tp, topo.trainer_groups()["tp"])]
-    if topo.mode == "async":
+    if not topo.colocated:
         roles.append(("generator.tp", cfg.generator.tp, topo.generator_tp_groups()))
     for name, tp, groups in roles:
         for group in groups:
@@ -180,16 +181,12 @@ def check_weight_sync(
     cfg, spec, topo: Topology, gpus_per_node: int, nvlink_gb_s: float, network_gb_s: float
 ) -> Tuple[dict, object]:
     """Build the sync plan of the config's layout, check it (raises ConfigError), return (stats, plan)."""
-    from megarl.weight_sync.planner import GeneratorTopology, TrainerTopology, build_plan
+    from megarl.weight_sync.planner import build_plan
     from megarl.weight_sync.predict import Links, predict_seconds, rank_bytes
 
-    t, g = cfg.trainer, cfg.generator
+    g = cfg.generator
     start = time.perf_counter()
-    plan = build_plan(
-        spec,
-        TrainerTopology(t.tp, t.pp, t.dp, vp=t.vpp if t.vpp > 1 else None),
-        GeneratorTopology(g.tp, g.replicas, first_rank=topo.executors["generator"][0]),
-    )
+    plan = build_plan(spec, topo.trainer, topo.generator)
     built = time.perf_counter() - start
     senders, receivers = set(topo.executors["trainer"]), set(topo.executors["generator"])
     weights = topo.channel("weights")
@@ -295,7 +292,7 @@ def dry_run_text(d: DryRun) -> str:
     t, desc = d.topology, d.topology.describe()
     nodes = -(-t.world_size // d.gpus_per_node)
     lines = [
-        f"megarl plan --dry-run-topology: {d.path} ({d.model}, {t.mode}, {t.world_size} ranks on {nodes} "
+        f"megarl plan --dry-run-topology: {d.path} ({d.model}, {desc['placement']}, {t.world_size} ranks on {nodes} "
         f"node{'s' if nodes > 1 else ''} of {d.gpus_per_node}; no process started)",
         "",
     ]

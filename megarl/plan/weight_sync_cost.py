@@ -63,10 +63,11 @@ def predict_seconds(
 
 @lru_cache(maxsize=64)
 def _predict(spec, gpus_per_node, nvlink_gb_s, network_gb_s, tp, pp, dp, gen_tp, replicas, fp8) -> float:
-    from megarl.weight_sync.planner import GeneratorTopology, TrainerTopology, build_plan
+    from megarl.parallel_dims import GeneratorDims, ParallelDims
+    from megarl.weight_sync.planner import build_plan
     from megarl.weight_sync.predict import Links
     from megarl.weight_sync.predict import predict_seconds as plan_seconds
 
-    trainer = TrainerTopology(tp, pp, dp)
-    plan = build_plan(spec, trainer, GeneratorTopology(gen_tp, replicas, first_rank=trainer.size))
+    trainer = ParallelDims(tp=tp, pp=pp, dp=dp)
+    plan = build_plan(spec, trainer, GeneratorDims(tp=gen_tp, replicas=replicas))
     return plan_seconds(plan, fp8, Links(gpus_per_node, nvlink_gb_s, network_gb_s))

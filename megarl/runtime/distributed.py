@@ -11,22 +11,14 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
-from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as _c10d
 
+from megarl.parallel_dims import ParallelDims
 from megarl.runtime.cpu_memory import keep_freed_memory
 from megarl.runtime.ports import free_port  # noqa: F401  (re-exported: tests and tools import it here)
-
-
-@dataclass(frozen=True)
-class ParallelLayout:
-    tp: int = 1
-    pp: int = 1
-    vp: Optional[int] = None
 
 
 def init_distributed(timeout_minutes: float = 10.0) -> int:
@@ -61,14 +53,24 @@ def _destroy_groups(groups: list) -> None:
     groups.clear()
 
 
-def init_megatron(layout: ParallelLayout, seed: int = 1234) -> None:
-    """(Re)initialise Megatron's parallel state for ``layout`` over the whole world."""
+def world_dims(tp: int = 1, pp: int = 1, vpp: int = 1, cp: int = 1) -> ParallelDims:
+    """ParallelDims over this process's whole world: data parallel over what the other dimensions
+    leave (as Megatron-Core derives it)."""
+    world, model = dist.get_world_size(), tp * pp * cp
+    if world % model:
+        raise ValueError(f"world size {world} is not divisible by TP {tp} x PP {pp} x CP {cp}")
+    return ParallelDims(tp=tp, pp=pp, dp=world // model, cp=cp, vpp=vpp)
+
+
+def init_megatron(dims: ParallelDims, seed: int = 1234) -> None:
+    """(Re)initialise Megatron's parallel state for ``dims`` over the whole world (this process's
+    default group: the trainer's ranks in a job)."""
     from megatron.core import parallel_state as mpu
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     world = dist.get_world_size()
-    if world % (layout.tp * layout.pp):
-        raise ValueError(f"world size {world} is not divisible by TP {layout.tp} x PP {layout.pp}")
+    if world != dims.world_size:
+        raise ValueError(f"{dims.describe()} is {dims.world_size} ranks; this world has {world}")
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
     # destroy_model_parallel only forgets Megatron's groups; torch keeps every one alive.
@@ -77,12 +79,37 @@ def init_megatron(layout: ParallelLayout, seed: int = 1234) -> None:
     _destroy_groups(_MEGATRON_GROUPS)
     before = set(_c10d._world.pg_map)
     mpu.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vp,
+        tensor_model_parallel_size=dims.tp,
+        pipeline_model_parallel_size=dims.pp,
+        virtual_pipeline_model_parallel_size=dims.virtual_pipeline_model_parallel_size,
+        context_parallel_size=dims.cp,
+        expert_model_parallel_size=dims.ep,
+        expert_tensor_parallel_size=dims.etp,
     )
     _MEGATRON_GROUPS[:] = [g for g in _c10d._world.pg_map if g not in before]
+    _check_groups(dims, mpu)
     model_parallel_cuda_manual_seed(seed)
+
+
+def _check_groups(dims: ParallelDims, mpu) -> None:
+    """This rank's Megatron groups are the ones ParallelDims computes (the topology, the weight-sync
+    planner and plan/ use its formulas): a Megatron-Core whose rank order changed fails here."""
+    rank = dist.get_rank()
+    groups = {
+        "tp": mpu.get_tensor_model_parallel_group(),
+        "pp": mpu.get_pipeline_model_parallel_group(),
+        "dp": mpu.get_data_parallel_group(),
+        "cp": mpu.get_context_parallel_group(),
+        "dp-cp": mpu.get_data_parallel_group(with_context_parallel=True),
+    }
+    for token, group in groups.items():
+        ours = next(g for g in dims.groups(token) if rank in g)
+        theirs = dist.get_process_group_ranks(group)
+        if ours != theirs:
+            raise RuntimeError(
+                f"rank {rank}: Megatron-Core's {token} group is {theirs}, megarl.parallel_dims computes {ours} "
+                f"for {dims.describe()}"
+            )
 
 
 def shutdown() -> None:

@@ -33,10 +33,11 @@ import torch
 import torch.distributed as dist
 
 from megarl.errors import MegarlError
+from megarl.models.megatron_llama import DEFAULT_VOCAB_DIVISIBLE_BY
 from megarl.models.spec import LlamaSpec
+from megarl.parallel_dims import ParallelDims
 from megarl.weight_sync import fp8 as fp8_format
 from megarl.weight_sync.layouts import LocalTensor, logical_shapes, megatron_rank_layout, sglang_rank_layout
-from megarl.weight_sync.planner import TrainerTopology
 from megarl.weight_sync.transport import DEFAULT_BUCKET_BYTES, as_2d
 
 # Hugging Face weights a block-fp8 checkpoint stores as e4m3 + weight_scale_inv.
@@ -140,7 +141,7 @@ def _flat_numel(entries: Sequence[Entry]) -> int:
 
 def gather_broadcast_send(
     spec: LlamaSpec,
-    trainer: TrainerTopology,
+    trainer: ParallelDims,
     sync_rank: int,
     params: Dict[str, torch.Tensor],
     tp_group,
@@ -148,24 +149,23 @@ def gather_broadcast_send(
     wire_dtype: torch.dtype,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     fp8: bool = False,
+    norm_names: str = "local",
+    vocab_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY,
 ) -> dict:
     """Trainer side, on every trainer rank. ``tp_group``: Megatron's TP group of this rank;
     ``stage_group``: the stage's broadcast group (stage source = its rank 0, generator
     worker w = rank 1 + w) on the stage source, None elsewhere. ``sync_rank`` numbers the
-    trainer ranks as TrainerTopology does (Megatron's order)."""
+    trainer ranks in Megatron's order (ParallelDims.coords)."""
     start = time.perf_counter()
-    tp_rank = sync_rank % trainer.tp
-    dp_rank = sync_rank // trainer.tp % trainer.dp
-    pp_rank = sync_rank // (trainer.tp * trainer.dp)
-    source = tp_rank == 0 and dp_rank == 0
+    coords = trainer.coords(sync_rank)
+    tp_rank, pp_rank = coords["tp"], coords["pp"]
+    source = tp_rank == 0 and coords["dp"] == 0 and coords["cp"] == 0
     if source != (stage_group is not None):
         raise MegarlError(f"trainer rank {sync_rank}: the stage broadcast group belongs to TP rank 0 of DP rank 0 only")
     layouts = [
         {
             t.name: t
-            for t in megatron_rank_layout(
-                spec, trainer.tp, trainer.pp, r, pp_rank, trainer.vocab_divisible_by, trainer.norm_names
-            )
+            for t in megatron_rank_layout(spec, trainer.tp, trainer.pp, r, pp_rank, vocab_divisible_by, norm_names)
         }
         for r in range(trainer.tp)
     ]
@@ -271,7 +271,7 @@ def _block_range(lo: int, hi: int, size: int, what: str) -> Tuple[int, int]:
 
 def gather_broadcast_receive(
     spec: LlamaSpec,
-    trainer: TrainerTopology,
+    trainer: ParallelDims,
     tp: int,
     tp_rank: int,
     params: Dict[str, torch.Tensor],

@@ -20,9 +20,10 @@ from typing import Dict, List, Optional, Set
 import torch
 
 from megarl.models.spec import LlamaSpec
+from megarl.parallel_dims import GeneratorDims, ParallelDims, generator_rank
 from megarl.weight_sync import fp8 as fp8_format
 from megarl.weight_sync.layouts import sglang_rank_layout
-from megarl.weight_sync.planner import GeneratorTopology, SyncPlan, TrainerTopology, build_plan
+from megarl.weight_sync.planner import SyncPlan, build_plan
 from megarl.weight_sync.transport import DEFAULT_BUCKET_BYTES, SyncStats, WeightReceiver, WeightSender
 
 
@@ -62,8 +63,8 @@ class TrainerSync:
     def __init__(
         self,
         spec: LlamaSpec,
-        trainer: TrainerTopology,
-        generator: GeneratorTopology,
+        trainer: ParallelDims,
+        generator: GeneratorDims,
         chunks: List[torch.nn.Module],
         group,
         sync_rank: int,
@@ -73,8 +74,9 @@ class TrainerSync:
         verify: bool = False,
         plan: SyncPlan | None = None,
         ipc_peers: Optional[Set[int]] = None,
+        norm_names: str = "local",
     ):
-        self.plan = plan or build_plan(spec, trainer, generator)
+        self.plan = plan or build_plan(spec, trainer, generator, norm_names)
         self.sender = WeightSender(
             self.plan, sync_rank, group, megatron_params(chunks), fp8, wire_dtype, bucket_bytes, verify, ipc_peers
         )
@@ -88,8 +90,8 @@ class GeneratorSync:
     def __init__(
         self,
         spec: LlamaSpec,
-        trainer: TrainerTopology,
-        generator: GeneratorTopology,
+        trainer: ParallelDims,
+        generator: GeneratorDims,
         replica: int,
         tp_rank: int,
         params: Dict[str, torch.Tensor],
@@ -100,9 +102,10 @@ class GeneratorSync:
         verify: bool = False,
         plan: SyncPlan | None = None,
         ipc_peers: Optional[Set[int]] = None,
+        norm_names: str = "local",
     ):
-        self.plan = plan or build_plan(spec, trainer, generator)
-        self.sync_rank = generator.rank(replica, tp_rank)
+        self.plan = plan or build_plan(spec, trainer, generator, norm_names)
+        self.sync_rank = generator_rank(trainer, generator, replica, tp_rank)
         self.receiver = WeightReceiver(
             self.plan, self.sync_rank, group, params, fp8, wire_dtype, bucket_bytes, verify, ipc_peers
         )

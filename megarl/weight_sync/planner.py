@@ -13,8 +13,10 @@ Every destination receives exactly its own elements; the only duplication is
 SGLang's replicated KV heads, which each replica rank needs for itself.
 
 Ranks are numbered in the sync group: trainer ranks first, in Megatron's
-order (tp fastest, then dp, then pp), then generator replica 0's TP ranks,
-replica 1's, and so on. Built from shapes only.
+order (tp fastest, then cp, dp, pp), then generator replica 0's TP ranks,
+replica 1's, and so on (megarl.parallel_dims: ``ParallelDims.rank`` and
+``generator_rank``). Context-parallel ranks hold the same weights as their
+data-parallel peers: both are extra copies to send from. Built from shapes only.
 """
 
 from __future__ import annotations
@@ -23,39 +25,10 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
+from megarl.models.megatron_llama import DEFAULT_VOCAB_DIVISIBLE_BY
 from megarl.models.spec import LlamaSpec
+from megarl.parallel_dims import GeneratorDims, ParallelDims, generator_rank
 from megarl.weight_sync.layouts import Block, LocalTensor, Range, megatron_rank_layout, sglang_rank_layout
-
-
-@dataclass(frozen=True)
-class TrainerTopology:
-    tp: int
-    pp: int
-    dp: int = 1
-    vocab_divisible_by: int = 128
-    norm_names: str = "local"  # "te" for Transformer Engine layer specs
-    vp: Optional[int] = None  # virtual pipeline stages per PP rank (interleaved); None: one chunk
-
-    @property
-    def size(self) -> int:
-        return self.tp * self.pp * self.dp
-
-    def rank(self, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
-        return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
-
-
-@dataclass(frozen=True)
-class GeneratorTopology:
-    tp: int
-    replicas: int = 1
-    first_rank: int = 0  # sync-group rank of replica 0, TP rank 0
-
-    @property
-    def size(self) -> int:
-        return self.tp * self.replicas
-
-    def rank(self, replica: int, tp_rank: int) -> int:
-        return self.first_rank + replica * self.tp + tp_rank
 
 
 @dataclass(frozen=True)
@@ -74,8 +47,8 @@ class Transfer:
 
 @dataclass
 class SyncPlan:
-    trainer: TrainerTopology
-    generator: GeneratorTopology
+    trainer: ParallelDims
+    generator: GeneratorDims
     # (source rank, destination rank) -> transfers, in a fixed order both sides agree on
     transfers: Dict[Tuple[int, int], List[Transfer]] = field(default_factory=dict)
     dst_layouts: Dict[int, List[LocalTensor]] = field(default_factory=dict)  # sync rank -> params
@@ -104,9 +77,17 @@ def _overlap(a: Range, b: Range) -> Optional[Range]:
     return (lo, hi) if lo < hi else None
 
 
-def build_plan(spec: LlamaSpec, trainer: TrainerTopology, generator: GeneratorTopology) -> SyncPlan:
-    """Plan one weight sync from the trainer's shards to every generator replica."""
-    spec.check_parallelism(trainer.tp, trainer.pp, trainer.vp)
+def build_plan(
+    spec: LlamaSpec,
+    trainer: ParallelDims,
+    generator: GeneratorDims,
+    norm_names: str = "local",
+    vocab_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY,
+) -> SyncPlan:
+    """Plan one weight sync from the trainer's shards to every generator replica. ``norm_names``:
+    "te" for Transformer Engine layer specs (norms fused into the linears), else "local"."""
+    vp = trainer.virtual_pipeline_model_parallel_size
+    spec.check_parallelism(trainer.tp, trainer.pp, vp)
     # Source copies by logical tensor and region: every (rank, local tensor, block) holding
     # those same elements -- DP replicas, TP-replicated norms, a tied last-stage output layer.
     sources: Dict[str, Dict[Tuple[Range, Range], List[Tuple[int, LocalTensor, Block]]]] = defaultdict(dict)
@@ -118,12 +99,13 @@ def build_plan(spec: LlamaSpec, trainer: TrainerTopology, generator: GeneratorTo
                 trainer.pp,
                 tp_rank,
                 pp_rank,
-                trainer.vocab_divisible_by,
-                trainer.norm_names,
-                trainer.vp,
+                vocab_divisible_by,
+                norm_names,
+                vp,
             )
-            for dp_rank in range(trainer.dp):
-                rank = trainer.rank(tp_rank, dp_rank, pp_rank)
+            replicas = [(cp_rank, dp_rank) for dp_rank in range(trainer.dp) for cp_rank in range(trainer.cp)]
+            for cp_rank, dp_rank in replicas:
+                rank = trainer.rank(tp_rank=tp_rank, cp_rank=cp_rank, dp_rank=dp_rank, pp_rank=pp_rank)
                 for tensor in layout:
                     for block in tensor.blocks:
                         copies = sources[block.logical].setdefault((block.rows, block.cols), [])
@@ -156,7 +138,7 @@ def build_plan(spec: LlamaSpec, trainer: TrainerTopology, generator: GeneratorTo
     load: Dict[int, int] = defaultdict(int)  # elements assigned per source rank
     for replica in range(generator.replicas):
         for tp_rank in range(generator.tp):
-            dst_rank = generator.rank(replica, tp_rank)
+            dst_rank = generator_rank(trainer, generator, replica, tp_rank)
             plan.dst_layouts[dst_rank] = layouts[tp_rank]
             # One source copy per (destination parameter, holder set): all pieces a destination
             # weight needs from one trainer shard come from the same rank, so the sender can

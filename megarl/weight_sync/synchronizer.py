@@ -1,9 +1,9 @@
 """One rank's end of the weights channel: ``WeightSynchronizer.sync(version) -> SyncStats``.
 
 The controller calls ``sync`` on every rank at the same point of the loop and
-never asks how the weights travel; ``factory.make_weight_synchronizer`` picks
-the implementation from the rank's role, the run mode and the generator
-backend (NeMo-RL's weight_sync interfaces/factory split):
+never asks how the weights travel; the wiring (loop/wiring.py) picks the
+implementation from the rank's role, the run mode and the generator backend,
+and builds it with factory.py (NeMo-RL's weight_sync interfaces/factory split):
 
     ShardToShardSender     a trainer rank (async): sends its Megatron shards straight to the
                            generator ranks or SGLang TP workers that need them
@@ -55,8 +55,8 @@ class ShardToShardSender(WeightSynchronizer):
     def __init__(
         self,
         spec,
-        trainer_topology,
-        generator_topology,
+        trainer_dims,
+        generator_dims,
         chunks,
         sync_rank: int,
         fp8: bool,
@@ -64,8 +64,10 @@ class ShardToShardSender(WeightSynchronizer):
         wire_dtype: torch.dtype,
         connect: Callable[[], Tuple[object, set]],
         eager: bool = False,
+        norm_names: str = "local",
     ):
-        self.args = (spec, trainer_topology, generator_topology, chunks)
+        self.args = (spec, trainer_dims, generator_dims, chunks)
+        self.norm_names = norm_names
         self.sync_rank, self.fp8, self.verify, self.wire_dtype = sync_rank, fp8, verify, wire_dtype
         self.connect = connect
         self.sender = None
@@ -84,6 +86,7 @@ class ShardToShardSender(WeightSynchronizer):
             wire_dtype=self.wire_dtype,
             verify=self.verify,
             ipc_peers=peers,
+            norm_names=self.norm_names,
         )
 
     def sync(self, version: int) -> SyncStats:

@@ -4,8 +4,8 @@ from functools import partial
 
 import torch
 
-from megarl.models.forward import position_ids_for
 from megarl.models.vocab import mask_vocab_padding
+from megarl.trainer.forward import position_ids_for
 
 GLOBAL_BATCH, SEQ, MICRO_BATCH = 8, 16, 1
 
@@ -73,7 +73,7 @@ def global_loss(losses) -> float:
 
 
 def parse_layout(name: str):
-    from megarl.runtime.distributed import ParallelLayout
+    from megarl.runtime.distributed import world_dims
 
     sizes = [int(x) for x in name.split("x")]
-    return ParallelLayout(sizes[0], sizes[1], sizes[2] if len(sizes) > 2 else None)
+    return world_dims(sizes[0], sizes[1], sizes[2] if len(sizes) > 2 else 1)

@@ -15,9 +15,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 import torch  # noqa: E402
 
-from megarl.models.forward import full_logits  # noqa: E402
-from megarl.models.loading import load_llama  # noqa: E402
-from megarl.runtime.distributed import ParallelLayout, init_distributed, init_megatron, shutdown  # noqa: E402
+from megarl.checkpointing.model_loading import load_llama  # noqa: E402
+from megarl.runtime.distributed import init_distributed, init_megatron, shutdown, world_dims  # noqa: E402
+from megarl.trainer.forward import full_logits  # noqa: E402
 
 
 def main():
@@ -33,7 +33,7 @@ def main():
     tokens = torch.load(args.tokens)
     for name in args.layouts:
         tp, pp = (int(x) for x in name.split("x"))
-        layout = ParallelLayout(tp, pp)
+        layout = world_dims(tp, pp)
         init_megatron(layout)
         spec, chunks = load_llama(args.checkpoint, layout)
         logits = full_logits(chunks, tokens, spec.vocab_size)

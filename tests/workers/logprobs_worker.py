@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from megarl.runtime.distributed import ParallelLayout, init_distributed, init_megatron, shutdown  # noqa: E402
+from megarl.runtime.distributed import init_distributed, init_megatron, shutdown, world_dims  # noqa: E402
 from megarl.trainer.logprobs import vocab_parallel_logprobs  # noqa: E402
 
 
@@ -26,7 +26,7 @@ def main():
     args = p.parse_args()
     rank = init_distributed()
     tp = dist.get_world_size()
-    init_megatron(ParallelLayout(tp, 1))
+    init_megatron(world_dims(tp, 1))
     case = torch.load(args.case)
     full = case["logits"]
     shard = full.shape[-1] // tp

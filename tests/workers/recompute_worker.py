@@ -28,10 +28,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from megarl.checkpointing.megatron_checkpoint import save_model  # noqa: E402
+from megarl.checkpointing.model_loading import load_llama  # noqa: E402
 from megarl.config import TrainerConfig  # noqa: E402
 from megarl.executors.trainer import megatron_model_settings  # noqa: E402
-from megarl.models.loading import load_llama  # noqa: E402
-from megarl.runtime.distributed import ParallelLayout, init_distributed, init_megatron, shutdown  # noqa: E402
+from megarl.runtime.distributed import init_distributed, init_megatron, shutdown, world_dims  # noqa: E402
 from megarl.trainer.hooks import LossConfig  # noqa: E402
 from megarl.trainer.policy_trainer import PolicyTrainer  # noqa: E402
 from megarl.trainer.setup import OptimizerSettings, build_optimizer, unwrap, wrap_ddp  # noqa: E402
@@ -86,7 +86,7 @@ def main():
     args = p.parse_args()
     init_distributed()
     samples = load_samples(args.samples)
-    layout = ParallelLayout(2, 2)
+    layout = world_dims(2, 2)
     for name in args.settings:
         init_megatron(layout)
         spec, chunks = load_llama(args.checkpoint, layout, **megatron_model_settings(SETTINGS[name]))

@@ -22,10 +22,16 @@ from lm_batch import parse_layout  # noqa: E402
 from train_step_worker import run_steps  # noqa: E402
 
 from megarl.checkpointing.megatron_checkpoint import save_model  # noqa: E402
+from megarl.checkpointing.model_loading import load_llama  # noqa: E402
 from megarl.checkpointing.training_checkpoint import load_training_state, save_training_state  # noqa: E402
-from megarl.models.loading import load_llama  # noqa: E402
 from megarl.runtime.distributed import init_distributed, init_megatron, shutdown  # noqa: E402
-from megarl.trainer.setup import OptimizerSettings, build_optimizer, unwrap, wrap_ddp  # noqa: E402
+from megarl.trainer.setup import (  # noqa: E402
+    OptimizerSettings,
+    build_optimizer,
+    fuse_torch_adam_on_cpu,
+    unwrap,
+    wrap_ddp,
+)
 
 # Plain Adam: the bias correction depends on each parameter's step count.
 SETTINGS = OptimizerSettings(optimizer="adam", lr=1e-2, clip_grad=1.0)
@@ -68,6 +74,7 @@ def main():
     for name in args.resume_layouts:
         spec, ddp, optimizer = fresh(args.checkpoint, parse_layout(name))
         loop_state = load_training_state(unwrap(ddp), optimizer, train_ckpt)
+        fuse_torch_adam_on_cpu(optimizer)
         records[f"loop_state_{name}"] = loop_state
         records[f"resumed_{name}"] = run_steps(ddp, optimizer, spec, 2)
         records[f"adam_steps_{name}"] = adam_step_counts(optimizer)

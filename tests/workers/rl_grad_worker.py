@@ -24,7 +24,7 @@ import torch.distributed as dist  # noqa: E402
 from lm_batch import parse_layout  # noqa: E402
 
 from megarl.checkpointing.megatron_checkpoint import save_model  # noqa: E402
-from megarl.models.loading import load_llama  # noqa: E402
+from megarl.checkpointing.model_loading import load_llama  # noqa: E402
 from megarl.runtime.distributed import init_distributed, init_megatron, shutdown  # noqa: E402
 from megarl.trainer.hooks import LossConfig  # noqa: E402
 from megarl.trainer.policy_trainer import PolicyTrainer  # noqa: E402

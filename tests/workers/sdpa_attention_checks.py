@@ -21,7 +21,7 @@ def main() -> None:
     from megarl.bench.attention import core_attention_pair
     from megarl.models.megatron_llama import layer_spec
     from megarl.models.sdpa_attention import SdpaDotProductAttention
-    from megarl.runtime.distributed import ParallelLayout, init_distributed, init_megatron, shutdown
+    from megarl.runtime.distributed import init_distributed, init_megatron, shutdown, world_dims
     from megarl.trainer.packing import _segments_mask
 
     calls = []  # the fused path must be the one taken (Megatron's forward is its fallback): (case, rows, causal, masked)
@@ -34,7 +34,7 @@ def main() -> None:
 
     sdpa_module.F = types.SimpleNamespace(scaled_dot_product_attention=counted)
     init_distributed()
-    init_megatron(ParallelLayout(1, 1))
+    init_megatron(world_dims(1, 1))
     out = {
         "local_spec_uses_sdpa": layer_spec(False).submodules.self_attention.submodules.core_attention
         is SdpaDotProductAttention

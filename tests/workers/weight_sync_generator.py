@@ -21,12 +21,13 @@ from weight_sync_cases import cases  # noqa: E402
 from weight_sync_trainer import pack_threshold, parse, stage_group, sync_group  # noqa: E402
 
 from megarl.checkpointing.megatron_checkpoint import read_spec, resolve_checkpoint_dir  # noqa: E402
+from megarl.parallel_dims import GeneratorDims, ParallelDims, generator_rank
 from megarl.runtime.distributed import init_distributed, shutdown  # noqa: E402
+from megarl.runtime.rendezvous import destroy_sync_group  # noqa: E402
 from megarl.weight_sync import fp8 as fp8_format  # noqa: E402
 from megarl.weight_sync.baseline import gather_broadcast_receive  # noqa: E402
 from megarl.weight_sync.endpoints import GeneratorSync, allocate_generator_params  # noqa: E402
-from megarl.weight_sync.planner import GeneratorTopology, TrainerTopology, build_plan  # noqa: E402
-from megarl.weight_sync.rendezvous import destroy_sync_group  # noqa: E402
+from megarl.weight_sync.planner import build_plan  # noqa: E402
 from megarl.weight_sync.transport import SyncStats, WeightReceiver  # noqa: E402
 from tests.sglang_reference import block_fp8, sglang_shard  # noqa: E402
 
@@ -54,8 +55,8 @@ def main():
         from lm_batch import parse_layout
 
         t = parse_layout(case.layout)
-        trainer = TrainerTopology(t.tp, t.pp, args.trainers // (t.tp * t.pp))
-        generator = GeneratorTopology(case.dst_tp, args.generators // case.dst_tp, first_rank=args.trainers)
+        trainer = ParallelDims(tp=t.tp, pp=t.pp, dp=args.trainers // (t.tp * t.pp))
+        generator = GeneratorDims(tp=case.dst_tp, replicas=args.generators // case.dst_tp)
         replica, tp_rank = divmod(rank, case.dst_tp)
         params = allocate_generator_params(spec, case.dst_tp, tp_rank, case.dtype, case.fp8)
         version += 1
@@ -90,7 +91,7 @@ def main():
             else:
                 stats = WeightReceiver(
                     plan,
-                    generator.rank(replica, tp_rank),
+                    generator_rank(trainer, generator, replica, tp_rank),
                     group,
                     params,
                     case.fp8,

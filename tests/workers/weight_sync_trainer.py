@@ -21,11 +21,12 @@ import torch.distributed as dist  # noqa: E402
 from lm_batch import parse_layout  # noqa: E402
 from weight_sync_cases import cases  # noqa: E402
 
-from megarl.models.loading import load_llama  # noqa: E402
+from megarl.checkpointing.model_loading import load_llama  # noqa: E402
+from megarl.parallel_dims import GeneratorDims, ParallelDims
 from megarl.runtime.distributed import init_distributed, init_megatron, shutdown  # noqa: E402
+from megarl.runtime.rendezvous import destroy_sync_group, init_sync_group  # noqa: E402
 from megarl.weight_sync.endpoints import TrainerSync, megatron_params  # noqa: E402
-from megarl.weight_sync.planner import GeneratorTopology, TrainerTopology, build_plan  # noqa: E402
-from megarl.weight_sync.rendezvous import destroy_sync_group, init_sync_group  # noqa: E402
+from megarl.weight_sync.planner import build_plan  # noqa: E402
 from megarl.weight_sync.transport import WeightSender  # noqa: E402
 
 
@@ -45,8 +46,8 @@ def main():
             loaded = (key, spec, chunks)
         _, spec, chunks = loaded
         t = parse_layout(case.layout)
-        trainer = TrainerTopology(t.tp, t.pp, world // (t.tp * t.pp))
-        generator = GeneratorTopology(case.dst_tp, args.generators // case.dst_tp, first_rank=world)
+        trainer = ParallelDims(tp=t.tp, pp=t.pp, dp=world // (t.tp * t.pp))
+        generator = GeneratorDims(tp=case.dst_tp, replicas=args.generators // case.dst_tp)
         version += 1
         if args.baseline:
             run_baseline(args, spec, trainer, chunks, rank, case, version, store)
@@ -112,7 +113,7 @@ def run_baseline(args, spec, trainer, chunks, rank, case, version, store):
 
     from megarl.weight_sync.baseline import gather_broadcast_send
 
-    sources = {trainer.rank(0, 0, s): s for s in range(trainer.pp)}
+    sources = {trainer.rank(pp_rank=s): s for s in range(trainer.pp)}
     group = stage_group(store, version, sources[rank], args.generators, 0) if rank in sources else None
     gather_broadcast_send(
         spec,

@@ -91,11 +91,11 @@ def step(ddp, batches) -> dict:
 
 
 def main() -> None:
-    from megarl.runtime.distributed import ParallelLayout, init_distributed, init_megatron, shutdown
+    from megarl.runtime.distributed import init_distributed, init_megatron, shutdown, world_dims
     from megarl.trainer.setup import wrap_ddp
 
     init_distributed()
-    init_megatron(ParallelLayout(1, 1))
+    init_megatron(world_dims(1, 1))
     out = {}
     for tied in (True, False):
         for dtype, tag in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):

@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Dict, List
 
 from megarl.models.spec import LlamaSpec
+from megarl.parallel_dims import GeneratorDims, ParallelDims
 from megarl.weight_sync.fp8 import BLOCK_FP8_QUANT_CONFIG
-from megarl.weight_sync.planner import GeneratorTopology, TrainerTopology
 
 WORKER_LOADER = "megarl.generator.sglang.worker_receiver.pull_shards"
 SYNC_GROUP_NAME = "megarl_sglang_weight_sync"
@@ -50,8 +50,8 @@ def block_fp8_hf_config(hf_config: Dict) -> Dict:
 def write_sync_config(
     path,
     spec: LlamaSpec,
-    trainer: TrainerTopology,
-    generator: GeneratorTopology,
+    trainer: ParallelDims,
+    generator: GeneratorDims,
     host: str,
     port: int,
     fp8: bool,
@@ -59,10 +59,12 @@ def write_sync_config(
     backend: str = "gloo",
     timeout_s: float = 600.0,
     wire_dtype: str = "bf16",
+    norm_names: str = "local",
 ) -> str:
     """The receiver's settings. ``backend``: gloo when a trainer rank may share a GPU with a
     worker (bytes then go through CUDA IPC), nccl when every sync rank has its own GPU;
-    ``wire_dtype`` (bf16 | fp32): how non-fp8 bytes travel (the served dtype)."""
+    ``wire_dtype`` (bf16 | fp32): how non-fp8 bytes travel (the served dtype); ``norm_names``: the
+    trainer's layer spec ("te" | "local"), which names its parameters."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -80,6 +82,7 @@ def write_sync_config(
                 "group_name": SYNC_GROUP_NAME,
                 "timeout_s": timeout_s,
                 "wire_dtype": wire_dtype,
+                "norm_names": norm_names,
             }
         )
     )

@@ -68,21 +68,21 @@ def _receiver(model: torch.nn.Module, replica: int):
     if "sync" in _STATE:
         return _STATE["sync"]
     from megarl.models.spec import LlamaSpec
+    from megarl.parallel_dims import GeneratorDims, ParallelDims, generator_rank
+    from megarl.runtime.rendezvous import init_sync_group
     from megarl.weight_sync.endpoints import GeneratorSync
     from megarl.weight_sync.ipc import colocated_peers
-    from megarl.weight_sync.planner import GeneratorTopology, TrainerTopology
-    from megarl.weight_sync.rendezvous import init_sync_group
 
     cfg = _config()
     spec = LlamaSpec.from_dict(cfg["spec"])
-    trainer = TrainerTopology(**cfg["trainer"])
-    generator = GeneratorTopology(**cfg["generator"])
+    trainer = ParallelDims(**cfg["trainer"])
+    generator = GeneratorDims(**cfg["generator"])
     tp_rank = _tp_rank()
-    rank = generator.rank(replica, tp_rank)
+    rank = generator_rank(trainer, generator, replica, tp_rank)
     group = init_sync_group(
         cfg["host"],
         cfg["port"],
-        trainer.size + generator.size,
+        trainer.world_size + generator.world_size,
         rank,
         group_name=cfg["group_name"],
         backend=cfg.get("backend"),
@@ -104,6 +104,7 @@ def _receiver(model: torch.nn.Module, replica: int):
         wire_dtype=wire,
         verify=cfg.get("verify", False),
         ipc_peers=peers,
+        norm_names=cfg.get("norm_names", "local"),
     )
     _STATE["sync"] = sync
     return sync

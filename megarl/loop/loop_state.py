@@ -26,6 +26,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+from megarl.loop.batch import Batch
 from megarl.rollout import sample_from_dict
 
 
@@ -63,7 +64,7 @@ def generator_states(gathered: list, topology) -> List[dict]:
 
 
 def checkpoint_loop_state(
-    step: int, next_iteration: int, generators: List[dict], pending: Optional[dict], train_seconds: float = 0.0
+    step: int, next_iteration: int, generators: List[dict], pending: Optional[Batch], train_seconds: float = 0.0
 ) -> dict:
     return {
         "step": step,
@@ -74,11 +75,14 @@ def checkpoint_loop_state(
     }
 
 
-def pending_to_state(pending: dict) -> dict:
-    return dict(pending, samples=[dataclasses.asdict(s) for s in pending["samples"]])
+def pending_to_state(pending: Batch) -> dict:
+    return dataclasses.asdict(pending)
 
 
-def pending_from_state(state: Optional[dict]) -> Optional[dict]:
+def pending_from_state(state: Optional[dict]) -> Optional[Batch]:
+    """The pending batch of a checkpoint (older checkpoints saved a dict with more keys: the ones
+    Batch has are read, the rest were never used on resume)."""
     if state is None:
         return None
-    return dict(state, samples=[sample_from_dict(s) for s in state["samples"]])
+    known = {f.name for f in dataclasses.fields(Batch)} - {"samples"}
+    return Batch(samples=[sample_from_dict(s) for s in state["samples"]], **{k: state[k] for k in known if k in state})

@@ -3,15 +3,18 @@
 LlamaRL (arXiv 2505.24034, section 5): executors -- trainer, generator,
 reward -- each own a set of ranks with their own parallelism; channels move
 data between them. Pure Python (no torch): the same object drives a run and
-``megarl plan --dry-run-topology`` for 1024 ranks on a laptop.
+``megarl plan --dry-run-topology`` for 1024 ranks on a laptop. Built by
+loop/wiring.py (``topology(cfg)``), which alone reads run.mode and
+generator.backend:
 
-    async   trainer ranks [0, T), generator ranks [T, T + G); each generator
-            replica's TP rank 0 also runs the reward executor on its samples
-    sync    every rank runs trainer, generator (a TP-1 engine over a copy of
-            the weights, colocated) and reward, alternating
+    disaggregated   trainer ranks [0, T), generator ranks [T, T + G) (async mode); each generator
+                    replica's TP rank 0 also runs the reward executor on its samples
+    colocated       every rank runs trainer, generator (a TP-1 engine over a copy of the weights)
+                    and reward, alternating (sync mode)
 
-Trainer ranks are numbered as Megatron-Core's default order (tp fastest, then
-dp, then pp), so TP groups are consecutive ranks and stay within a node.
+Every rank formula is megarl.parallel_dims': trainer ranks in Megatron-Core's order (tp
+fastest, then cp, dp, pp), so TP groups are consecutive ranks and stay within a node;
+generator ranks replica-major.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Tuple
 
 from megarl.errors import ConfigError
+from megarl.parallel_dims import GeneratorDims, ParallelDims
 
 BROADCAST, SCATTER, GATHER, WEIGHTS = "BROADCAST", "SCATTER", "GATHER", "WEIGHTS"
 
@@ -36,49 +40,51 @@ class ChannelSpec:
 
 @dataclass
 class Topology:
-    mode: str
     world_size: int
     executors: Dict[str, Tuple[int, ...]]
-    trainer_tp: int
-    trainer_pp: int
-    trainer_dp: int
-    generator_tp: int
-    generator_replicas: int
+    trainer: ParallelDims
+    generator: GeneratorDims  # colocated: one TP-1 engine per trainer rank
+    colocated: bool  # the generators run on the trainer's ranks (sync mode)
+    # a replica's first rank drives a server whose own workers hold its TP shards (SGLang); the
+    # replica's other ranks stand by. False: every generator rank runs an engine shard (torch)
+    drivers_only: bool = False
     channels: List[ChannelSpec] = field(default_factory=list)
-    # torch: every generator rank runs an engine shard; sglang: a replica's first rank drives its
-    # server over HTTP, the replica's other ranks stand by (the server's workers use their GPUs)
-    generator_backend: str = "torch"
 
     # -- construction ----------------------------------------------------------------------
 
     @classmethod
-    def from_config(cls, cfg) -> "Topology":
-        t, g = cfg.trainer, cfg.generator
-        trainer = tuple(range(cfg.trainer_dims().world_size))
-        if cfg.run.mode == "sync":
-            gen_tp, replicas, generator = 1, len(trainer), trainer
-        else:
-            gen_tp, replicas = g.tp, g.replicas
-            generator = tuple(range(len(trainer), len(trainer) + cfg.generator_dims().world_size))
-        leaders = generator[::gen_tp]
+    def disaggregated(cls, trainer: ParallelDims, generator: GeneratorDims, drivers_only: bool = False) -> "Topology":
+        ranks = tuple(range(trainer.world_size))
+        gen = tuple(range(trainer.world_size, trainer.world_size + generator.world_size))
+        return cls._with_channels(
+            trainer.world_size + generator.world_size, ranks, gen, trainer, generator, False, drivers_only
+        )
+
+    @classmethod
+    def colocated_on(cls, trainer: ParallelDims) -> "Topology":
+        ranks = tuple(range(trainer.world_size))
+        return cls._with_channels(
+            trainer.world_size, ranks, ranks, trainer, GeneratorDims(1, trainer.world_size), True, False
+        )
+
+    @classmethod
+    def _with_channels(cls, world, trainer_ranks, generator_ranks, trainer, generator, colocated, drivers_only):
+        leaders = generator_ranks[:: generator.tp]
         topo = cls(
-            cfg.run.mode,
-            cfg.world_size(),
-            {"trainer": trainer, "generator": generator, "reward": leaders},
-            t.tp,
-            t.pp,
-            t.dp,
-            gen_tp,
-            replicas,
-            generator_backend=g.backend,
+            world,
+            {"trainer": trainer_ranks, "generator": generator_ranks, "reward": leaders},
+            trainer,
+            generator,
+            colocated,
+            drivers_only,
         )
         topo.channels = [
             # finished, scored groups of every replica to the trainer's first rank ...
-            ChannelSpec("rollouts", GATHER, "reward", "trainer", leaders, (trainer[0],)),
+            ChannelSpec("rollouts", GATHER, "reward", "trainer", leaders, (trainer_ranks[0],)),
             # ... which gives every trainer rank the whole batch (each takes its DP shard)
-            ChannelSpec("batch", BROADCAST, "trainer", "trainer", (trainer[0],), trainer),
+            ChannelSpec("batch", BROADCAST, "trainer", "trainer", (trainer_ranks[0],), trainer_ranks),
             # the updated policy, shard to shard (weight_sync) or copied in place (sync mode)
-            ChannelSpec("weights", WEIGHTS, "trainer", "generator", trainer, generator),
+            ChannelSpec("weights", WEIGHTS, "trainer", "generator", trainer_ranks, generator_ranks),
         ]
         return topo
 
@@ -87,31 +93,30 @@ class Topology:
     def roles(self, rank: int) -> List[str]:
         return [name for name, ranks in self.executors.items() if rank in ranks]
 
-    def trainer_rank(self, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
-        return self.executors["trainer"][0] + tp_rank + self.trainer_tp * (dp_rank + self.trainer_dp * pp_rank)
+    def has(self, rank: int, role: str) -> bool:
+        return rank in self.executors[role]
+
+    @property
+    def first_trainer_rank(self) -> int:
+        return self.executors["trainer"][0]
 
     def trainer_groups(self) -> Dict[str, List[List[int]]]:
-        tp, pp, dp = self.trainer_tp, self.trainer_pp, self.trainer_dp
-        r = self.trainer_rank
-        return {
-            "tp": [[r(t, d, p) for t in range(tp)] for p in range(pp) for d in range(dp)],
-            "dp": [[r(t, d, p) for d in range(dp)] for p in range(pp) for t in range(tp)],
-            "pp": [[r(t, d, p) for p in range(pp)] for d in range(dp) for t in range(tp)],
-        }
+        first = self.first_trainer_rank
+        return {k: [[first + r for r in g] for g in self.trainer.groups(k)] for k in ("tp", "dp", "pp")}
 
     def generator_tp_groups(self) -> List[List[int]]:
         gen = self.executors["generator"]
-        return [list(gen[i * self.generator_tp : (i + 1) * self.generator_tp]) for i in range(self.generator_replicas)]
+        return [[gen[i] for i in g] for g in self.generator.tp_groups()]
 
     def replica_of(self, rank: int) -> Tuple[int, int]:
         """(replica, tp_rank) of a generator rank."""
-        return divmod(self.executors["generator"].index(rank), self.generator_tp)
+        return self.generator.replica_of(self.executors["generator"].index(rank))
 
     def runs_generator(self, rank: int) -> bool:
-        """Whether this rank runs a generator executor (all torch-engine ranks; SGLang drivers)."""
+        """Whether this rank runs a generator executor (every engine-shard rank; a server's driver)."""
         if rank not in self.executors["generator"]:
             return False
-        return self.generator_backend == "torch" or self.replica_of(rank)[1] == 0
+        return not self.drivers_only or self.replica_of(rank)[1] == 0
 
     def channel(self, name: str) -> ChannelSpec:
         for c in self.channels:
@@ -125,7 +130,7 @@ class Topology:
         """Raise ConfigError on a broken assignment; return the checks that passed."""
         passed = []
         seen: Dict[int, str] = {}
-        primary = ("trainer", "generator") if self.mode == "async" else ("trainer",)
+        primary = ("trainer",) if self.colocated else ("trainer", "generator")
         for name in primary:
             for rank in self.executors[name]:
                 if rank in seen:
@@ -149,11 +154,11 @@ class Topology:
     def describe(self) -> dict:
         groups = self.trainer_groups()
         return {
-            "mode": self.mode,
+            "placement": "colocated" if self.colocated else "disaggregated",
             "world_size": self.world_size,
             "executors": {k: _ranges(v) for k, v in self.executors.items()},
-            "trainer": f"TP{self.trainer_tp} x PP{self.trainer_pp} x DP{self.trainer_dp}",
-            "generator": f"{self.generator_replicas} x TP{self.generator_tp} ({self.generator_backend})",
+            "trainer": self.trainer.describe(),
+            "generator": self.generator.describe() + (" (servers: driver ranks only)" if self.drivers_only else ""),
             "groups": {
                 "trainer_tp": len(groups["tp"]),
                 "trainer_dp": len(groups["dp"]),

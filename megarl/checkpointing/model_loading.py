@@ -11,22 +11,22 @@ from megarl.checkpointing.dist_checkpoint_reader import DistCheckpointReader
 from megarl.checkpointing.megatron_checkpoint import load_model, read_spec, resolve_checkpoint_dir
 from megarl.models.megatron_llama import build_model_chunks, transformer_config
 from megarl.models.spec import LlamaSpec
-from megarl.runtime.distributed import ParallelLayout
+from megarl.parallel_dims import ParallelDims
 
 
 def load_llama(
-    path: os.PathLike, layout: ParallelLayout, params_dtype: Optional[torch.dtype] = None, **config_overrides
+    path: os.PathLike, dims: ParallelDims, params_dtype: Optional[torch.dtype] = None, **config_overrides
 ) -> Tuple[LlamaSpec, List[torch.nn.Module]]:
-    """Megatron parallel state must already be initialised for ``layout``."""
+    """Megatron parallel state must already be initialised for ``dims`` (runtime.distributed.init_megatron)."""
     ckpt_dir = resolve_checkpoint_dir(path)
     spec = read_spec(ckpt_dir)
     if params_dtype is None:
         params_dtype = DistCheckpointReader(ckpt_dir).dtype("decoder.final_layernorm.weight")
     config = transformer_config(
         spec,
-        layout.tp,
-        layout.pp,
-        layout.vp,
+        dims.tp,
+        dims.pp,
+        dims.virtual_pipeline_model_parallel_size,
         params_dtype=params_dtype,
         perform_initialization=False,
         **config_overrides,

@@ -55,16 +55,18 @@ def load_recorded_batches(path: Path) -> Dict[int, dict]:
 
 
 def replay_rank(cfg_dict: dict, prepared, rollouts: str) -> None:
+    import torch
     import torch.distributed as dist
 
-    from megarl.controller import concrete_config
     from megarl.executors.trainer import TrainerExecutor
+    from megarl.loop.wiring import concrete_config, lag_bound
     from megarl.runtime.distributed import init_distributed, shutdown
 
     cfg = concrete_config(cfg_dict)
     init_distributed()
     batches = load_recorded_batches(Path(rollouts))
-    trainer = TrainerExecutor(cfg, None, prepared, resume_dir=None)
+    # runs without a job, on CUDA wherever it exists
+    trainer = TrainerExecutor(cfg, prepared, None, lag_bound(cfg), on_gpu=torch.cuda.is_available())
     out = Path(cfg.run.output_dir)
     writer = None
     if dist.get_rank() == 0:

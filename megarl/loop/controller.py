@@ -1,0 +1,302 @@
+"""The single controller: the same event loop on every rank (LlamaRL, Algorithm 1).
+
+Each iteration: let the local executors work, run the channels, sync the weights,
+checkpoint. What runs concurrently is decided only by which ranks the executors own
+(topology.py) and, in time, by run.mode's schedule (schedule.py: the loop asks it,
+never the mode); everything a rank runs is wired by wiring.py:
+
+    async   iteration i: generators make batch i  ||  trainer trains batch i-1
+            rollouts (GATHER) + batch (BROADCAST): batch i -> every trainer rank
+            weights: policy version i, shard to shard, swapped in between decode
+            steps (sequences in flight continue under it: partial rollouts)
+    sync    iteration i: every rank generates its share with policy i, the
+            batch is gathered and broadcast, the trainer steps, and each rank
+            copies the new policy into its own engine: generation and training
+            alternate on the same ranks (the baseline)
+
+Metrics of training step k (metrics.jsonl) are written by the trainer's first rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from typing import Optional
+
+import torch.distributed as dist
+
+from megarl.executors.evaluator import EvalCollector, eval_steps
+from megarl.loop import records
+from megarl.loop.batch import Batch
+from megarl.loop.loop_state import checkpoint_loop_state, generator_states, pending_from_state
+from megarl.loop.schedule import StepParts, TrainerDone
+from megarl.loop.wiring import CHECKPOINTS, Rank, concrete_config, wire_rank
+from megarl.metrics import MetricsWriter, read_metrics, summarize
+from megarl.runtime import preemption
+from megarl.runtime.distributed import shutdown
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds / 60:.1f}" if seconds >= 600 else f"{seconds / 60:.2f}"
+
+
+class Controller:
+    def __init__(self, rank: Rank):
+        self.rank = rank
+        self.cfg, self.job, self.topo = rank.cfg, rank.job, rank.topo
+        self.trainer, self.generator, self.evaluator = rank.trainer, rank.generator, rank.evaluator
+        self.schedule, self.heartbeat, self.resume = rank.schedule, rank.heartbeat, rank.resume
+        self.out = rank.out
+        self.start = self.resume.next_iteration
+        self.last_sync = None  # this rank's SyncStats of the last weight sync
+        self.parts = StepParts(
+            trainer=rank.trainer,
+            batch_maker=rank.batch_maker,
+            generator=rank.generator,
+            groups_per_replica=rank.groups_per_replica,
+            transfer=self.transfer_batch,
+            trainer_done=TrainerDone(self.job.store, setter=self.job.rank == self.topo.first_trainer_rank),
+            beat=lambda what: self.heartbeat.beat(what, force=True),
+            sync_weights=self.sync_weights,
+        )
+
+    # -- the weights channel ------------------------------------------------------------------
+
+    def sync_weights(self) -> float:
+        """The policy the trainer holds -> every generator; returns this rank's seconds."""
+        start = time.perf_counter()
+        box = [self.trainer.version if self.job.rank == 0 else None]
+        dist.broadcast_object_list(box, group=self.job.control, group_src=0)
+        self.last_sync = self.rank.weights.sync(box[0])
+        return time.perf_counter() - start
+
+    # -- the loop ----------------------------------------------------------------------------------
+
+    def run(self) -> Optional[dict]:
+        cfg, job = self.cfg, self.job
+        writer = None
+        if job.rank == self.topo.first_trainer_rank:
+            (self.out).mkdir(parents=True, exist_ok=True)
+            (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+            writer = MetricsWriter(
+                self.out,
+                cfg.run.steps,
+                self.resume.steps_done,
+                progress=cfg.run.progress,
+                wandb=cfg.run.wandb,
+                run_config=cfg.to_dict(),
+                time_budget_s=cfg.run.time_budget_min * 60.0,
+                budget_spent_s=self.resume.train_seconds,
+            )
+        collector = None
+        if writer is not None and cfg.data.eval:
+            collector = EvalCollector(job.store, self.topo.generator.replicas, cfg.data.eval_samples, self.out)
+        self.sync_weights()  # the generators start from the trainer's policy
+        if job.rank in (0, job.world_size - 1):  # two watchers: one stuck watcher hides no hang
+            self.heartbeat.watch()
+        schedule = self.schedule
+        iterations = schedule.iterations(self.start, cfg.run.steps)
+        # the batch the trainer trains next (async; trainer ranks); has_pending: whether there is
+        # one, known on every rank (a resumed run may start with the checkpoint's)
+        pending: Optional[Batch] = (
+            pending_from_state(self.trainer.loop_state.get("pending")) if self.trainer is not None else None
+        )
+        has_pending = self.resume.has_pending
+        wall_start, trained, written = time.perf_counter(), 0, 0
+        # run.time_budget_min: the training loop's seconds, from here (start-up and conversion excluded),
+        # summed over the run's launches through the checkpoints; rank 0's clock decides (agree_stop)
+        budget_s, spent_before = cfg.run.time_budget_min * 60.0, self.resume.train_seconds
+        stop, saved = None, None  # why this launch stopped early: "preempted" | "time_budget"
+        if budget_s and spent_before >= budget_s and self.resume.steps_done < cfg.run.steps:
+            iterations, stop = range(0), "time_budget"  # every rank knows the resume point: no collective
+            if job.rank == 0:
+                print(
+                    f"megarl: time budget of {cfg.run.time_budget_min:g} min already spent by this run "
+                    f"({_minutes(spent_before)} min of training up to step {self.resume.steps_done}); its "
+                    f"checkpoint of step {self.resume.steps_done} is in {self.out / CHECKPOINTS}; nothing "
+                    f"trained. Raise run.time_budget_min to train further, or use another run.output_dir "
+                    f"to start over",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        checkpoint_s = 0.0  # time spent saving: reported apart from the loop's wall time
+        # held-out evaluations (executors/evaluator.py) at the top of the iteration where step k's
+        # policy is in the generators; the last step's after the loop
+        evals = (
+            [
+                k
+                for k in eval_steps(cfg.data.eval_every, cfg.run.steps)
+                if k > self.resume.steps_done or k == 0 == self.resume.steps_done
+            ]
+            if cfg.data.eval
+            else []
+        )
+        eval_at = {schedule.eval_iteration(k): k for k in evals if k < cfg.run.steps}
+        for it in iterations:
+            if it in eval_at:
+                self._evaluate(eval_at[it], collector)
+            t0 = time.perf_counter()
+            make_batch = it < cfg.run.steps
+            trains_now = schedule.trains(has_pending)
+            work = schedule.work(self.parts, it, make_batch, pending)
+            train_metrics = work.train_metrics
+            sync_s = 0.0
+            if schedule.syncs_after(it, cfg.run.steps, trains_now):
+                self.heartbeat.beat(f"iteration {it}: weight sync", force=True, waiting=True)
+                sync_s = self.sync_weights()
+            wall = time.perf_counter() - t0
+            step_done = schedule.step_of(it)
+            # stop here? a signal on any rank, or rank 0's budget clock; a step must have been trained in
+            # this iteration (async iteration 0 only generates), and the last step ends the run anyway
+            over_budget = (
+                job.rank == 0
+                and budget_s > 0
+                and trains_now
+                and step_done < cfg.run.steps
+                and spent_before + time.perf_counter() - wall_start >= budget_s
+            )
+            stop = preemption.agree_stop(self.job.control, over_budget)
+            if writer is not None and train_metrics is not None:
+                trained += len(work.trained.samples)
+                record = records.step_record(
+                    step_done,
+                    self.rank.run_mode,
+                    self.trainer.version,
+                    train_metrics,
+                    work.trained,
+                    work.batch,
+                    wall,
+                    sync_s,
+                    self.last_sync,
+                    self.rank.verifies_sync,
+                )
+                if stop is not None or step_done == cfg.run.steps:  # the launch's last step says why
+                    record["stop_reason"] = stop or "steps"
+                writer.write(record)
+                written += 1
+                if collector is not None:
+                    collector.collect(writer)
+                if cfg.run.log_rollouts:
+                    records.log_rollouts(
+                        self.out / "rollouts.jsonl",
+                        record["step"],
+                        train_metrics["trained_version"],
+                        work.trained.samples,
+                    )
+            pending, has_pending = schedule.carry(work, make_batch, self.trainer is not None)
+            if stop is not None or (trains_now and self._should_save(step_done)):
+                self.heartbeat.beat(
+                    f"iteration {it}: saving the checkpoint of step {step_done}", force=True, waiting=True
+                )
+                save_start = time.perf_counter()
+                spent = spent_before + save_start - wall_start
+                saved = self._save(step_done, it + 1, pending, spent)
+                checkpoint_s += time.perf_counter() - save_start
+                if stop is not None:
+                    if job.rank == 0:
+                        self._say_stopped(stop, step_done, saved, spent, spent_before)
+                    break
+        stopped_early = stop is not None
+        if not stopped_early and cfg.run.steps in evals:
+            schedule.before_final_eval(self.parts)
+            self._evaluate(cfg.run.steps, collector)
+        summary = None
+        if writer is not None:
+            if collector is not None:
+                collector.collect(writer, block=True)
+            writer.close()
+            written_records = [r for r in read_metrics(self.out / "metrics.jsonl") if not r.get("eval")]
+            summary = summarize(
+                written_records[len(written_records) - written :],
+                time.perf_counter() - wall_start - checkpoint_s,
+                trained,
+            )
+            summary["time_checkpoint_s"] = checkpoint_s  # not in wall_s / samples_per_s
+            summary["stop_reason"] = stop or "steps"
+            if cfg.run.time_budget_min:
+                summary.update(
+                    time_budget_min=cfg.run.time_budget_min,
+                    train_min=(spent_before + time.perf_counter() - wall_start) / 60.0,
+                )
+            if stop == "preempted":
+                summary.update(preempted=True, checkpoint=str(saved))
+            elif stop == "time_budget":
+                summary.update(checkpoint=str(saved or self.out / CHECKPOINTS))
+            (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
+        return summary
+
+    def _evaluate(self, step: int, collector) -> None:
+        self.heartbeat.beat(f"evaluating step {step}", force=True)
+        if self.evaluator is not None and self.topo.runs_generator(self.job.rank):
+            self.evaluator.run(step)
+        if collector is not None:
+            collector.expect(step)
+
+    def _say_stopped(self, stop: str, step: int, saved, spent: float, spent_before: float) -> None:
+        if stop == "preempted":
+            print(
+                f"megarl: preempted ({preemption.requested() or 'signal on another rank'}): "
+                f"checkpoint of step {step} saved in {saved}; run the same command again "
+                f"to resume",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
+        launches = f", {_minutes(spent - spent_before)} in this launch" if spent_before else ""
+        print(
+            f"megarl: time budget of {self.cfg.run.time_budget_min:g} min reached after step {step} "
+            f"({_minutes(spent)} min of training{launches}); checkpoint of step {step} saved in {saved}. "
+            f"The budget is the run's: the same command again trains nothing more; raise "
+            f"run.time_budget_min to continue",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def _save(self, step: int, next_iteration: int, pending: Optional[Batch], train_seconds: float = 0.0):
+        """Checkpoint at a step boundary (a collective over every rank): the trainer's state, every
+        generator replica's prompt stream and, async, the batch not yet trained. ``train_seconds``:
+        rank 0's clock is the run's (every rank's clock differs a little, and Megatron checks that
+        the state each trainer rank saves in common is the same on all of them)."""
+        state = (
+            self.generator.state_dict()
+            if self.generator is not None
+            and self.topo.runs_generator(self.job.rank)
+            and self.topo.replica_of(self.job.rank)[1] == 0
+            else None
+        )
+        gathered = [None] * self.job.world_size
+        dist.all_gather_object(gathered, (state, train_seconds), group=self.job.control)
+        if self.trainer is None:
+            return None
+        generators = generator_states([g[0] for g in gathered], self.topo)
+        loop_state = checkpoint_loop_state(step, next_iteration, generators, pending, gathered[0][1])
+        return self.trainer.save_checkpoint(self.out / CHECKPOINTS, step, loop_state)
+
+    def close(self) -> None:
+        self.rank.close()
+
+    def _should_save(self, step: int) -> bool:
+        every = self.cfg.run.save_every
+        return step == self.cfg.run.steps or (every > 0 and step % every == 0)
+
+    def transfer_batch(self, it: int, share: Optional[Batch]) -> Optional[Batch]:
+        """The replicas' rollouts (GATHER) -> one batch on every trainer rank (BROADCAST)."""
+        self.heartbeat.beat(f"iteration {it}: gathering and broadcasting batch {it}", force=True, waiting=True)
+        channels = self.rank.channels
+        gathered = channels["rollouts"].transfer(share if self.rank.reward is not None else None)
+        return channels["batch"].transfer(Batch.merge(gathered) if gathered is not None else None)
+
+
+def run_rank(cfg_dict: dict, prepared) -> None:
+    # SIGUSR1 (and SIGTERM when this process is its own launcher): checkpoint at the next step
+    # boundary and exit 0
+    preemption.install(signals=(signal.SIGUSR1,) if "RANK" in os.environ else preemption.SIGNALS)
+    controller = Controller(wire_rank(concrete_config(cfg_dict), prepared))
+    try:
+        controller.run()
+    finally:
+        controller.close()
+    shutdown()
