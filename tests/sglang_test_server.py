@@ -4,64 +4,62 @@ SGLang cannot run without a GPU, so the end-to-end tests start this script
 exactly where megarl starts ``python -m sglang.launch_server`` (launch mode:
 ``generator.sglang_launcher``) or point ``generator.sglang_urls`` at it
 (attach mode). It holds to SGLang's side of the contract, read from SGLang's
-own installed source (tests/sglang_source.py):
+own installed source (tests/sglang_source.py, tests/sglang_contract.py):
 
 - every command-line flag must be a ServerArgs field;
-- every request body must use only the fields of SGLang's request type for
-  that route (GenerateReqInput + SamplingParams, PauseGenerationReqInput,
-  AbortReq, UpdateWeightsFromTensorReqInput, ...); anything else is a 400;
-- ``/update_weights_from_tensor`` payloads are deserialised with SGLang's
-  SafeUnpickler allow-list and handed to the custom weight loader named by
-  ``load_format`` (which must have been given with --custom-weight-loader),
-  called as SGLang calls it in each TP worker: ``loader(model, named_tensors)``
-  with ``model.named_parameters()`` in SGLang's names -- i.e. megarl's
-  ``worker_receiver.pull_shards``, which joins the trainer's sync group;
+- the routes are SGLang's: http_server.py's decorated handlers give each
+  route its methods and the class its body is parsed into; a route SGLang
+  does not serve is a 404, a method it does not serve a 405;
+- every request body must be one SGLang's class for that route accepts: only
+  its fields, every field without a default present, each value of the
+  field's annotated type (GenerateReqInput + SamplingParams,
+  PauseGenerationReqInput's mode Literal, AbortReq,
+  UpdateWeightsFromTensorReqInput's base64 bytes, ...); anything else is a 400
+  with SGLang's error shape;
+- ``/update_weights_from_tensor`` runs in every TP worker (``--tp-size``;
+  tests/sglang_test_worker.py): worker r deserialises
+  ``serialized_named_tensors[r]`` with SGLang's SafeUnpickler allow-list and
+  calls the custom weight loader named by ``load_format`` (which must have
+  been given with --custom-weight-loader) as SGLang calls it,
+  ``loader(model, named_tensors)`` with ``model.named_parameters()`` its own
+  shard in SGLang's names -- i.e. megarl's ``worker_receiver.pull_shards``,
+  which joins the trainer's sync group as sync rank T + r;
 - in-place pause keeps requests and their KV cache; updates happen only
   inside begin/end_weight_update; per-token versions are reported with
   SGLang's own span code (``weight_versions`` spans, ``weight_version``).
 
-It decodes with megarl's torch engine (TP 1) over the SGLang-layout tensors,
-loaded from --model-path by tests/sglang_reference.py (written from SGLang's
-loaders, independently of megarl's layouts). GET /test_stats reports what it
-served (not an SGLang route: only the tests read it), also written after every
-request to the file named by SGLANG_TEST_STATS when set. The environment
-variable SGLANG_TEST_STEP_DELAY_S adds that many seconds to every decode step:
-a GPU generator is slower than a tiny model's trainer, which is what makes
-weight updates land in the middle of sequences.
+It decodes with megarl's torch engine at each TP rank over the SGLang-layout
+shards, loaded from --model-path by tests/sglang_reference.py (written from
+SGLang's loaders, independently of megarl's layouts). Routes SGLang serves but
+megarl never calls answer 501. Test-only routes (not SGLang's; only the tests
+read them): GET /test_stats reports what it served (also written after every
+request to the file named by SGLANG_TEST_STATS when set); GET /test_dump_params
+has every TP worker save its parameters under SGLANG_TEST_DUMP_DIR. The
+environment variable SGLANG_TEST_STEP_DELAY_S adds that many seconds to every
+decode step: a GPU generator is slower than a tiny model's trainer, which is
+what makes weight updates land in the middle of sequences.
 """
 
 from __future__ import annotations
 
-import base64
-import importlib
-import io
 import json
+import multiprocessing
 import os
-import pickle
 import sys
 import threading
 import time
-import types
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path.insert(0, str(ROOT))
 
-import sglang_source  # noqa: E402
 import torch  # noqa: E402
 
-ROUTE_TYPES = {
-    "/generate": "GenerateReqInput",
-    "/pause_generation": "PauseGenerationReqInput",
-    "/continue_generation": "ContinueGenerationReqInput",
-    "/begin_weight_update": "BeginWeightUpdateReqInput",
-    "/end_weight_update": "EndWeightUpdateReqInput",
-    "/update_weights_from_tensor": "UpdateWeightsFromTensorReqInput",
-    "/update_weight_version": "UpdateWeightVersionReqInput",
-    "/abort_request": "AbortReq",
-}
+from tests import sglang_contract, sglang_source  # noqa: E402
+from tests.sglang_test_worker import TPWorker, present_tp_rank, serve  # noqa: E402
+
 BOOLEAN_FLAGS = {"skip_server_warmup", "skip_tokenizer_init"}
 
 
@@ -84,49 +82,61 @@ def parse_args(argv: List[str]) -> Dict[str, List[str]]:
     return args
 
 
-# -- the model ------------------------------------------------------------------------------------------
+class NotModelled(Exception):
+    """An SGLang route or option this test server does not implement (megarl does not use it)."""
 
 
-def load_served_params(model_dir: Path) -> Tuple[dict, Dict[str, torch.Tensor], bool]:
-    """(HF config, SGLang TP-1 parameters, fp8) from a Hugging Face directory (fp8 weights dequantised
-    and re-quantised per SGLang parameter, as SGLang's block-fp8 loader ends up holding them)."""
-    from safetensors.torch import load_file
-    from sglang_reference import block_fp8, sglang_shard
-
-    config = json.loads((model_dir / "config.json").read_text())
-    full: Dict[str, torch.Tensor] = {}
-    for path in sorted(model_dir.glob("*.safetensors")):
-        full.update(load_file(str(path)))
-    for name in [n for n in full if n.endswith("_scale_inv")]:
-        scale = full.pop(name)
-        w = full[name[: -len("_scale_inv")]]
-        expanded = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[: w.shape[0], : w.shape[1]]
-        full[name[: -len("_scale_inv")]] = w.float() * expanded
-    fp8 = "quantization_config" in config
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[
-        config.get("dtype") or config.get("torch_dtype") or "bfloat16"
-    ]
-    if fp8:
-        dtype = torch.bfloat16
-    params = {}
-    for name, t in sglang_shard(full, config, tp=1, rank=0).items():
-        if fp8 and name.endswith(("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight")):
-            params[name], params[name + "_scale_inv"] = block_fp8(t)
-        else:
-            params[name] = t.to(dtype).contiguous()
-    return config, params, fp8
+# -- the TP workers -------------------------------------------------------------------------------------
 
 
-class ServedModel(torch.nn.Module):
-    """What a custom weight loader receives: parameters by SGLang's names, sharing the engine's storage."""
+class LocalWorkers:
+    """TP 1: the one worker in this process."""
 
-    def __init__(self, params: Dict[str, torch.Tensor]):
-        super().__init__()
-        self._served = params
+    def __init__(self, worker: TPWorker):
+        self.workers = [worker]
+        self.pids = [os.getpid()]
 
-    def named_parameters(self, *args, **kwargs):
-        for name, t in self._served.items():
-            yield name, torch.nn.Parameter(t, requires_grad=False)
+    def call(self, method: str, per_rank: List[tuple]) -> list:
+        return [getattr(self.workers[0], method)(*per_rank[0])]
+
+
+class ProcessWorkers:
+    """TP > 1: one process per worker; every call goes to all of them at once (they run collectives
+    together: the engine's all-reduces, the loader's sync group) and waits for every answer."""
+
+    def __init__(self, model_dir: str, tp: int, version: int, max_running: int, allowed: set):
+        from megarl.runtime.ports import free_port
+
+        ctx = multiprocessing.get_context("fork")  # before any thread of this process starts
+        port = free_port()
+        self.conns, self.procs = [], []
+        for rank in range(tp):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=serve,
+                args=(child, model_dir, tp, rank, port, version, max_running, allowed),
+                name=f"sglang-test-tp{rank}",
+                daemon=True,
+            )
+            proc.start()
+            child.close()  # the worker's end: its exit then reads as EOF here
+            self.conns.append(parent)
+            self.procs.append(proc)
+        self.pids = [self._answer(rank) for rank in range(tp)]
+
+    def _answer(self, rank: int):
+        try:
+            status, value = self.conns[rank].recv()
+        except EOFError:
+            raise RuntimeError(f"TP worker {rank} exited (code {self.procs[rank].exitcode})") from None
+        if status == "error":
+            raise RuntimeError(f"TP worker {rank}: {value}")
+        return value
+
+    def call(self, method: str, per_rank: List[tuple]) -> list:
+        for conn, args in zip(self.conns, per_rank):
+            conn.send((method, args))
+        return [self._answer(rank) for rank in range(len(self.conns))]
 
 
 # -- the server -----------------------------------------------------------------------------------------
@@ -134,55 +144,82 @@ class ServedModel(torch.nn.Module):
 
 class Server:
     def __init__(self, args: Dict[str, List[str]]):
-        from megarl.generator.torch_engine.engine import TorchEngine
-        from megarl.models.spec import LlamaSpec
-
-        if args.get("tp_size", ["1"]) != ["1"]:
-            sys.exit("sglang_test_server: serves TP 1 only")
-        config, self.params, self.fp8 = load_served_params(Path(args["model_path"][0]))
-        spec = LlamaSpec.from_hf_config(config, source="sglang_test_server")
-        self.model = ServedModel(self.params)
+        self.tp = int((args.get("tp_size") or ["1"])[0])
         self.version = (args.get("weight_version") or ["default"])[0]
-        self.engine = TorchEngine(
-            spec,
-            self.params,
-            max_running=64,
-            max_seq_len=1024,
-            version=int(self.version) if self.version.isdigit() else 0,
-        )
         self.loaders = set(args.get("custom_weight_loader", []))
+        max_running = int((args.get("max_running_requests") or ["64"])[0])
+        model_dir = args["model_path"][0]
+        self.allowed = sglang_source.safe_unpickler_globals()
+        self.spans = sglang_source.span_functions()
+        # read at start (so a missing SGLang source fails here, not at the first request)
+        self.pause_default = sglang_contract.route_fields("/pause_generation")["mode"].default_value()
+        version = int(self.version) if self.version.isdigit() else 0
+        if self.tp == 1:
+            present_tp_rank(0)
+            self.workers = LocalWorkers(TPWorker(model_dir, 1, 0, None, version, max_running, self.allowed))
+        else:
+            self.workers = ProcessWorkers(model_dir, self.tp, version, max_running, self.allowed)
         self.lock = threading.Condition()
         self.paused = False
         self.session = False
+        self.busy = False  # the workers have requests waiting, running or aborted
+        self.new_requests: list = []
+        self.new_aborts: List[str] = []
         self.waiters: Dict[str, dict] = {}
+        self.failure = None
         self.stats = {
             "pid": os.getpid(),
+            "tp_size": self.tp,
+            "worker_pids": self.workers.pids,
             "requests": {},
             "generated": 0,
             "aborted": 0,
+            "aborted_rids": [],  # as /abort_request named them
+            "finished_rids": [],  # answered with a stop or length finish
+            "pause_modes": {},
             "updates": 0,
+            "worker_loads": [0] * self.tp,
             "versions": [],
             "two_version_samples": 0,
         }
         self.stats_file = os.environ.get("SGLANG_TEST_STATS")
         self.stats_lock = threading.Lock()
-        sglang_source.server_arg_fields()  # fail at start, not at the first request, if SGLang is missing
-        self.fields = {
-            route: set(sglang_source.class_fields("managers/io_struct.py", t)) for route, t in ROUTE_TYPES.items()
+        self.routes = {
+            "/generate": self.generate,
+            "/pause_generation": self.pause,
+            "/continue_generation": self.continue_generation,
+            "/begin_weight_update": self.begin_weight_update,
+            "/end_weight_update": self.end_weight_update,
+            "/abort_request": self.abort_request,
+            "/update_weight_version": self.update_weight_version,
+            "/update_weights_from_tensor": self.update_weights_from_tensor,
         }
-        self.sampling_fields = set(sglang_source.class_fields("sampling/sampling_params.py", "SamplingParams"))
-        self.allowed = sglang_source.safe_unpickler_globals()
-        self.spans = sglang_source.span_functions()
         threading.Thread(target=self._loop, daemon=True).start()
 
-    # the decode loop: one engine step at a time, never while paused in place
+    # the decode loop: one step of every worker at a time, never while paused in place
     def _loop(self) -> None:
         delay = float(os.environ.get("SGLANG_TEST_STEP_DELAY_S", "0"))
-        while True:
+        while self.failure is None:
             with self.lock:
-                while self.paused or not (self.engine.waiting or self.engine.running or self.engine.aborted):
+                while self.paused or not (self.busy or self.new_requests or self.new_aborts):
                     self.lock.wait()
-                for c in self.engine.step():
+                work = (self.new_requests, self.new_aborts)
+                self.new_requests, self.new_aborts = [], []
+                try:
+                    answers = self.workers.call("tick", [work] * self.tp)
+                    done, self.busy = answers[0]
+                    for rank, (other, _) in enumerate(answers[1:], 1):  # TP ranks sample the same tokens
+                        if [(c.request_id, c.output_ids) for c in other] != [
+                            (c.request_id, c.output_ids) for c in done
+                        ]:
+                            raise RuntimeError(f"TP worker {rank} finished other samples than TP worker 0")
+                except Exception as e:  # every waiting request, and every later one, fails naming it
+                    self.failure = f"decode step failed: {e}"
+                    print(f"sglang_test_server: {self.failure}", flush=True)
+                    done = []
+                    for waiter in self.waiters.values():
+                        waiter["done"].set()
+                for c in done:
                     waiter = self.waiters.pop(c.request_id)
                     waiter["completion"] = c
                     waiter["done"].set()
@@ -196,46 +233,47 @@ class Server:
                 Path(tmp).write_text(json.dumps(self.stats))
                 os.replace(tmp, self.stats_file)
 
-    def validate(self, route: str, body: dict) -> None:
-        unknown = set(body) - self.fields[route]
-        if unknown:
-            raise ValueError(f"{route}: fields {sorted(unknown)} are not in SGLang's {ROUTE_TYPES[route]}")
-        if route == "/generate":
-            unknown = set(body.get("sampling_params", {})) - self.sampling_fields
-            if unknown:
-                raise ValueError(f"/generate: sampling_params {sorted(unknown)} are not SGLang SamplingParams fields")
+    def count(self, route: str) -> None:
         self.stats["requests"][route] = self.stats["requests"].get(route, 0) + 1
 
     def generate(self, body: dict) -> dict:
         from megarl.generator.interface import GenerationRequest, SamplingParams
 
-        sp = body["sampling_params"]
+        sp = body.get("sampling_params") or {}
+        sglang_contract.check_sampling_params(sp)
         if not body.get("return_logprob") or not isinstance(body.get("input_ids"), list):
-            raise ValueError("/generate: megarl must send input_ids and return_logprob")
+            raise NotModelled("/generate: megarl sends input_ids and return_logprob")
         params = SamplingParams(
             temperature=sp.get("temperature", 1.0),
             top_p=sp.get("top_p", 1.0),
             top_k=max(sp.get("top_k", -1), 0),
-            max_new_tokens=sp["max_new_tokens"],
+            max_new_tokens=sp.get("max_new_tokens", 128),  # SamplingParams' default
             stop_token_ids=tuple(sp.get("stop_token_ids") or ()),
             seed=sp.get("sampling_seed"),
         )
         rid = body["rid"]
         waiter = {"done": threading.Event()}
         with self.lock:
+            if self.failure:
+                raise RuntimeError(self.failure)
             self.waiters[rid] = waiter
-            self.engine.submit([GenerationRequest(rid, body["input_ids"], params)])
+            self.new_requests.append(GenerationRequest(rid, body["input_ids"], params))
             self.lock.notify_all()
         waiter["done"].wait()
+        if "completion" not in waiter:
+            raise RuntimeError(self.failure)
         c = waiter["completion"]
         n = len(c.output_ids)
         if c.finish_reason == "abort":
             finish = {"type": "abort", "message": "Abort before prefill" if not n else "aborted by request"}
             self.stats["aborted"] += 1
-        elif c.finish_reason == "length":
-            finish = {"type": "length", "length": n}
         else:
-            finish = {"type": "stop", "matched": c.output_ids[-1]}
+            finish = (
+                {"type": "length", "length": n}
+                if c.finish_reason == "length"
+                else {"type": "stop", "matched": c.output_ids[-1]}
+            )
+            self.stats["finished_rids"].append(rid)
         meta = {
             "id": rid,
             "finish_reason": finish,
@@ -257,75 +295,79 @@ class Server:
         self.stats["two_version_samples"] += bool(events)
         return {"text": "", "output_ids": c.output_ids, "meta_info": meta}
 
-    def control(self, route: str, body: dict) -> dict:
-        if route == "/pause_generation":
-            if body.get("mode") != "in_place":
-                raise ValueError("megarl pauses in place (other modes abort or retract requests)")
-            with self.lock:  # taken between two engine steps
-                self.paused = True
-            return {"message": "Generation paused successfully.", "status": "ok"}
-        if route == "/continue_generation":
-            with self.lock:
-                self.paused = False
-                self.lock.notify_all()
-            return {"message": "Generation continued successfully.", "status": "ok"}
-        if route == "/begin_weight_update":
-            self.session = True
-            return {"success": True, "message": ""}
-        if route == "/end_weight_update":
-            self.session = False
-            return {"success": True, "message": ""}
-        if route == "/abort_request":
-            with self.lock:
-                self.engine.abort([body["rid"]])
-                self.lock.notify_all()
-            return {}
-        if route == "/update_weight_version":
-            if body.get("abort_all_requests", True):
-                raise ValueError("update_weight_version would abort every paused request (abort_all_requests)")
-            self.version = body["new_version"]
-            self.stats["versions"].append(self.version)
-            return {
-                "success": True,
-                "message": f"Weight version updated to {self.version}",
-                "new_version": self.version,
-            }
-        if route == "/update_weights_from_tensor":
-            return self.update_weights(body)
-        raise ValueError(f"no route {route}")
+    def pause(self, body: dict) -> dict:
+        # the contract checked the value against PauseGenerationReqInput's Literal
+        mode = body.get("mode", self.pause_default)
+        self.stats["pause_modes"][mode] = self.stats["pause_modes"].get(mode, 0) + 1
+        if mode != "in_place":
+            raise NotModelled(f"pause_generation mode {mode!r}: megarl pauses in place only")
+        with self.lock:  # taken between two engine steps
+            self.paused = True
+        return {"message": "Generation paused successfully.", "status": "ok"}
 
-    def update_weights(self, body: dict) -> dict:
+    def continue_generation(self, body: dict) -> dict:
+        with self.lock:
+            self.paused = False
+            self.lock.notify_all()
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    def begin_weight_update(self, body: dict) -> dict:
+        self.session = True
+        return {"success": True, "message": ""}
+
+    def end_weight_update(self, body: dict) -> dict:
+        self.session = False
+        return {"success": True, "message": ""}
+
+    def abort_request(self, body: dict) -> dict:
+        if body.get("abort_all"):
+            raise NotModelled("abort_request abort_all: megarl aborts by rid")
+        with self.lock:
+            self.new_aborts.append(body.get("rid") or "")
+            self.stats["aborted_rids"].append(body.get("rid") or "")
+            self.lock.notify_all()
+        return {}
+
+    def update_weight_version(self, body: dict) -> dict:
+        if body.get("abort_all_requests", True):
+            raise NotModelled("update_weight_version would abort every paused request (abort_all_requests)")
+        self.version = body["new_version"]
+        if self.version.isdigit():  # SGLang's scheduler reports the new version from here on
+            with self.lock:
+                self.workers.call("set_version", [(int(self.version),)] * self.tp)
+        self.stats["versions"].append(self.version)
+        return {"success": True, "message": f"Weight version updated to {self.version}", "new_version": self.version}
+
+    def update_weights_from_tensor(self, body: dict) -> dict:
         if not self.session:
             return {
                 "success": False,
                 "message": "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()",
             }
         if not self.paused:
-            raise ValueError("megarl updates weights of a paused server only")
-        if body.get("load_format") not in self.loaders:
-            raise ValueError(f"load_format {body.get('load_format')!r} was not given as --custom-weight-loader")
+            raise NotModelled("megarl updates weights of a paused server only")
+        load_format = body.get("load_format")
+        if load_format not in self.loaders:
+            raise ValueError(f"load_format {load_format!r} was not given as --custom-weight-loader")
         if body.get("flush_cache", True) or body.get("abort_all_requests", False):
-            raise ValueError("an in-flight update keeps the KV cache and the requests (flush_cache/abort false)")
-        allowed = self.allowed
-
-        class SafeUnpickler(pickle.Unpickler):
-            def find_class(self, module, name):
-                if (module, name) not in allowed:
-                    raise RuntimeError(f"Blocked unsafe global ({module}.{name}) during pickle deserialization")
-                return super().find_class(module, name)
-
-        named = SafeUnpickler(io.BytesIO(base64.b64decode(body["serialized_named_tensors"][0]))).load()
-        named = [(name, tensor.to("cpu")) for name, tensor in named]
-        module, _, fn = body["load_format"].rpartition(".")
-        loader = getattr(importlib.import_module(module), fn)
+            raise NotModelled("an in-flight update keeps the KV cache and the requests (flush_cache/abort false)")
+        blobs = body["serialized_named_tensors"]
+        if len(blobs) < self.tp:  # SGLang's TP worker r reads entry r
+            raise IndexError(f"serialized_named_tensors has {len(blobs)} entries for {self.tp} TP workers")
         version = body.get("weight_version") or self.version
         with self.lock:
-            self.engine.update_weights(
-                lambda: (loader(self.model, named), types.SimpleNamespace(version=int(version)))[1]
-            )
+            loads = self.workers.call("load", [(load_format, blobs[r], int(version)) for r in range(self.tp)])
         self.version = version
         self.stats["updates"] += 1
+        self.stats["worker_loads"] = loads
         return {"success": True, "message": "Success"}
+
+    def dump_params(self) -> dict:
+        out = os.environ.get("SGLANG_TEST_DUMP_DIR")
+        if not out:
+            raise NotModelled("set SGLANG_TEST_DUMP_DIR to dump the workers' parameters")
+        with self.lock:
+            return {"files": self.workers.call("dump", [(out,)] * self.tp)}
 
 
 def make_handler(server: Server):
@@ -341,35 +383,57 @@ def make_handler(server: Server):
             self.end_headers()
             self.wfile.write(data)
 
+        def _refuse(self, route: str, err: sglang_contract.ContractError) -> None:
+            print(f"sglang_test_server: {route}: {err}", flush=True)
+            if isinstance(err, sglang_contract.UnknownRoute):  # FastAPI's answers
+                return self._answer(404, {"detail": "Not Found"})
+            if isinstance(err, sglang_contract.WrongMethod):
+                return self._answer(405, {"detail": "Method Not Allowed"})
+            # SGLang's answer to a body its request class refuses (http_server.py: 400, ErrorResponse)
+            self._answer(400, {"object": "error", "message": str(err), "type": "Bad Request", "code": 400})
+
         def do_GET(self):
-            if self.path in ("/health", "/health_generate"):
-                self._answer(200, {})
-            elif self.path == "/test_stats":
-                self._answer(200, server.stats)
-            else:
-                self._answer(404, {"detail": "Not Found"})
+            route = self.path.split("?")[0]
+            if route == "/test_stats":
+                return self._answer(200, server.stats)
+            if route == "/test_dump_params":
+                try:
+                    return self._answer(200, server.dump_params())
+                except Exception as e:
+                    return self._answer(400, {"success": False, "message": f"{type(e).__name__}: {e}"})
+            try:
+                sglang_contract.check_request(route, "GET", None)
+            except sglang_contract.ContractError as e:
+                return self._refuse(route, e)
+            if route in ("/health", "/health_generate"):
+                return self._answer(200, {})
+            self._answer(501, {"detail": f"sglang_test_server does not model GET {route}"})
 
         def do_POST(self):
-            route = self.path
+            route = self.path.split("?")[0]
             try:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
-                if route not in ROUTE_TYPES:
-                    return self._answer(404, {"detail": "Not Found"})
-                server.validate(route, body)
-                answer = server.generate(body) if route == "/generate" else server.control(route, body)
-                ok = not (isinstance(answer, dict) and answer.get("success") is False)
-                server.save_stats()
-                self._answer(200 if ok else 400, answer)
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+                sglang_contract.check_request(route, "POST", body)
+                if route not in server.routes:
+                    raise NotModelled(f"sglang_test_server does not model POST {route}")
+                server.count(route)
+                answer = server.routes[route](body)
+            except sglang_contract.ContractError as e:
+                return self._refuse(route, e)
+            except NotModelled as e:
+                print(f"sglang_test_server: {route}: {e}", flush=True)
+                return self._answer(501, {"success": False, "message": f"not modelled: {e}"})
             except Exception as e:  # SGLang answers 400 with a message; so does this server
                 print(f"sglang_test_server: {route}: {e!r}", flush=True)
-                self._answer(400, {"success": False, "message": f"{type(e).__name__}: {e}"})
+                return self._answer(400, {"success": False, "message": f"{type(e).__name__}: {e}"})
+            ok = not (isinstance(answer, dict) and answer.get("success") is False)
+            server.save_stats()
+            self._answer(200 if ok else 400, answer)
 
     return Handler
 
 
 def main(argv: List[str]) -> None:
-    # what SGLang's TP worker offers a custom loader; this server is TP rank 0 of 1
-    sys.modules["sglang.srt.distributed"] = types.SimpleNamespace(get_tensor_model_parallel_rank=lambda: 0)
     args = parse_args(argv)
     torch.set_num_threads(1)
     server = Server(args)
@@ -377,7 +441,7 @@ def main(argv: List[str]) -> None:
     host, port = (args.get("host") or ["127.0.0.1"])[0], int(args["port"][0])
     httpd = ThreadingHTTPServer((host, port), make_handler(server))
     httpd.daemon_threads = True
-    print(f"sglang_test_server: serving {args['model_path'][0]} on http://{host}:{port}", flush=True)
+    print(f"sglang_test_server: serving {args['model_path'][0]} at TP {server.tp} on http://{host}:{port}", flush=True)
     httpd.serve_forever()
 
 

@@ -1,7 +1,8 @@
 """`megarl train` with ``generator.backend: sglang``, end to end, against tests/sglang_test_server.py.
 
 The test server speaks SGLang 0.5.23's routes, validates every request body
-and launch flag against SGLang's own source, decodes with megarl's torch
+(keys, types, required fields of the route's class) and launch flag against
+SGLang's own source, decodes with megarl's torch
 engine and receives every weight update through ``worker_receiver.pull_shards``
 -- the entry point SGLang calls in its TP workers. The job is configs/tiny_cpu.yaml:
 a tiny random Llama, trainer TP2 (2 ranks) + one generator replica (its driver
@@ -82,6 +83,11 @@ def _check_run(metrics, rollouts, stats) -> None:
     ):
         assert stats["requests"].get(route, 0) >= (1 if route == "/generate" else STEPS), (route, stats)
     assert stats["two_version_samples"] > 0
+    # every pause was SGLang's in-place mode (validated against PauseGenerationReqInput's Literal)
+    assert stats["pause_modes"] == {"in_place": STEPS}, stats["pause_modes"]
+    # aborts of stale groups (if any went stale) name single samples, each at most once
+    rids = stats["aborted_rids"]
+    assert len(rids) == len(set(rids)) and all(r.startswith("g") and "#" in r for r in rids), rids
 
 
 @pytest.mark.slow

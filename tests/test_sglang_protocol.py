@@ -2,17 +2,20 @@
 
 SGLang does not import on a CPU machine (triton, zmq, CUDA kernels), so these
 tests read SGLang 0.5.23's own files from its installed distribution
-(``make setup`` installs it with --no-deps): request field names from
-io_struct.py / sampling_params.py via ``ast``, the routes from http_server.py,
+(``make setup`` installs it with --no-deps): the routes and the class each
+parses its body into from http_server.py, those classes' fields, types and
+defaults from io_struct.py / sampling_params.py (tests/sglang_contract.py),
 and SGLang's own weight-version-span functions, executed here, to build the
 meta_info our parser reads.
 """
 
 from __future__ import annotations
 
+import ast
 import base64
 import io
 import math
+from pathlib import Path
 from typing import Any, Dict
 
 import pytest
@@ -20,7 +23,9 @@ import pytest
 from megarl.errors import MegarlError
 from megarl.generator.interface import ABORTED, GenerationRequest, SamplingParams
 from megarl.generator.sglang import protocol, serving
-from tests import sglang_source
+from tests import sglang_contract, sglang_source
+
+SGLANG_PACKAGE = Path(protocol.__file__).parent
 
 
 @pytest.fixture(autouse=True)
@@ -45,30 +50,143 @@ REQUEST = GenerationRequest(
 )
 
 
-def test_generate_request_uses_sglang_field_names():
+def test_generate_request_is_one_sglangs_classes_accept():
     payload = protocol.generate_payload(REQUEST, 1)
-    fields = _fields("GenerateReqInput")
-    assert set(payload) <= set(fields), set(payload) - set(fields)
-    sp_fields = _fields("SamplingParams", "sampling/sampling_params.py")
-    assert set(payload["sampling_params"]) <= set(sp_fields), set(payload["sampling_params"]) - set(sp_fields)
+    sglang_contract.check_request("/generate", "POST", payload)  # GenerateReqInput: keys, types
+    sglang_contract.check_sampling_params(payload["sampling_params"])  # SamplingParams(**sampling_params)
     assert payload["rid"] == "q7#1" and payload["sampling_params"]["sampling_seed"] == 12
     assert payload["sampling_params"]["top_k"] == -1  # SGLang's "all tokens"
+    greedy = GenerationRequest("g", [1], SamplingParams(temperature=0.0, top_k=5, max_new_tokens=2, seed=None))
+    sglang_contract.check_sampling_params(protocol.generate_payload(greedy, 0)["sampling_params"])
 
 
-def test_control_requests_use_sglang_field_names():
-    pause = _fields("PauseGenerationReqInput")
-    assert set(protocol.PAUSE_IN_PLACE) <= set(pause) and "in_place" in pause["mode"]
-    version = protocol.update_version_payload(4)
-    assert set(version) <= set(_fields("UpdateWeightVersionReqInput"))
-    assert version == {"new_version": "4", "abort_all_requests": False}
-    dist = protocol.distributed_update(["model.norm.weight"], ["bfloat16"], [[64]], 4)
-    assert set(dist) <= set(_fields("UpdateWeightsFromDistributedReqInput"))
-    assert dist["flush_cache"] is False and dist["load_format"] == "flattened_bucket"
-    abort = protocol.abort_payload("g7#1")
-    assert set(abort) <= set(_fields("AbortReq")) and abort == {"rid": "g7#1", "abort_all": False}
-    trigger = protocol.sync_trigger_payload(5, 2, tp=3, loader=serving.WORKER_LOADER)
-    assert set(trigger) <= set(_fields("UpdateWeightsFromTensorReqInput"))
+def test_control_requests_are_ones_sglangs_classes_accept():
+    bodies = {
+        "/pause_generation": protocol.PAUSE_IN_PLACE,
+        "/begin_weight_update": {},
+        "/update_weights_from_tensor": protocol.sync_trigger_payload(5, 2, tp=3, loader=serving.WORKER_LOADER),
+        "/end_weight_update": {},
+        "/update_weight_version": protocol.update_version_payload(4),
+        "/continue_generation": {},
+        "/abort_request": protocol.abort_payload("g7#1"),
+    }
+    for route, body in bodies.items():
+        sglang_contract.check_request(route, "POST", body)
+    assert bodies["/update_weight_version"] == {"new_version": "4", "abort_all_requests": False}
+    assert bodies["/abort_request"] == {"rid": "g7#1", "abort_all": False}
+    trigger = bodies["/update_weights_from_tensor"]
     assert len(trigger["serialized_named_tensors"]) == 3 and trigger["weight_version"] == "5"
+    assert trigger["flush_cache"] is False and trigger["abort_all_requests"] is False
+
+
+def test_the_checker_refuses_what_sglangs_classes_refuse():
+    """Each refusal names the field: a wrong type, a missing required field, an unknown key, a value
+    outside a Literal, bytes that are not base64 -- so the checks above can fail."""
+    good = protocol.generate_payload(REQUEST, 0)
+    refused = {
+        ("/generate", "rid"): dict(good, rid=7),
+        ("/generate", "input_ids[1]"): dict(good, input_ids=[5, "6"]),
+        ("/generate", "return_logprob"): dict(good, return_logprob=1),
+        ("/generate", "['max_tokens']"): dict(good, max_tokens=9),
+        ("/update_weight_version", "['new_version']"): {"abort_all_requests": False},
+        ("/update_weight_version", "new_version"): {"new_version": 4},
+        ("/pause_generation", "'inplace' is not one of SGLang's values ['abort', 'retract', 'in_place']"): {
+            "mode": "inplace"
+        },
+        ("/abort_request", "abort_all"): {"rid": "x", "abort_all": "no"},
+        ("/update_weights_from_tensor", "serialized_named_tensors[0]"): {"serialized_named_tensors": ["not base64!"]},
+        ("/update_weights_from_tensor", "['serialized_named_tensors']"): {"load_format": "x"},
+    }
+    for (route, named), body in refused.items():
+        with pytest.raises(sglang_contract.ContractError, match=_literal(named)):
+            sglang_contract.check_request(route, "POST", body)
+    sp = good["sampling_params"]
+    for named, bad in {"temperature": dict(sp, temperature="1"), "['seed']": dict(sp, seed=3)}.items():
+        with pytest.raises(sglang_contract.ContractError, match=_literal(named)):
+            sglang_contract.check_sampling_params(bad)
+    with pytest.raises(sglang_contract.UnknownRoute):
+        sglang_contract.check_request("/update_weights_from_tensors", "POST", {})
+    with pytest.raises(sglang_contract.WrongMethod):
+        sglang_contract.check_request("/abort_request", "GET", {})
+
+
+def _literal(text: str) -> str:
+    import re
+
+    return re.escape(text)
+
+
+def test_route_table_is_read_from_http_server():
+    table = sglang_source.route_table()
+    io_struct = "sglang.srt.managers.io_struct"
+    assert table["/generate"].body == (io_struct, "GenerateReqInput") and table["/generate"].methods == {"POST", "PUT"}
+    assert table["/abort_request"].body == (io_struct, "AbortReq") and table["/abort_request"].methods == {"POST"}
+    assert table["/pause_generation"].body == (io_struct, "PauseGenerationReqInput")
+    assert table["/update_weights_from_tensor"].body == (io_struct, "UpdateWeightsFromTensorReqInput")
+    assert table["/health"].body is None and table["/health"].methods == {"GET"}
+    # every route with a body: its handler really names that class (read back from the handler's source)
+    source = sglang_source.sglang_file("entrypoints/http_server.py").read_text()
+    handlers = {
+        n.name: ast.get_source_segment(source, n)
+        for n in ast.walk(ast.parse(source))
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+    }
+    with_body = [r for r in table.values() if r.body is not None]
+    assert len(with_body) > 40
+    for r in with_body:
+        assert r.body[1] in handlers[r.handler], r
+
+
+def _routes_megarl_calls():
+    """(method, route) of every call megarl's SGLang package makes: post / _control / get_ok with a
+    literal route, found in its source."""
+    calls = set()
+    for path in sorted(SGLANG_PACKAGE.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if name not in ("post", "_control", "get_ok"):
+                continue
+            for arg in node.args:
+                if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and arg.value.startswith("/"):
+                    calls.add(("GET" if name == "get_ok" else "POST", arg.value))
+    return calls
+
+
+def test_every_route_megarl_calls_is_served_by_sglang_for_its_method():
+    calls = _routes_megarl_calls()
+    assert {("POST", "/generate"), ("POST", "/abort_request"), ("GET", "/health")} <= calls, calls
+    assert len(calls) == 9, calls  # generate, abort, the six update-protocol routes, health
+    table = sglang_source.route_table()
+    for method, route in calls:
+        assert route in table and method in table[route].methods, (method, route)
+        if table[route].body is not None:  # and SGLang's test server can check every field of its body
+            for field in sglang_contract.route_fields(route).values():
+                assert not sglang_contract.uninterpretable(field.annotation, field.module), (route, field)
+    for field in sglang_contract.class_fields(*sglang_contract.SAMPLING_PARAMS).values():
+        assert not sglang_contract.uninterpretable(field.annotation, field.module), field
+
+
+def pause_modes_megarl_sends():
+    """Every ``"mode"`` value of a dict literal in megarl's SGLang package (the pause bodies)."""
+    modes = set()
+    for path in sorted(SGLANG_PACKAGE.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Dict):
+                for k, v in zip(node.keys, node.values):
+                    if isinstance(k, ast.Constant) and k.value == "mode":
+                        modes.add(ast.literal_eval(v))
+    return modes
+
+
+def test_every_pause_mode_megarl_sends_is_one_sglang_accepts():
+    modes = pause_modes_megarl_sends()
+    assert modes == {"in_place"}  # the only pause that keeps requests and their KV cache
+    mode = sglang_contract.route_fields("/pause_generation")["mode"]
+    for m in modes:
+        sglang_contract.check_value(m, mode.annotation, mode.module, "mode")
+    assert mode.default_value() == "abort"  # why megarl must always send it
 
 
 def test_sync_trigger_deserialises_under_sglangs_safe_unpickler():
@@ -103,29 +221,21 @@ def test_launch_arguments_are_sglang_server_args():
     assert args[args.index("--base-gpu-id") + 1] == "8" and args[args.index("--tp-size") + 1] == "8"
 
 
-def test_every_endpoint_megarl_calls_is_an_sglang_route():
-    used = {
-        "/generate",
-        "/pause_generation",
-        "/begin_weight_update",
-        "/update_weights_from_tensor",
-        "/update_weights_from_distributed",
-        "/end_weight_update",
-        "/update_weight_version",
-        "/continue_generation",
-        "/abort_request",
-        "/health",
-    }
-    assert used <= sglang_source.http_routes(), used - sglang_source.http_routes()
-
-
 def test_block_fp8_scales_are_renamed_by_sglangs_loader():
     """Why fp8 goes through megarl's receiver: SGLang's Llama loader renames the scale and drops it."""
     src = sglang_source.sglang_file("models/llama.py").read_text()
     assert 'name.replace(".weight_scale_inv", ".weight_scale")' in src
-    with pytest.raises(MegarlError, match="weight_scale_inv"):
-        protocol.distributed_update(["model.layers.0.mlp.down_proj.weight_scale_inv"], ["float32"], [[1, 1]], 1)
     assert serving.block_fp8_hf_config({"a": 1})["quantization_config"]["weight_block_size"] == [128, 128]
+
+
+def test_each_tp_worker_reads_its_own_entry_of_the_trigger():
+    """SGLang's TP worker deserialises serialized_named_tensors[tp_rank] (tp_worker.py): the trigger
+    has one entry per worker, and megarl's loader path is what SGLang imports and calls."""
+    src = sglang_source.sglang_file("managers/tp_worker.py").read_text()
+    assert "serialized_named_tensors[get_parallel().tp_rank]" in src
+    updater = sglang_source.sglang_file("model_executor/model_runner_components/weight_updater.py").read_text()
+    assert "custom_loader = dynamic_import(load_format)" in updater
+    assert "custom_loader(self.get_model(), named_tensors)" in updater
 
 
 def _sglang_answer(output_ids, logprobs, meta_extra, finish="length"):

@@ -12,11 +12,12 @@ The weight-update protocol (SGLang 0.5.x, http_server.py), in order, per server:
    cache. Nothing else may be sent before it answers.
 2. ``POST /begin_weight_update {}`` -- restores in-place-packed (e.g. fp8
    post-processed) weights so new ones can be written.
-3. the transfer: megarl's shard-to-shard receiver inside every TP worker
-   (``update_weights_from_tensor`` with megarl's custom ``load_format``), or
-   stock ``update_weights_from_distributed`` with ``flattened_bucket`` buckets
-   and ``flush_cache: false`` (a broadcast from one trainer rank: bf16 only,
-   see ``distributed_update``).
+3. the transfer: ``POST /update_weights_from_tensor`` with megarl's custom
+   ``load_format`` runs megarl's shard-to-shard receiver inside every TP
+   worker, which pulls its own shard from the trainer ranks that hold it
+   (``worker_receiver``). SGLang's ``update_weights_from_distributed`` is not
+   used: it broadcasts whole tensors from one rank -- the gather megarl exists
+   to avoid -- and its Llama loader drops block-fp8 scales.
 4. ``POST /end_weight_update {}`` -- re-runs the quantisation post-processing.
 5. ``POST /update_weight_version {"new_version": V, "abort_all_requests": false}``
    -- its default ``abort_all_requests: true`` would abort every paused request.
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 import base64
 import io
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Tuple
 
 from megarl.errors import MegarlError
 from megarl.generator.interface import ABORTED, Completion, GenerationRequest, SamplingParams
@@ -214,39 +215,6 @@ def sync_trigger_payload(version: int, replica: int, tp: int, loader: str) -> Di
 def update_version_payload(version: int) -> Dict:
     # abort_all_requests defaults to True in SGLang: it would abort every paused request
     return {"new_version": str(version), "abort_all_requests": False}
-
-
-def distributed_update(
-    names: Sequence[str],
-    dtypes: Sequence[str],
-    shapes: Sequence[Sequence[int]],
-    version: int,
-    group_name: str = "weight_update_group",
-) -> Dict:
-    """Body of stock ``POST /update_weights_from_distributed`` for one flattened bucket.
-
-    ``flush_cache: false`` keeps the paused requests' KV cache (in-flight
-    update). The tensors go through the model's ``load_weights``, which in
-    SGLang 0.5.23 renames ``.weight_scale_inv`` to ``.weight_scale`` and drops
-    block-fp8 scales: block-fp8 serving therefore uses megarl's receiver
-    (``worker_receiver``), which writes parameters by their own names.
-    """
-    for name in names:
-        if name.endswith("weight_scale_inv"):
-            raise MegarlError(
-                f"{name}: SGLang 0.5.23's Llama loader drops block-fp8 scales sent through "
-                f"update_weights_from_distributed; use generator.weight_transfer=shard_to_shard for fp8"
-            )
-    return {
-        "names": list(names),
-        "dtypes": list(dtypes),
-        "shapes": [list(s) for s in shapes],
-        "group_name": group_name,
-        "flush_cache": False,
-        "abort_all_requests": False,
-        "weight_version": str(version),
-        "load_format": "flattened_bucket",
-    }
 
 
 def check_ok(answer: Dict, server: str, endpoint: str) -> None:

@@ -1,0 +1,67 @@
+"""Trainer side of the SGLang TP-worker test: Megatron TP shards pushed to an SGLang server's TP workers.
+
+    torchrun --nproc-per-node T tests/workers/sglang_trainer.py --model MEGATRON_DIR --sync-config FILE --version V
+
+Does what a trainer rank of ``megarl train`` with ``generator.backend: sglang``
+does at a sync (weight_sync/factory.py): join the sync group the servers' TP
+workers join (the host, port, group name and backend of the sync config the
+job writes for them), find same-device peers (a collective the workers' loader
+takes part in), and push this rank's shards with ShardToShardSender.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from lm_batch import parse_layout  # noqa: E402
+
+from megarl.models.loading import load_llama  # noqa: E402
+from megarl.runtime.distributed import init_distributed, init_megatron, shutdown  # noqa: E402
+from megarl.weight_sync.ipc import colocated_peers  # noqa: E402
+from megarl.weight_sync.planner import GeneratorTopology, TrainerTopology  # noqa: E402
+from megarl.weight_sync.rendezvous import init_sync_group  # noqa: E402
+from megarl.weight_sync.synchronizer import ShardToShardSender  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--sync-config", required=True)
+    p.add_argument("--version", type=int, required=True)
+    args = p.parse_args()
+    rank = init_distributed()
+    cfg = json.load(open(args.sync_config))
+    trainer, generator = TrainerTopology(**cfg["trainer"]), GeneratorTopology(**cfg["generator"])
+    assert trainer.size == dist.get_world_size(), (trainer, dist.get_world_size())
+    init_megatron(parse_layout(f"{trainer.tp}x{trainer.pp}"))
+    spec, chunks = load_llama(args.model, parse_layout(f"{trainer.tp}x{trainer.pp}"))
+
+    def connect():
+        group = init_sync_group(
+            cfg["host"],
+            cfg["port"],
+            trainer.size + generator.size,
+            rank,
+            group_name=cfg["group_name"],
+            backend=cfg["backend"],
+            timeout_s=cfg["timeout_s"],
+        )
+        return group, colocated_peers(group, rank, None)
+
+    wire = torch.float32 if cfg["wire_dtype"] == "fp32" else torch.bfloat16
+    sender = ShardToShardSender(
+        spec, trainer, generator, chunks, rank, cfg["fp8"], cfg["verify"], wire, connect=connect
+    )
+    stats = sender.sync(args.version)
+    print(json.dumps({"rank": rank, "version": stats.version, "bytes_sent": stats.bytes_sent}), flush=True)
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()
