@@ -152,7 +152,7 @@ def _hf_tensors(model_dir: Path):
 @pytest.mark.slow
 def test_tp2_workers_each_pull_their_own_shard_of_the_trainers_weights(tmp_path):
     from megarl.checkpointing.megatron_checkpoint import read_spec, resolve_checkpoint_dir
-    from megarl.weight_sync.planner import GeneratorTopology, TrainerTopology
+    from megarl.parallel_dims import GeneratorDims, ParallelDims
     from megarl.weight_sync.synchronizer import SglangShardReceiver
 
     served = make_tiny_llama(tmp_path / "served", seed=1)  # what the server loads at start
@@ -163,8 +163,8 @@ def test_tp2_workers_each_pull_their_own_shard_of_the_trainers_weights(tmp_path)
     sync_config = serving.write_sync_config(
         tmp_path / "sync_config.json",
         spec,
-        TrainerTopology(2, 1, 1),
-        GeneratorTopology(2, 1, first_rank=2),
+        ParallelDims(tp=2),
+        GeneratorDims(tp=2),
         "127.0.0.1",
         server_port(),
         fp8=False,

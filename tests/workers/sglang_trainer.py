@@ -19,13 +19,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from lm_batch import parse_layout  # noqa: E402
 
-from megarl.models.loading import load_llama  # noqa: E402
+from megarl.checkpointing.model_loading import load_llama  # noqa: E402
+from megarl.parallel_dims import GeneratorDims, ParallelDims  # noqa: E402
 from megarl.runtime.distributed import init_distributed, init_megatron, shutdown  # noqa: E402
+from megarl.runtime.rendezvous import init_sync_group  # noqa: E402
 from megarl.weight_sync.ipc import colocated_peers  # noqa: E402
-from megarl.weight_sync.planner import GeneratorTopology, TrainerTopology  # noqa: E402
-from megarl.weight_sync.rendezvous import init_sync_group  # noqa: E402
 from megarl.weight_sync.synchronizer import ShardToShardSender  # noqa: E402
 
 
@@ -37,16 +36,16 @@ def main():
     args = p.parse_args()
     rank = init_distributed()
     cfg = json.load(open(args.sync_config))
-    trainer, generator = TrainerTopology(**cfg["trainer"]), GeneratorTopology(**cfg["generator"])
-    assert trainer.size == dist.get_world_size(), (trainer, dist.get_world_size())
-    init_megatron(parse_layout(f"{trainer.tp}x{trainer.pp}"))
-    spec, chunks = load_llama(args.model, parse_layout(f"{trainer.tp}x{trainer.pp}"))
+    trainer, generator = ParallelDims(**cfg["trainer"]), GeneratorDims(**cfg["generator"])
+    assert trainer.world_size == dist.get_world_size(), (trainer, dist.get_world_size())
+    init_megatron(trainer)
+    spec, chunks = load_llama(args.model, trainer)
 
     def connect():
         group = init_sync_group(
             cfg["host"],
             cfg["port"],
-            trainer.size + generator.size,
+            trainer.world_size + generator.world_size,
             rank,
             group_name=cfg["group_name"],
             backend=cfg["backend"],
@@ -56,7 +55,16 @@ def main():
 
     wire = torch.float32 if cfg["wire_dtype"] == "fp32" else torch.bfloat16
     sender = ShardToShardSender(
-        spec, trainer, generator, chunks, rank, cfg["fp8"], cfg["verify"], wire, connect=connect
+        spec,
+        trainer,
+        generator,
+        chunks,
+        rank,
+        cfg["fp8"],
+        cfg["verify"],
+        wire,
+        connect=connect,
+        norm_names=cfg.get("norm_names", "local"),
     )
     stats = sender.sync(args.version)
     print(json.dumps({"rank": rank, "version": stats.version, "bytes_sent": stats.bytes_sent}), flush=True)
