@@ -48,10 +48,12 @@ demo: setup
 demo-convert: setup
 	$(VENV)/bin/megarl demo
 
-# What CI checks besides the tests: lint and formatting (ruff; settings in pyproject.toml).
+# What CI checks besides the tests: lint and formatting (ruff) and the package layers
+# (import-linter's contracts); their settings are in pyproject.toml.
 lint: setup-test
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 
 test: setup-test
 	$(PY) -m pytest -q

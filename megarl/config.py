@@ -11,6 +11,7 @@ needs no YAML library (machines with only PyTorch: scripts/gpu_check.sh).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -172,7 +173,7 @@ class RunConfig:
     time_budget_min: float = 0.0
     keep_checkpoints: int = 0  # keep the newest N complete checkpoints (older ones deleted after a save); 0 = all
     # Weights & Biases next to TensorBoard: {project, name, entity, mode: online | offline | disabled}
-    # (megarl.metrics.check_wandb_config); needs `pip install wandb` unless mode is disabled
+    # (check_wandb_config below); needs `pip install wandb` unless mode is disabled
     wandb: Optional[Dict[str, Any]] = None
 
 
@@ -232,8 +233,6 @@ class Config:
                 "verify (its copy is tested bitwise in tests/test_colocated.py)"
             )
         if self.run.wandb is not None:
-            from megarl.metrics import check_wandb_config  # names the field; refuses a missing wandb package
-
             self.run.wandb = check_wandb_config(self.run.wandb)
         self._validate_trainer()
         self._validate_optimizer()
@@ -431,6 +430,37 @@ class Config:
     def get(self, dotted: str) -> Any:
         section, _, name = dotted.partition(".")
         return getattr(getattr(self, section), name)
+
+
+# -- run.wandb (megarl/metrics.py logs to it) ----------------------------------------------------
+
+WANDB_MODES = ("online", "offline", "disabled")
+WANDB_FIELDS = ("project", "name", "entity", "mode")
+
+
+def check_wandb_config(section: Dict[str, Any]) -> Dict[str, Any]:
+    """``run.wandb`` with defaults filled in; a ConfigError names the field at fault."""
+    unknown = sorted(set(section) - set(WANDB_FIELDS))
+    if unknown:
+        raise ConfigError(f"run.wandb.{unknown[0]}: unknown field (known: {', '.join(WANDB_FIELDS)})")
+    out = {"project": None, "name": None, "entity": None, "mode": "online", **section}
+    for name in WANDB_FIELDS:
+        value = out[name]
+        if value is not None and (not isinstance(value, str) or not value.strip()):
+            raise ConfigError(f"run.wandb.{name}: expected a non-empty string, got {value!r}")
+    if out["mode"] not in WANDB_MODES:
+        raise ConfigError(
+            f"run.wandb.mode: {out['mode']!r} is not one of {list(WANDB_MODES)} "
+            f"(offline: logged locally, `wandb sync` uploads it later)"
+        )
+    if out["project"] is None and out["mode"] != "disabled":
+        raise ConfigError("run.wandb.project: required (the W&B project the run is logged to)")
+    if out["mode"] != "disabled" and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(
+            "run.wandb: the wandb package is not installed; `pip install wandb` "
+            "(or `pip install -e '.[wandb]'`), or set run.wandb.mode=disabled"
+        )
+    return out
 
 
 def _choice(name: str, value: Optional[str], options: Sequence[Optional[str]]) -> None:

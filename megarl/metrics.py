@@ -16,7 +16,6 @@ would drop; every metric is plotted against the logged ``step`` instead.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import sys
@@ -25,37 +24,11 @@ import uuid
 from pathlib import Path
 from typing import Any, Dict, Optional
 
+from megarl.config import check_wandb_config
 from megarl.errors import ConfigError
 
 PROGRESS_KEYS = ("reward_mean", "accuracy", "lag_mean", "samples_per_s")
-WANDB_MODES = ("online", "offline", "disabled")
-WANDB_FIELDS = ("project", "name", "entity", "mode")
 WANDB_RUN_FILE = "wandb_run_id.txt"  # a relaunch continues the same W&B run
-
-
-def check_wandb_config(section: Dict[str, Any]) -> Dict[str, Any]:
-    """``run.wandb`` with defaults filled in; a ConfigError names the field at fault."""
-    unknown = sorted(set(section) - set(WANDB_FIELDS))
-    if unknown:
-        raise ConfigError(f"run.wandb.{unknown[0]}: unknown field (known: {', '.join(WANDB_FIELDS)})")
-    out = {"project": None, "name": None, "entity": None, "mode": "online", **section}
-    for name in WANDB_FIELDS:
-        value = out[name]
-        if value is not None and (not isinstance(value, str) or not value.strip()):
-            raise ConfigError(f"run.wandb.{name}: expected a non-empty string, got {value!r}")
-    if out["mode"] not in WANDB_MODES:
-        raise ConfigError(
-            f"run.wandb.mode: {out['mode']!r} is not one of {list(WANDB_MODES)} "
-            f"(offline: logged locally, `wandb sync` uploads it later)"
-        )
-    if out["project"] is None and out["mode"] != "disabled":
-        raise ConfigError("run.wandb.project: required (the W&B project the run is logged to)")
-    if out["mode"] != "disabled" and importlib.util.find_spec("wandb") is None:
-        raise ConfigError(
-            "run.wandb: the wandb package is not installed; `pip install wandb` "
-            "(or `pip install -e '.[wandb]'`), or set run.wandb.mode=disabled"
-        )
-    return out
 
 
 def _numbers(record: dict) -> Dict[str, float]:

@@ -86,7 +86,8 @@ def _resolve_dtypes(cfg, replay: Optional[str]) -> None:
     """model.dtype / generator.dtype ``auto`` -> the concrete dtype for this machine (runtime/cpu_dtype.py),
     once, before any rank starts: the ranks and RUN_DIR/config.json see only fp32 or bf16. A run being
     resumed keeps the dtype its earlier launch recorded."""
-    from megarl.runtime.cpu_dtype import recorded_dtypes, resolve_auto_dtypes
+    from megarl.checkpointing.recorded import recorded_dtypes
+    from megarl.runtime.cpu_dtype import resolve_auto_dtypes
 
     recorded = {} if replay else recorded_dtypes(Path(cfg.run.output_dir))
     for line in resolve_auto_dtypes(cfg, recorded=recorded):

@@ -13,6 +13,7 @@ import json
 
 import pytest
 
+from megarl.checkpointing.recorded import recorded_dtypes
 from megarl.config import load_config
 from megarl.errors import ConfigError
 from megarl.evaluate import _run_config, dtype_rule
@@ -20,7 +21,6 @@ from megarl.loop.loop_state import checkpoint_loop_state, resume_point
 from megarl.runtime.cpu_dtype import (
     cpu_bf16_native,
     read_cpu_flags,
-    recorded_dtypes,
     resolve_auto_dtypes,
     resolve_dtype,
 )

@@ -84,29 +84,6 @@ def resolve_dtype(
     return ("bf16" if native else "fp32"), f"{name}: auto -> {'bf16' if native else 'fp32'} ({why})"
 
 
-def recorded_dtypes(run_dir: Path) -> dict:
-    """The concrete dtypes an earlier launch of the run in ``run_dir`` recorded, if it has a checkpoint
-    to resume from ({} otherwise: a fresh run decides on this machine)."""
-    import json
-
-    from megarl.checkpointing.megatron_checkpoint import TRACKER_FILE
-
-    config = run_dir / "config.json"
-    if not config.is_file() or not (run_dir / "checkpoints" / TRACKER_FILE).is_file():
-        return {}
-    try:
-        data = json.loads(config.read_text())
-    except ValueError:
-        return {}
-    out = {}
-    for name in DTYPE_FIELDS:
-        section, _, key = name.partition(".")
-        value = (data.get(section) or {}).get(key)
-        if value in ("fp32", "bf16"):
-            out[name] = value
-    return out
-
-
 def resolve_auto_dtypes(
     cfg,
     cuda: Optional[bool] = None,
@@ -116,7 +93,7 @@ def resolve_auto_dtypes(
 ) -> List[str]:
     """Replace ``auto`` in cfg.model.dtype / cfg.generator.dtype by a concrete dtype (in place);
     returns one line per resolved field saying what and why. ``recorded``: an earlier launch's
-    concrete dtypes (recorded_dtypes), which a resumed run keeps."""
+    concrete dtypes (checkpointing.recorded.recorded_dtypes), which a resumed run keeps."""
     lines = []
     for name in DTYPE_FIELDS:
         section, _, key = name.partition(".")
