@@ -97,9 +97,9 @@ def test_stale_groups_are_aborted_on_the_server_by_rid(tiny_model, tmp_path):
     try:
         ex = _executor(backend, max_lag=1, max_new_tokens=64)
         out = ex.generate(train_version=0, n_groups=1, drain=False)
-        (first,) = [g[0].group_id for g in out["groups"]]
+        (first,) = [g[0].group_id for g in out.groups]
         stale = sorted(ex.pending)  # submitted at version 0 with the first, not finished
-        assert stale and first not in stale and out["stale_aborted"] == 0, (first, stale)
+        assert stale and first not in stale and out.stale_aborted == 0, (first, stale)
         for version in (1, 2):  # two updates: a version-0 group would be 3 versions old at batch 3
             backend.update_weights(lambda v=version: SimpleNamespace(version=v))
         out = ex.generate(train_version=3, n_groups=1, drain=False)
@@ -109,9 +109,9 @@ def test_stale_groups_are_aborted_on_the_server_by_rid(tiny_model, tmp_path):
         want = {f"g{gid}#{i}" for gid in stale for i in range(2)} - finished
         assert want, (stale, finished)  # a pending group has a sample the server has not finished
         assert sorted(stats["aborted_rids"]) == sorted(want), (stats["aborted_rids"], want)
-        assert ex.stale_aborted == len(stale) and out["stale_aborted"] == len(stale)
+        assert ex.stale_aborted == len(stale) and out.stale_aborted == len(stale)
         assert ex.aborted_samples == len(want) and stats["aborted"] == len(want)  # and came back aborted
-        (group,) = out["groups"]
+        (group,) = out.groups
         assert group[0].group_id not in stale and all(c.finish_reason != ABORTED for c in group)
         # generated after the updates: SGLang's scheduler reports update_weight_version's version
         assert all(set(c.versions) == {2} for c in group), [c.versions for c in group]

@@ -52,10 +52,8 @@ def main():
     version = 0
     for case in cases(args, args.trainers):
         spec = read_spec(resolve_checkpoint_dir(case.model))
-        from lm_batch import parse_layout
-
-        t = parse_layout(case.layout)
-        trainer = ParallelDims(tp=t.tp, pp=t.pp, dp=args.trainers // (t.tp * t.pp))
+        tp, pp = (int(x) for x in case.layout.split("x")[:2])
+        trainer = ParallelDims(tp=tp, pp=pp, dp=args.trainers // (tp * pp))
         generator = GeneratorDims(tp=case.dst_tp, replicas=args.generators // case.dst_tp)
         replica, tp_rank = divmod(rank, case.dst_tp)
         params = allocate_generator_params(spec, case.dst_tp, tp_rank, case.dtype, case.fp8)

@@ -22,7 +22,7 @@ from lm_batch import parse_layout  # noqa: E402
 from weight_sync_cases import cases  # noqa: E402
 
 from megarl.checkpointing.model_loading import load_llama  # noqa: E402
-from megarl.parallel_dims import GeneratorDims, ParallelDims
+from megarl.parallel_dims import GeneratorDims
 from megarl.runtime.distributed import init_distributed, init_megatron, shutdown  # noqa: E402
 from megarl.runtime.rendezvous import destroy_sync_group, init_sync_group  # noqa: E402
 from megarl.weight_sync.endpoints import TrainerSync, megatron_params  # noqa: E402
@@ -45,8 +45,7 @@ def main():
             spec, chunks = load_llama(case.model, layout)
             loaded = (key, spec, chunks)
         _, spec, chunks = loaded
-        t = parse_layout(case.layout)
-        trainer = ParallelDims(tp=t.tp, pp=t.pp, dp=world // (t.tp * t.pp))
+        trainer = parse_layout(case.layout)  # over this world of trainer ranks
         generator = GeneratorDims(tp=case.dst_tp, replicas=args.generators // case.dst_tp)
         version += 1
         if args.baseline:
