@@ -38,7 +38,7 @@ from typing import Dict, List, Optional, Tuple
 
 from megarl.errors import ConfigError
 from megarl.plan.hardware import H100
-from megarl.plan.inputs import GeneratorLayout, LengthDistribution, PlanInputs, TrainerLayout, TrainerOptions
+from megarl.plan.inputs import LengthDistribution, PlanInputs, TrainerOptions, generator_dims, replica_layout
 
 TOLERANCE = 0.15  # the bar: a scenario reproduces the paper's figure within 15%
 
@@ -101,7 +101,7 @@ def llamarl_inputs(model: str) -> PlanInputs:
     )
     if model == "llama3-405b":
         tp, pp = LLAMARL_405B["sync"]
-        inputs = replace(inputs, sync_layout=TrainerLayout(tp, pp, 1, "selective"))
+        inputs = replace(inputs, sync_layout=replica_layout(tp, pp, 1, "selective").on_gpus(inputs.gpus))
     return inputs
 
 
@@ -115,17 +115,18 @@ def llamarl_plan(model: str):
     result = plan_from_inputs(inputs)
     if model == "llama3-405b":  # trainer mp 16 and generator mp 8 given; micro-batch and recompute free
         tp, pp = LLAMARL_405B["trainer"]
+        generator = generator_dims(LLAMARL_405B["generator"], LLAMARL_405B["generator"])  # one replica of mp 8
         options = [
-            balanced_split(inputs, TrainerLayout(tp, pp, mb, rc, vpp=1), GeneratorLayout(8))
+            balanced_split(inputs, replica_layout(tp, pp, mb, rc), generator)
             for mb in (1, 2, 4, 8)
             for rc in ("none", "selective", "full")
         ]
         options = [a for a in options if a is not None]
         result.best_async = min(options, key=lambda a: a.step_seconds) if options else None
     if inputs.sync_layout is not None:  # mp 64 given: its micro-batch and recompute are the best that fit
-        costs, (tp, pp) = build_costs(inputs), (inputs.sync_layout.tp, inputs.sync_layout.pp)
+        costs, given = build_costs(inputs), inputs.sync_layout
         baselines = [
-            evaluate_sync(costs, inputs, TrainerLayout(tp, pp, mb, rc))
+            evaluate_sync(costs, inputs, replace(given, micro_batch=mb, recompute=rc))
             for mb in (1, 2, 4, 8)
             for rc in ("none", "selective", "full")
         ]
