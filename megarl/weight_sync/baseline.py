@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from megarl.errors import MegarlError
 from megarl.models.spec import LlamaSpec
+from megarl.parallel_dims import ParallelDims
 from megarl.weight_sync import fp8 as fp8_format
 from megarl.weight_sync.layouts import LocalTensor, logical_shapes, megatron_rank_layout, sglang_rank_layout
 from megarl.weight_sync.planner import TrainerTopology
@@ -154,9 +155,9 @@ def gather_broadcast_send(
     worker w = rank 1 + w) on the stage source, None elsewhere. ``sync_rank`` numbers the
     trainer ranks as TrainerTopology does (Megatron's order)."""
     start = time.perf_counter()
-    tp_rank = sync_rank % trainer.tp
-    dp_rank = sync_rank // trainer.tp % trainer.dp
-    pp_rank = sync_rank // (trainer.tp * trainer.dp)
+    # Megatron's rank order, from the one place it is written (TrainerTopology numbers ranks the same way)
+    coords = ParallelDims(tp=trainer.tp, pp=trainer.pp, dp=trainer.dp).coords(sync_rank)
+    tp_rank, dp_rank, pp_rank = coords["tp"], coords["dp"], coords["pp"]
     source = tp_rank == 0 and dp_rank == 0
     if source != (stage_group is not None):
         raise MegarlError(f"trainer rank {sync_rank}: the stage broadcast group belongs to TP rank 0 of DP rank 0 only")
