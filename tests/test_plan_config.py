@@ -13,8 +13,9 @@ from megarl.cli import main as megarl_main
 from megarl.config import load_config
 from megarl.errors import ConfigError
 from megarl.models.presets import preset_spec
+from megarl.parallel_dims import ParallelDims
 from megarl.plan.dry_run import dry_run
-from megarl.plan.inputs import FixedLayout, GeneratorLayout, PlanInputs, TrainerLayout
+from megarl.plan.inputs import FixedLayout, PlanInputs, TrainerLayout, generator_dims
 from megarl.plan.llamarl_model import build_costs, evaluate_layout, pipeline_sizes, plan_from_inputs, trainer_layouts
 from megarl.weight_sync.layouts import sglang_rank_layout
 
@@ -145,14 +146,14 @@ def test_search_never_recommends_uneven_pipeline_stages():
     assert pipeline_sizes(126, 16) == [1, 2, 3, 6, 7, 9, 14]
     assert pipeline_sizes(126, 16, uneven=True) == [1, 2, 3, 4, 6, 7, 8, 9, 14, 16]
     inputs = PlanInputs(model="llama3-405b", gpus=1024, weight_sync="estimate")
-    assert all(126 % t.pp == 0 for t in trainer_layouts(build_costs(inputs), 16))
-    assert 126 % plan_from_inputs(inputs).best_async.trainer.pp == 0
-    fixed = FixedLayout(TrainerLayout(8, 16), GeneratorLayout(8), trainer_gpus=768)
+    assert all(126 % t.dims.pp == 0 for t in trainer_layouts(build_costs(inputs), 16))
+    assert 126 % plan_from_inputs(inputs).best_async.trainer.dims.pp == 0
+    fixed = FixedLayout(TrainerLayout(ParallelDims(tp=8, pp=16, dp=6)), generator_dims(tp=8, gpus=1024 - 768))
     with pytest.raises(ConfigError, match="layout.trainer.pp=16 does not divide the 126 layers"):
         evaluate_layout(inputs, fixed)
     from dataclasses import replace
 
-    assert evaluate_layout(replace(inputs, uneven_pp=True), fixed).trainer.pp == 16  # on request only
+    assert evaluate_layout(replace(inputs, uneven_pp=True), fixed).trainer.dims.pp == 16  # on request only
 
 
 # -- one source of truth: the planner prices what the trainer runs ------------------------------------
@@ -164,7 +165,8 @@ def test_configured_layout_is_the_trainers_settings():
     cfg = _config("llama3_405b.yaml")
     inputs = inputs_from_config(cfg)
     t = trainer_layout(cfg, inputs)
-    assert (t.tp, t.pp, t.vpp, t.cp, t.sequence_parallel) == (8, 6, 3, 1, True)
+    assert t.dims == cfg.trainer_dims() == ParallelDims(tp=8, pp=6, dp=16, vpp=3)  # the trainer's own dims
+    assert t.sequence_parallel
     assert (t.recompute, t.recompute_method, t.recompute_num_layers) == ("full", "block", 6)
     assert t.micro_batch_tokens == cfg.trainer.max_tokens_per_microbatch == 4608
     assert inputs.generator_backend == "sglang" and inputs.generator_mem_fraction == cfg.generator.sglang_mem_fraction

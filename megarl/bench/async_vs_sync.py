@@ -11,15 +11,19 @@ Reports, for each mode, samples/s and where the time went per step (generate /
 train / weight sync / idle), and two ratios of async over sync:
 
 * ``measured_ratio``: samples/s over the steady steps (the first recorded step of
-  each mode and the asynchronous pipeline's drain left out), what the planner predicts;
+  each mode and the asynchronous pipeline's drain left out), what the planner's
+  composition is compared with;
 * ``ratio_async_over_sync``: samples/s over each whole run, which also holds the
   asynchronous pipeline's fill, first-call warm-ups and the final checkpoint --
   on a short run these dominate and pull it towards 1.
 
-and the planner's ``predicted_ratio``: the per-sample times each mode ran at (LlamaRL
-s.7's eta_t, eta_g per replica, at the batch sizes used) fed to the planner's measured
-tables and priced with the functions that price the 405B layouts
-(megarl/plan/measured_ratio.py), with the inputs under ``prediction``.
+and a decomposition check, ``composed_ratio``: the per-sample times each mode ran at
+(LlamaRL s.7's eta_t, eta_g per replica, at the batch sizes used) fed to the planner's
+measured tables and composed with the functions that price the 405B layouts
+(megarl/plan/measured_ratio.py), with the inputs under ``decomposition``. It is not a
+prediction: its inputs are the phase times of the same two runs, so it checks that
+the model's composition accounts for their steps, not that it can price a layout
+before it runs.
 
 Each run is written to WORKDIR/async and WORKDIR/sync, replaced on every bench
 (a checkpoint left there would be resumed, not rerun).
@@ -80,9 +84,13 @@ def run(config: str, overrides: Sequence[str] = (), workdir: str = "runs/bench_a
 
     cfg = load_config(config, list(overrides) + ["run.mode=async"])
     ranks = cfg.world_size()
-    model_parallel = cfg.trainer.tp * cfg.trainer.pp
+    trainer = cfg.trainer_dims()
+    model_parallel = trainer.world_size // trainer.dp  # TP x PP x CP: one replica
     if ranks % model_parallel:
-        raise ConfigError(f"async-vs-sync: {ranks} ranks are not a multiple of trainer TP x PP = {model_parallel}")
+        raise ConfigError(
+            f"async-vs-sync: {ranks} ranks are not a multiple of the trainer's replica {trainer.describe()} "
+            f"= {model_parallel} ranks"
+        )
     sync_dp = ranks // model_parallel
     # every sync rank does both jobs at the async trainer's TP x PP (the colocated copy handles PP),
     # DP over all the ranks; the launcher splits the cores evenly
@@ -122,25 +130,25 @@ def run(config: str, overrides: Sequence[str] = (), workdir: str = "runs/bench_a
         "samples_sync": results["sync"]["samples"],
         "ratio_async_over_sync": results["async"]["samples_per_s"] / results["sync"]["samples_per_s"],
     }
-    prediction = _predict(cfg, sync_dp, threads, cores, records)
+    decomposition = _decompose(cfg, sync_dp, threads, cores, records)
     result.update(
-        measured_ratio=prediction["measured_ratio"],
-        predicted_ratio=prediction["predicted_ratio"],
-        prediction=prediction,
+        measured_ratio=decomposition["measured_ratio"],
+        composed_ratio=decomposition["composed_ratio"],
+        decomposition=decomposition,
     )
-    (Path(workdir) / "prediction.json").write_text(json.dumps(prediction, indent=1))
+    (Path(workdir) / "decomposition.json").write_text(json.dumps(decomposition, indent=1))
     print(json.dumps(result), flush=True)
     return result
 
 
-def _predict(cfg, sync_dp: int, threads: dict, cores: int, records: Dict[str, list]) -> dict:
+def _decompose(cfg, sync_dp: int, threads: dict, cores: int, records: Dict[str, list]) -> dict:
     from megarl.model_source import prepare_model
     from megarl.models.spec import LlamaSpec
-    from megarl.plan.measured_ratio import layouts_from_config, predict
+    from megarl.plan.measured_ratio import decompose, layouts_from_config
 
     layouts = layouts_from_config(cfg, sync_dp, threads, cores)
     spec = LlamaSpec.from_dict(prepare_model(cfg.model).spec)
-    p = predict(
+    p = decompose(
         layouts, records["async"], records["sync"], spec, cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens
     )
     return {**p.to_dict(), "tables": p.tables}

@@ -50,7 +50,7 @@ def layer_parts(
     shape, layout: TrainerLayout, options: TrainerOptions, seq_len: float, modules: Tuple[str, ...] = ()
 ) -> Dict[str, float]:
     """Bytes one layer keeps per token of its micro-batch on one TP rank, by part (see the module doc)."""
-    t, h, te = layout.tp, shape.hidden, options.transformer_impl == "transformer_engine"
+    t, h, te = layout.dims.tp, shape.hidden, options.transformer_impl == "transformer_engine"
     q = shape.heads * shape.head_dim
     kv_rank = max(shape.kv_heads / t, 1.0) * shape.head_dim  # K (and V) width per rank: replicated when t > kv
     replicated = t if layout.sp else 1
@@ -78,12 +78,12 @@ def layer_bytes(shape, layout, options, seq_len, modules=()) -> float:
 
 def checkpoint_bytes(shape, layout: TrainerLayout) -> float:
     """Full recomputation keeps a layer's (or group's) input: 2 h per token, split over TP with SP."""
-    return BYTES * shape.hidden / (layout.tp if layout.sp else 1)
+    return BYTES * shape.hidden / (layout.dims.tp if layout.sp else 1)
 
 
 def chunks_in_flight(layout: TrainerLayout, micro_batches: int, rank: int) -> int:
     """Micro-batch chunks PP rank `rank` holds activations for at its peak (Megatron's warm-up + 1)."""
-    pp, vpp = layout.pp, layout.vpp
+    pp, vpp = layout.dims.pp, layout.dims.vpp
     if vpp == 1:
         return max(1, min(pp - rank, micro_batches))
     return max(1, min((pp - rank - 1) * 2 + (vpp - 1) * pp + 1, micro_batches * vpp))
@@ -112,20 +112,20 @@ def stage_activations(
     shape, layout: TrainerLayout, options: TrainerOptions, tokens: float, seq_len: float, micro_batches: int, rank: int
 ) -> float:
     """Peak activation bytes on PP rank `rank` (tokens: one micro-batch's, before CP splits it)."""
-    layers = -(-shape.layers // (layout.pp * layout.vpp))  # the largest (virtual) stage's
-    local = tokens / layout.cp
+    layers = -(-shape.layers // (layout.dims.pp * layout.dims.vpp))  # the largest (virtual) stage's
+    local = tokens / layout.dims.cp
     kept, transient = chunk_bytes(shape, layout, options, layers, local, seq_len)
     return chunks_in_flight(layout, micro_batches, rank) * kept + transient
 
 
 def logits_bytes(shape, layout: TrainerLayout, tokens: float) -> float:
-    return tokens / layout.cp * shape.vocab / layout.tp * LOGIT_BYTES
+    return tokens / layout.dims.cp * shape.vocab / layout.dims.tp * LOGIT_BYTES
 
 
-def state_parts(shape, layout: TrainerLayout, options: TrainerOptions, dp: int) -> Dict[str, float]:
+def state_parts(shape, layout: TrainerLayout, options: TrainerOptions) -> Dict[str, float]:
     """Weights, gradients and optimizer state of the largest stage on one GPU."""
-    stage = shape.stage_params(layout.pp) / layout.tp
-    shards = dp * layout.cp  # Megatron shards the optimizer over the DP x CP group
+    stage = shape.stage_params(layout.dims.pp) / layout.dims.tp
+    shards = layout.dims.dp * layout.dims.cp  # Megatron shards the optimizer over the DP x CP group
     fsdp = options.state_sharding == "fsdp"
     parts = {
         "weights": 2.0 * stage / (shards if fsdp else 1),
@@ -133,22 +133,22 @@ def state_parts(shape, layout: TrainerLayout, options: TrainerOptions, dp: int) 
         "optimizer": options.optimizer_bytes * stage / (1 if options.state_sharding == "none" else shards),
     }
     if fsdp:  # the layer being computed and the one prefetched, gathered in bf16
-        layer = shape.linear_params / shape.layers / layout.tp
+        layer = shape.linear_params / shape.layers / layout.dims.tp
         parts["fsdp_gathered"] = 2 * 2.0 * layer
     return parts
 
 
 def trainer_parts(
-    shape, layout: TrainerLayout, options: TrainerOptions, dp: int, tokens: float, seq_len: float, micro_batches: int
+    shape, layout: TrainerLayout, options: TrainerOptions, tokens: float, seq_len: float, micro_batches: int
 ) -> Tuple[str, Dict[str, float]]:
     """The fullest GPU of a replica: PP rank 0 (most micro-batches in flight) or the last (logits)."""
     best = None
-    for rank in sorted({0, layout.pp - 1}):
-        parts = dict(state_parts(shape, layout, options, dp))
+    for rank in sorted({0, layout.dims.pp - 1}):
+        parts = dict(state_parts(shape, layout, options))
         parts["activations"] = stage_activations(shape, layout, options, tokens, seq_len, micro_batches, rank)
-        parts["logits"] = logits_bytes(shape, layout, tokens) if rank == layout.pp - 1 else 0.0
+        parts["logits"] = logits_bytes(shape, layout, tokens) if rank == layout.dims.pp - 1 else 0.0
         total = sum(parts.values())
         if best is None or total > best[0]:
-            name = "the only stage" if layout.pp == 1 else ("PP rank 0" if rank == 0 else "the last PP rank")
+            name = "the only stage" if layout.dims.pp == 1 else ("PP rank 0" if rank == 0 else "the last PP rank")
             best = (total, name, parts)
     return best[1], best[2]

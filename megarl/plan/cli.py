@@ -23,7 +23,7 @@ from typing import List, Optional
 
 from megarl.errors import ConfigError
 from megarl.plan.hardware import H100, Hardware
-from megarl.plan.inputs import FixedLayout, GeneratorLayout, LengthDistribution, PlanInputs, TrainerLayout
+from megarl.plan.inputs import FixedLayout, LengthDistribution, PlanInputs, generator_dims, replica_layout
 from megarl.plan.llamarl_model import plan_from_inputs, theorem_setting
 from megarl.plan.pipeline_appendix import (
     DEFAULT_LAGS,
@@ -168,16 +168,20 @@ def inputs_from_args(args, model: Optional[str] = None, gpus: Optional[int] = No
             raise ConfigError(f"--batch={args.batch} is not a multiple of --samples-per-prompt={samples}")
         prompts = args.batch // samples
     layout = None
+    n = gpus or args.gpus or 256
     if args.trainer_gpus is not None:
+        if not 0 < args.trainer_gpus < n:
+            raise ConfigError(f"--trainer-gpus={args.trainer_gpus} must leave GPUs for the generator (--gpus={n})")
         layout = FixedLayout(
-            TrainerLayout(args.trainer_tp, args.trainer_pp, args.micro_batch, args.recompute),
-            GeneratorLayout(args.generator_tp),
-            args.trainer_gpus,
+            replica_layout(args.trainer_tp, args.trainer_pp, args.micro_batch, args.recompute).on_gpus(
+                args.trainer_gpus, "--trainer-gpus"
+            ),
+            generator_dims(args.generator_tp, n - args.trainer_gpus, field="--generator-tp"),
             args.generator_batch,
         )
     inputs = PlanInputs(
         model=model or args.model,
-        gpus=gpus or args.gpus or 256,
+        gpus=n,
         gpus_per_node=args.gpus_per_node,
         prompts=prompts,
         samples_per_prompt=samples,

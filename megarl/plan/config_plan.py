@@ -42,14 +42,14 @@ from megarl.plan.costs import MemoryBreakdown
 from megarl.plan.hardware import GB, H100, Hardware
 from megarl.plan.inputs import (
     FixedLayout,
-    GeneratorLayout,
     LengthDistribution,
     PlanInputs,
     TrainerLayout,
     TrainerOptions,
+    planned_generator,
 )
 from megarl.plan.llamarl_model import (
-    AsyncLayout,
+    AsyncCandidate,
     PlanResult,
     balanced_split,
     build_costs,
@@ -229,17 +229,15 @@ def inputs_from_config(cfg, section: Optional[PlanSection] = None) -> PlanInputs
 
 
 def trainer_layout(cfg, inputs: PlanInputs) -> TrainerLayout:
-    """The trainer's layout exactly as trainer.* sets it (Megatron's recompute_granularity None is "none")."""
+    """The trainer's layout exactly as trainer.* sets it: its dims (``cfg.trainer_dims()``, DP
+    included) and settings (Megatron's recompute_granularity None is "none")."""
     t = cfg.trainer
     rows = t.max_tokens_per_microbatch
     return TrainerLayout(
-        t.tp,
-        t.pp,
+        cfg.trainer_dims(),
         max(1, int(rows // (inputs.prompt_tokens + inputs.lengths.mean))),
         recompute=t.recompute_granularity or "none",
         sequence_parallel=t.sequence_parallel,
-        cp=t.cp,
-        vpp=t.vpp,
         recompute_method=t.recompute_method,
         recompute_num_layers=t.recompute_num_layers,
         recompute_modules=tuple(t.recompute_modules) if t.recompute_modules is not None else ("core_attn",),
@@ -256,9 +254,10 @@ def configured_layout(
     g = cfg.generator
     if cfg.run.mode != "async":
         raise ConfigError("run.mode: sync runs colocated; `megarl plan --config` prices asynchronous layouts")
+    generator = planned_generator(cfg.generator_dims())
     sequences = g.max_running
     if g.backend == "sglang":
-        room = build_costs(inputs).max_sequences(GeneratorLayout(g.tp), inputs.generator_precision, "continuous")
+        room = build_costs(inputs).max_sequences(generator, inputs.generator_precision, "continuous")
         if 0 < room < sequences:
             sequences = room
             if notes is not None:
@@ -266,12 +265,7 @@ def configured_layout(
                     f"SGLang's KV pool holds {room} of generator.max_running={g.max_running} sequences "
                     f"per replica at the mean context; the rest wait (priced at {room})"
                 )
-    return FixedLayout(
-        trainer_layout(cfg, inputs),
-        GeneratorLayout(g.tp),
-        trainer_gpus=cfg.trainer_dims().world_size,
-        generator_batch=sequences,
-    )
+    return FixedLayout(trainer_layout(cfg, inputs), generator, generator_batch=sequences)
 
 
 # -- does the configured layout fit? -------------------------------------------------------------
@@ -281,11 +275,15 @@ def _gb(x: float) -> str:
     return f"{x / GB:.1f} GB"
 
 
-def _trainer_remedies(costs, layout: TrainerLayout, dp: int, batch: int, part: str) -> List[str]:
+def _trainer_remedies(costs, layout: TrainerLayout, batch: int, part: str) -> List[str]:
     """Settings that would make the trainer fit, each checked with the same model."""
     tries = []
     if part in ("activations", "logits"):
-        if layout.tp > 1 and not layout.sequence_parallel and costs.options.transformer_impl == "transformer_engine":
+        if (
+            layout.dims.tp > 1
+            and not layout.sequence_parallel
+            and costs.options.transformer_impl == "transformer_engine"
+        ):
             tries.append(("trainer.sequence_parallel=true", replace(layout, sequence_parallel=True)))
         if layout.recompute != "selective" and costs.options.transformer_impl == "local":
             tries.append(("trainer.recompute_granularity=selective", replace(layout, recompute="selective")))
@@ -304,7 +302,7 @@ def _trainer_remedies(costs, layout: TrainerLayout, dp: int, batch: int, part: s
             )
     out = []
     for text, candidate in tries:
-        memory = costs.trainer_memory(candidate, dp, batch)
+        memory = costs.trainer_memory(candidate, batch)
         out.append(f"{text} ({_gb(memory.total)}{'' if memory.fits else ', still too much'})")
     advice = {
         "weights": "a larger trainer.tp or trainer.pp (the weights are split over TP x PP)",
@@ -343,19 +341,19 @@ def overflow_message(memory: MemoryBreakdown, remedies: List[str]) -> str:
     return text + ("; fits with " + "; or ".join(remedies) if remedies else "")
 
 
-def check_layout_fits(cfg, inputs: PlanInputs, layout: AsyncLayout) -> None:
+def check_layout_fits(cfg, inputs: PlanInputs, layout: AsyncCandidate) -> None:
     """Refuse a configured layout whose trainer or generator GPUs overflow, naming the part."""
     costs = build_costs(inputs)
     if not layout.trainer_memory.fits:
         part = layout.trainer_memory.overflow
-        remedies = _trainer_remedies(costs, layout.trainer, layout.dp, inputs.batch, part)
+        remedies = _trainer_remedies(costs, layout.trainer, inputs.batch, part)
         raise ConfigError(overflow_message(layout.trainer_memory, remedies))
     if not layout.generator_memory.fits:
         part = layout.generator_memory.overflow
         raise ConfigError(overflow_message(layout.generator_memory, _generator_remedies(cfg, part)))
 
 
-def check_config_fits(cfg) -> Optional[AsyncLayout]:
+def check_config_fits(cfg) -> Optional[AsyncCandidate]:
     """`megarl train --prepare-only`: refuse a config with a plan: section whose layout does not fit
     (memory only: no search, no weight-sync plan). Sync mode: the trainer's GPUs alone are checked
     (the colocated engine's copy is not priced). Returns the priced layout (None for sync)."""
@@ -364,9 +362,9 @@ def check_config_fits(cfg) -> Optional[AsyncLayout]:
     if cfg.run.mode == "sync":
         costs = build_costs(inputs)
         layout = trainer_layout(cfg, inputs)
-        memory = costs.trainer_memory(layout, cfg.trainer.dp, inputs.batch)
+        memory = costs.trainer_memory(layout, inputs.batch)
         if not memory.fits:
-            remedies = _trainer_remedies(costs, layout, cfg.trainer.dp, inputs.batch, memory.overflow)
+            remedies = _trainer_remedies(costs, layout, inputs.batch, memory.overflow)
             raise ConfigError(overflow_message(memory, remedies))
         return None
     layout = evaluate_layout(inputs, configured_layout(cfg, inputs, section))
@@ -379,13 +377,13 @@ class ConfigPlan:
     path: str
     inputs: PlanInputs  # on the allocation (plan.gpus)
     gpus_used: int
-    configured: AsyncLayout  # the config's layout as it is
-    balanced: Optional[AsyncLayout]  # the same parallelism, the best split of the same GPUs
+    configured: AsyncCandidate  # the config's layout as it is
+    balanced: Optional[AsyncCandidate]  # the same parallelism, the best split of the same GPUs
     searched: PlanResult  # the best megarl-runnable layout on plan.gpus, and the sync baseline
     notes: List[str] = field(default_factory=list)
     scenario: Optional[dict] = None  # LlamaRL's setting of the same model (scenarios.scenario_json)
 
-    def speedup(self, layout: Optional[AsyncLayout]) -> Optional[float]:
+    def speedup(self, layout: Optional[AsyncCandidate]) -> Optional[float]:
         s = self.searched.best_sync
         return None if layout is None or s is None else s.step_seconds / layout.step_seconds
 

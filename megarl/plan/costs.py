@@ -37,10 +37,11 @@ from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
 from megarl.models.spec import LlamaSpec
+from megarl.parallel_dims import ParallelDims
 from megarl.plan import activations as act
 from megarl.plan.engines import GeneratorEngine
 from megarl.plan.hardware import GB, Hardware, weight_bytes
-from megarl.plan.inputs import GeneratorLayout, LengthDistribution, TrainerLayout, TrainerOptions
+from megarl.plan.inputs import LengthDistribution, TrainerLayout, TrainerOptions, generator_text
 
 ADAM_BYTES = 12.0  # fp32 master weights + exp_avg + exp_avg_sq
 TRAIN_WEIGHT_BYTES = 2.0  # bf16 parameters
@@ -184,27 +185,27 @@ class H100CostModel:
 
     # -- trainer ------------------------------------------------------------------------------
 
-    def packing(self, layout: TrainerLayout, dp: int, batch: int) -> Tuple[int, float]:
+    def packing(self, layout: TrainerLayout, batch: int) -> Tuple[int, float]:
         """(micro-batches per DP rank per step, real tokens / token positions processed).
 
         A layout with micro_batch_tokens is megarl's packer (trainer/packing.py): the rank's
         samples (the length distribution's quantiles) first-fit-decreasing into rows of that
         many tokens, padded to full rows when PP > 1 (fixed-shape pipeline messages)."""
-        per_rank = math.ceil(batch / dp)
+        per_rank = math.ceil(batch / layout.dims.dp)
         if layout.micro_batch_tokens is None:
             return math.ceil(per_rank / layout.micro_batch), 1.0
         rows, used = _pack(self.work, per_rank, layout.micro_batch_tokens)
-        return rows, (1.0 if layout.pp == 1 else used / (rows * layout.micro_batch_tokens))
+        return rows, (1.0 if layout.dims.pp == 1 else used / (rows * layout.micro_batch_tokens))
 
-    def micro_batches(self, layout: TrainerLayout, dp: int, batch: int) -> int:
-        return self.packing(layout, dp, batch)[0]
+    def micro_batches(self, layout: TrainerLayout, batch: int) -> int:
+        return self.packing(layout, batch)[0]
 
-    def trainer_memory(self, layout: TrainerLayout, dp: int, batch: int) -> MemoryBreakdown:
+    def trainer_memory(self, layout: TrainerLayout, batch: int) -> MemoryBreakdown:
         """The fullest GPU of a replica (PP rank 0 or the last), by part; see ``activations``."""
         w = self.work
         tokens = layout.micro_batch_tokens or layout.micro_batch * w.max_tokens  # may hold the longest sample
         stage, parts = act.trainer_parts(
-            self.shape, layout, self.options, dp, tokens, w.max_tokens, self.micro_batches(layout, dp, batch)
+            self.shape, layout, self.options, tokens, w.max_tokens, self.micro_batches(layout, batch)
         )
         return MemoryBreakdown(
             "trainer",
@@ -216,7 +217,7 @@ class H100CostModel:
     def _recomputed_flops(self, layout: TrainerLayout, linear: float, attention: float) -> float:
         """Forward FLOPs run a second time in backward (per sample)."""
         if layout.recompute == "full":
-            chunk = -(-self.shape.layers // (layout.pp * layout.vpp))
+            chunk = -(-self.shape.layers // (layout.dims.pp * layout.dims.vpp))
             n = (
                 chunk
                 if (layout.recompute_method or "uniform") == "uniform"
@@ -228,7 +229,7 @@ class H100CostModel:
             return ("core_attn" in modules) * attention + ("mlp" in modules) * linear * self.shape.mlp_fraction
         return 0.0
 
-    def trainer_seconds_per_sample(self, layout: TrainerLayout, dp: int, batch: int) -> float:
+    def trainer_seconds_per_sample(self, layout: TrainerLayout, batch: int) -> float:
         """eta_t: seconds of one model replica (tp x pp x cp GPUs) per sample, pipeline bubble included."""
         s, hw, w = self.shape, self.hw, self.work
         linear = 2.0 * s.linear_params * w.mean_tokens  # forward FLOPs of the layers' matmuls
@@ -236,34 +237,34 @@ class H100CostModel:
         head = 2.0 * s.embedding_params * w.mean_tokens
         recomputed = self._recomputed_flops(layout, linear, attention)
         flops = 3.0 * (linear + attention + head) + recomputed  # forward + backward (2x) + recomputation
-        imbalance = s.stage_layers(layout.pp) * layout.pp / s.layers  # the largest stage sets the pace
-        micro_batches, efficiency = self.packing(layout, dp, batch)
+        imbalance = s.stage_layers(layout.dims.pp) * layout.dims.pp / s.layers  # the largest stage sets the pace
+        micro_batches, efficiency = self.packing(layout, batch)
         compute = flops * imbalance / (layout.m * hw.peak_flops("bf16") * hw.train_mfu * efficiency)
-        layers, comm = s.stage_layers(layout.pp), 0.0
-        if layout.tp > 1:
+        layers, comm = s.stage_layers(layout.dims.pp), 0.0
+        if layout.dims.tp > 1:
             # 2 all-reduces forward, 2 backward (with SP: all-gather + reduce-scatter, the same bytes),
             # and the recomputed forward's again; each CP rank's TP group moves 1/cp of the tokens
-            message = w.mean_tokens / layout.cp * s.hidden * 2.0
-            ring = 2.0 * (layout.tp - 1) / layout.tp
+            message = w.mean_tokens / layout.dims.cp * s.hidden * 2.0
+            ring = 2.0 * (layout.dims.tp - 1) / layout.dims.tp
             count = 4.0 + 2.0 * recomputed / max(linear + attention, 1e-30)
-            comm += layers * count * ring * message / hw.link_bytes_s(layout.tp)
-        if layout.cp > 1:
+            comm += layers * count * ring * message / hw.link_bytes_s(layout.dims.tp)
+        if layout.dims.cp > 1:
             # ring attention: every rank receives the other ranks' K and V forward, and K, V, dK, dV backward
-            kv = w.mean_tokens / layout.cp * 2 * s.kv_heads * s.head_dim / layout.tp * 2.0
-            comm += layers * 3.0 * (layout.cp - 1) * kv / hw.link_bytes_s(layout.tp * layout.cp)
-        bubble = 1.0 + (layout.pp - 1) / (layout.vpp * micro_batches)
+            kv = w.mean_tokens / layout.dims.cp * 2 * s.kv_heads * s.head_dim / layout.dims.tp * 2.0
+            comm += layers * 3.0 * (layout.dims.cp - 1) * kv / hw.link_bytes_s(layout.dims.tp * layout.dims.cp)
+        bubble = 1.0 + (layout.dims.pp - 1) / (layout.dims.vpp * micro_batches)
         return (compute + comm * hw.tp_comm_exposed / efficiency) * bubble
 
-    def trainer_step_overhead(self, layout: TrainerLayout, dp: int, batch: Optional[int] = None) -> float:
+    def trainer_step_overhead(self, layout: TrainerLayout, batch: Optional[int] = None) -> float:
         """Once per step: the gradient reduction over DP x CP and, with sharded weights, the bf16
         parameter all-gather; an overlapped one hides behind one micro-batch's backward (forward).
         FSDP (``TrainerOptions.state_sharding``) moves its weights every micro-batch instead."""
-        shards = dp * layout.cp
+        shards = layout.dims.dp * layout.dims.cp
         if shards == 1:
             return 0.0
         hw, o, w, s = self.hw, self.options, self.work, self.shape
-        shard = s.stage_params(layout.pp) / layout.tp
-        link = hw.link_bytes_s(shards * layout.tp * layout.pp)
+        shard = s.stage_params(layout.dims.pp) / layout.dims.tp
+        link = hw.link_bytes_s(shards * layout.dims.tp * layout.dims.pp)
         ring = (shards - 1) / shards
         tokens = layout.micro_batch_tokens or layout.micro_batch * w.mean_tokens
         per_mb = (
@@ -273,7 +274,7 @@ class H100CostModel:
             # FSDP gathers the weights before each micro-batch's forward and again before its backward
             # and reduce-scatters its gradients after; prefetching hides them behind its compute
             per_mb_comm = ring * (2 * TRAIN_WEIGHT_BYTES + o.grad_bytes) * shard / link
-            micro_batches = self.micro_batches(layout, dp, batch or self.batch)
+            micro_batches = self.micro_batches(layout, batch or self.batch)
             return max(0.0, per_mb_comm - per_mb) * micro_batches * hw.dp_comm_exposed
         if o.state_sharding == "none":  # plain DDP: one all-reduce of the gradients
             reduce, gather = 2 * ring * o.grad_bytes * shard / link, 0.0
@@ -287,12 +288,12 @@ class H100CostModel:
 
     # -- generator ----------------------------------------------------------------------------
 
-    def kv_bytes_per_token(self, layout: GeneratorLayout) -> float:
+    def kv_bytes_per_token(self, layout: ParallelDims) -> float:
         s = self.shape
         heads_per_rank = max(1.0, s.kv_heads / layout.tp)  # replicated when tp > kv heads
         return 2.0 * s.stage_layers(layout.pp) * heads_per_rank * s.head_dim * KV_BYTES
 
-    def generator_weight_bytes(self, layout: GeneratorLayout, precision: str) -> float:
+    def generator_weight_bytes(self, layout: ParallelDims, precision: str) -> float:
         s = self.shape
         linear = s.linear_params * s.stage_layers(layout.pp) / s.layers / layout.tp
         linear *= weight_bytes(precision, "generator_precision")
@@ -301,7 +302,7 @@ class H100CostModel:
 
     def generator_memory(
         self,
-        layout: GeneratorLayout,
+        layout: ParallelDims,
         precision: str,
         sequences: float,
         mode: str,
@@ -322,7 +323,7 @@ class H100CostModel:
                 parts["dequant_workspace"] = 2 * self.shape.ffn * self.shape.hidden / layout.tp * 2.0
         parts["kv_cache"] = sequences * self._kv_tokens_per_sequence(mode, resident) * self.kv_bytes_per_token(layout)
         role = "colocated generator" if resident else f"generator ({e.backend})"
-        return MemoryBreakdown(role, f"{layout.describe()} {precision} x{sequences:g}", cap, parts)
+        return MemoryBreakdown(role, f"{generator_text(layout)} {precision} x{sequences:g}", cap, parts)
 
     def _kv_tokens_per_sequence(self, mode: str, resident=None) -> float:
         w = self.work
@@ -334,7 +335,7 @@ class H100CostModel:
         return max(w.lengths.survival(step) * (w.prompt_tokens + step) for step in _drain_points(w.lengths))
 
     def max_sequences(
-        self, layout: GeneratorLayout, precision: str, mode: str, resident: Optional[Dict[str, float]] = None
+        self, layout: ParallelDims, precision: str, mode: str, resident: Optional[Dict[str, float]] = None
     ) -> int:
         empty = self.generator_memory(layout, precision, 0, mode, resident)
         room = empty.capacity - empty.total
@@ -343,7 +344,7 @@ class H100CostModel:
 
     def decode_step_seconds(
         self,
-        layout: GeneratorLayout,
+        layout: ParallelDims,
         precision: str,
         sequences: float,
         context: float,
@@ -373,20 +374,20 @@ class H100CostModel:
         stage = max(memory, compute) + comm + eager
         return layout.pp * stage + hw.decode_step_overhead_ms * 1e-3
 
-    def prefill_seconds_per_sample(self, layout: GeneratorLayout, precision: str) -> float:
+    def prefill_seconds_per_sample(self, layout: ParallelDims, precision: str) -> float:
         s, hw, p = self.shape, self.hw, self.work.prompt_tokens
         flops = 2.0 * s.matmul_params * p + 2.0 * s.layers * s.hidden * p * p
-        return flops / (layout.m * hw.peak_flops(precision) * hw.prefill_mfu)
+        return flops / (layout.tp * layout.pp * hw.peak_flops(precision) * hw.prefill_mfu)
 
     def trainer_allowed(self, layout: TrainerLayout) -> bool:
         return True  # every layout is priced (a measured table restricts this)
 
-    def generator_allowed(self, layout: GeneratorLayout, role: str = "generator") -> bool:
+    def generator_allowed(self, layout: ParallelDims, role: str = "generator") -> bool:
         return True
 
     def generator_seconds_per_sample(
         self,
-        layout: GeneratorLayout,
+        layout: ParallelDims,
         precision: str,
         sequences: float,
         mode: str = "continuous",

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence, Tuple
 
 from megarl.errors import ConfigError
 from megarl.models.spec import LlamaSpec
+from megarl.parallel_dims import GeneratorDims, ParallelDims
 from megarl.plan.hardware import H100, WEIGHT_BYTES, Hardware
 
 
@@ -133,20 +134,19 @@ RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")  # the selective modules a
 
 @dataclass(frozen=True)
 class TrainerLayout:
-    """One trainer replica's parallelism and activation settings, by Megatron-LM's names.
+    """A trainer's parallel dimensions (``ParallelDims``: TP, PP, CP, VPP and the DP replicas its
+    GPUs hold) and its activation settings, by Megatron-LM's names.
 
-    The defaults are the search's (sequence parallel wherever TP > 1, Megatron's
-    selective default); a run config's layout sets every field from trainer.*
-    (``config_plan.configured_layout``).
+    The search builds one replica's layout (DP 1) and prices it on every GPU count with
+    ``on_gpus``, which sets the DP that count implies. The defaults are the search's (sequence
+    parallel wherever TP > 1, Megatron's selective default); a run config's layout sets every
+    field from trainer.* (``config_plan.trainer_layout``).
     """
 
-    tp: int
-    pp: int
+    dims: ParallelDims
     micro_batch: int = 1  # samples per micro-batch (each up to the longest sample)
     recompute: str = "selective"  # none | selective | full
     sequence_parallel: bool = True  # only meaningful with tp > 1 (Megatron turns it off at TP1)
-    cp: int = 1  # context parallel: each sequence split over cp ranks
-    vpp: int = 1  # virtual pipeline stages per PP rank (interleaved 1F1B)
     recompute_method: Optional[str] = None  # full: uniform | block (None: uniform)
     recompute_num_layers: Optional[int] = None  # full: layers per group (uniform) / per stage (block); None: 1
     recompute_modules: Tuple[str, ...] = ("core_attn",)  # selective: Megatron's default
@@ -155,12 +155,22 @@ class TrainerLayout:
 
     @property
     def m(self) -> int:
-        """GPUs of one replica: TP x PP x CP (CP ranks hold the same weights but split the tokens)."""
-        return self.tp * self.pp * self.cp
+        """GPUs of one replica (LlamaRL's m): TP x PP x CP (CP ranks hold the same weights but split the tokens)."""
+        return self.dims.world_size // self.dims.dp
+
+    @property
+    def gpus(self) -> int:
+        return self.dims.world_size
 
     @property
     def sp(self) -> bool:
-        return self.sequence_parallel and self.tp > 1
+        return self.sequence_parallel and self.dims.tp > 1
+
+    def on_gpus(self, gpus: int, field: str = "trainer GPUs") -> "TrainerLayout":
+        """The same replica layout data-parallel over ``gpus`` GPUs."""
+        if gpus < self.m or gpus % self.m:
+            raise ConfigError(f"{field}={gpus} is not a multiple of trainer TP x PP x CP = {self.m}")
+        return replace(self, dims=replace(self.dims, dp=gpus // self.m))
 
     def recompute_text(self) -> str:
         if self.recompute == "full":
@@ -170,9 +180,18 @@ class TrainerLayout:
         return "no recompute"
 
     def describe(self) -> str:
-        shape = f"TP{self.tp}xPP{self.pp}" + (f"xCP{self.cp}" if self.cp > 1 else "")
-        shape += f" VPP{self.vpp}" if self.vpp > 1 else ""
+        """One replica: its model-parallel shape and settings (the DP size is printed beside it)."""
+        d = self.dims
+        shape = f"TP{d.tp}xPP{d.pp}" + (f"xCP{d.cp}" if d.cp > 1 else "")
+        shape += f" VPP{d.vpp}" if d.vpp > 1 else ""
         return f"{shape}{' SP' if self.sp else ''} mb{self.micro_batch} {self.recompute_text()}"
+
+
+def replica_layout(
+    tp: int, pp: int = 1, micro_batch: int = 1, recompute: str = "selective", cp: int = 1, vpp: int = 1, **settings
+) -> TrainerLayout:
+    """One trainer replica (DP 1) at TP x PP (x CP, VPP) with these settings: what the search enumerates."""
+    return TrainerLayout(ParallelDims(tp=tp, pp=pp, cp=cp, vpp=vpp), micro_batch, recompute, **settings)
 
 
 @dataclass(frozen=True)
@@ -207,8 +226,7 @@ def check_trainer_layout(layout: TrainerLayout, options: TrainerOptions, field: 
     """Refuse a layout the cost model cannot price, naming the field."""
     if layout.recompute not in RECOMPUTE:
         raise ConfigError(f"{field}.recompute must be one of {RECOMPUTE}, got {layout.recompute!r}")
-    for name in ("cp", "vpp", "micro_batch"):
-        _positive_int(getattr(layout, name), f"{field}.{name}")
+    _positive_int(layout.micro_batch, f"{field}.micro_batch")  # the dimensions: ParallelDims checked them
     if layout.recompute == "full":
         if (layout.recompute_method or "uniform") not in ("uniform", "block"):
             raise ConfigError(f"{field}.recompute_method must be uniform or block, got {layout.recompute_method!r}")
@@ -225,26 +243,49 @@ def check_trainer_layout(layout: TrainerLayout, options: TrainerOptions, field: 
         raise ConfigError(f"{field}.sequence_parallel needs transformer_impl=transformer_engine")
 
 
-@dataclass(frozen=True)
-class GeneratorLayout:
-    tp: int
-    pp: int = 1
+def generator_dims(tp: int, gpus: int, pp: int = 1, field: str = "generator") -> ParallelDims:
+    """The generators the planner prices: ``gpus`` GPUs of replicas of TP x PP GPUs each, as a
+    ParallelDims whose DP is the replica count (a replica serves its own prompts).
 
-    @property
-    def m(self) -> int:
-        return self.tp * self.pp
+    megarl's generators are ``GeneratorDims`` (SGLang TP replicas, no pipeline); the planner also
+    prices a pipelined replica (PP > 1) where the weights do not fit on one node's GPUs (405B
+    generating in bf16, e.g. Theorem 7.5's setting), and the colocated baseline generates on the
+    trainer's own TP x PP shards, so its generators are described by the more general type.
+    ``runtime_generator`` turns one back into megarl's ``GeneratorDims``."""
+    replica = ParallelDims(tp=tp, pp=pp, section="generator")  # checks tp and pp
+    m = replica.world_size
+    if gpus < m or gpus % m:
+        raise ConfigError(f"{field}: {gpus} generator GPUs are not a multiple of generator TP x PP = {m}")
+    return replace(replica, dp=gpus // m)
 
-    def describe(self) -> str:
-        return f"TP{self.tp}" + (f"xPP{self.pp}" if self.pp > 1 else "")
+
+def planned_generator(g: GeneratorDims) -> ParallelDims:
+    """megarl's generators (a run config's ``generator_dims()``) in the planner's terms."""
+    return ParallelDims(tp=g.tp, dp=g.replicas, section=g.section)
+
+
+def runtime_generator(g: ParallelDims) -> GeneratorDims:
+    """The planner's generators as megarl runs them; a pipelined replica is refused."""
+    if g.pp > 1 or g.cp > 1 or g.vpp > 1:
+        raise ConfigError(
+            f"generator {generator_text(g)}: megarl's generators are SGLang TP replicas (GeneratorDims: "
+            f"tp, replicas), no pipeline or context parallelism"
+        )
+    return GeneratorDims(tp=g.tp, replicas=g.dp)
+
+
+def generator_text(g: ParallelDims) -> str:
+    """One generator replica's shape: TP8, or TP8xPP2 when pipelined."""
+    return f"TP{g.tp}" + (f"xPP{g.pp}" if g.pp > 1 else "")
 
 
 @dataclass(frozen=True)
 class FixedLayout:
-    """A layout to evaluate instead of searching (LlamaRL s.7 notation in comments)."""
+    """A layout to evaluate instead of searching (LlamaRL s.7 notation in comments): its trainer's
+    and generators' GPUs together are ``PlanInputs.gpus``."""
 
-    trainer: TrainerLayout  # m_t, b_t
-    generator: GeneratorLayout  # m_g
-    trainer_gpus: int  # theta * N
+    trainer: TrainerLayout  # m_t, b_t; dims.dp replicas over theta * N GPUs
+    generator: ParallelDims  # m_g = TP x PP, dp = replicas over (1 - theta) N GPUs (``generator_dims``)
     generator_batch: Optional[int] = None  # b_g: sequences in flight per replica (None: largest that fits)
 
 
@@ -301,7 +342,8 @@ class PlanInputs:
     # The colocated baseline generates from its own copy of the weights (a DeepSpeed-Chat-like hybrid
     # engine; LlamaRL's eq. (6): 4 W0 + W0), not from the trainer's tensors in place.
     sync_separate_generator_copy: bool = False
-    # The baseline's layout when it is given (LlamaRL's 405B baseline: mp_size 64), not searched.
+    # The baseline's layout when it is given (LlamaRL's 405B baseline: mp_size 64), not searched;
+    # its dims span all the GPUs (dp = gpus / m).
     sync_layout: Optional[TrainerLayout] = None
 
     @property
@@ -313,8 +355,6 @@ class PlanInputs:
         base = self.hardware or H100
         if base.memory_gb == self.gpu_memory_gb and base.gpus_per_node == self.gpus_per_node:
             return base
-        from dataclasses import replace
-
         return replace(base, memory_gb=self.gpu_memory_gb, gpus_per_node=self.gpus_per_node)
 
     @property

@@ -36,20 +36,31 @@ from dataclasses import dataclass, field, replace
 from typing import List, Optional, Sequence
 
 from megarl.errors import ConfigError
+from megarl.parallel_dims import ParallelDims
 from megarl.plan import weight_sync_cost
 from megarl.plan.costs import H100CostModel, MemoryBreakdown, Workload
 from megarl.plan.engines import GeneratorEngine
-from megarl.plan.inputs import RECOMPUTE, FixedLayout, GeneratorLayout, PlanInputs, TrainerLayout, check_trainer_layout
+from megarl.plan.inputs import (
+    RECOMPUTE,
+    FixedLayout,
+    PlanInputs,
+    TrainerLayout,
+    check_trainer_layout,
+    generator_dims,
+    generator_text,
+    replica_layout,
+)
 
 MICRO_BATCHES = (1, 2, 4, 8)
 
 
 @dataclass
-class AsyncLayout:
-    trainer: TrainerLayout
-    trainer_gpus: int
-    generator: GeneratorLayout
-    generator_gpus: int
+class AsyncCandidate:
+    """An asynchronous layout as priced: trainer and generators (each with its dims) and what the
+    model predicts for them -- step times, per-sample times, memory."""
+
+    trainer: TrainerLayout  # dims.dp replicas over trainer_gpus
+    generator: ParallelDims  # generator_dims: replicas of TP x PP, dp = replicas
     sequences: int  # b_g: in flight per generator replica
     train_seconds: float
     generate_seconds: float
@@ -61,12 +72,20 @@ class AsyncLayout:
     weight_sync_method: str = "estimate"
 
     @property
+    def trainer_gpus(self) -> int:
+        return self.trainer.gpus
+
+    @property
+    def generator_gpus(self) -> int:
+        return self.generator.world_size
+
+    @property
     def dp(self) -> int:
-        return self.trainer_gpus // self.trainer.m
+        return self.trainer.dims.dp
 
     @property
     def replicas(self) -> int:
-        return self.generator_gpus // self.generator.m
+        return self.generator.dp
 
     @property
     def theta(self) -> float:
@@ -82,9 +101,11 @@ class AsyncLayout:
 
 
 @dataclass
-class SyncLayout:
+class SyncCandidate:
+    """A synchronous colocated layout as priced: the trainer's dims span every GPU, and each GPU
+    generates on the trainer's own TP x PP shards before it trains."""
+
     trainer: TrainerLayout
-    gpus: int
     sequences: int  # b_g: in flight per replica while generating
     generator_precision: str
     batching: str
@@ -96,8 +117,12 @@ class SyncLayout:
     generator_memory: MemoryBreakdown
 
     @property
+    def gpus(self) -> int:
+        return self.trainer.gpus
+
+    @property
     def dp(self) -> int:
-        return self.gpus // self.trainer.m
+        return self.trainer.dims.dp
 
     @property
     def step_seconds(self) -> float:
@@ -112,8 +137,8 @@ class SyncLayout:
 class PlanResult:
     inputs: PlanInputs
     params: int
-    best_async: Optional[AsyncLayout]
-    best_sync: Optional[SyncLayout]
+    best_async: Optional[AsyncCandidate]
+    best_sync: Optional[SyncCandidate]
     async_evaluated: int = 0
     sync_evaluated: int = 0
     notes: List[str] = field(default_factory=list)
@@ -163,7 +188,7 @@ def trainer_layouts(
             for vpp in vpps:
                 for mb in MICRO_BATCHES:
                     for rc in recompute:
-                        layout = TrainerLayout(tp, pp, mb, rc, sequence_parallel=sp, vpp=vpp)
+                        layout = replica_layout(tp, pp, mb, rc, vpp=vpp, sequence_parallel=sp)
                         if costs.trainer_allowed(layout):
                             out.append(layout)
     return out
@@ -171,11 +196,12 @@ def trainer_layouts(
 
 def generator_layouts(
     costs, max_pp: int, precision: str, role: str = "generator", uneven_pp: bool = False
-) -> List[GeneratorLayout]:
-    """SGLang: TP a power of two within a node (KV heads replicated beyond their count); PP only
-    when the weights do not fit on one node's GPUs (e.g. 405B in bf16), as deployed in practice."""
+) -> List[ParallelDims]:
+    """One replica each (``generator_dims``, dp 1): SGLang, TP a power of two within a node (KV
+    heads replicated beyond their count); PP only when the weights do not fit on one node's GPUs
+    (e.g. 405B in bf16), as deployed in practice."""
     gpn = costs.hw.gpus_per_node
-    fits_in_node = costs.generator_weight_bytes(GeneratorLayout(gpn), precision) < costs.hw.usable_bytes
+    fits_in_node = costs.generator_weight_bytes(ParallelDims(tp=gpn), precision) < costs.hw.usable_bytes
     out = []
     for tp in _powers_of_two(gpn):
         try:
@@ -183,19 +209,21 @@ def generator_layouts(
         except ConfigError:
             continue
         for pp in [1] if fits_in_node else pipeline_sizes(costs.spec.num_layers, max_pp, uneven_pp):
-            if costs.generator_allowed(GeneratorLayout(tp, pp), role):
-                out.append(GeneratorLayout(tp, pp))
+            replica = generator_dims(tp, tp * pp, pp)
+            if costs.generator_allowed(replica, role):
+                out.append(replica)
     return out
 
 
 # -- evaluation of one layout ----------------------------------------------------------------
 
 
-def evaluate_trainer(costs, layout: TrainerLayout, gpus: int, batch: int):
-    dp = gpus // layout.m
-    memory = costs.trainer_memory(layout, dp, batch)
-    eta = costs.trainer_seconds_per_sample(layout, dp, batch)
-    seconds = math.ceil(batch / dp) * eta + costs.trainer_step_overhead(layout, dp)
+def evaluate_trainer(costs, layout: TrainerLayout, batch: int):
+    """(train seconds per step, eta_t, memory) of a trainer at its dims (DP included)."""
+    dp = layout.dims.dp
+    memory = costs.trainer_memory(layout, batch)
+    eta = costs.trainer_seconds_per_sample(layout, batch)
+    seconds = math.ceil(batch / dp) * eta + costs.trainer_step_overhead(layout)
     return seconds, eta, memory
 
 
@@ -203,15 +231,19 @@ def evaluate_async(
     costs,
     inputs: PlanInputs,
     trainer: TrainerLayout,
-    trainer_gpus: int,
-    generator: GeneratorLayout,
+    generator: ParallelDims,
     sequences: Optional[int] = None,
     trainer_eval=None,
-) -> AsyncLayout:
+) -> AsyncCandidate:
+    """Price a trainer and generators that share inputs.gpus between them."""
+    if trainer.gpus + generator.world_size != inputs.gpus:
+        raise ConfigError(
+            f"layout: trainer {trainer.gpus} GPUs ({trainer.dims.describe()}) + generator "
+            f"{generator.world_size} GPUs ({generator.dp} x {generator_text(generator)}) != gpus={inputs.gpus}"
+        )
     batch, precision = inputs.batch, inputs.generator_precision
-    train_s, eta_t, t_mem = trainer_eval or evaluate_trainer(costs, trainer, trainer_gpus, batch)
-    generator_gpus = inputs.gpus - trainer_gpus
-    replicas = generator_gpus // generator.m
+    train_s, eta_t, t_mem = trainer_eval or evaluate_trainer(costs, trainer, batch)
+    replicas = generator.dp
     mode = inputs.async_batching
     if sequences is None:
         # eta_g falls with b_g: run as many as fit, but no more than the lag bound allows (static:
@@ -224,13 +256,11 @@ def evaluate_async(
         g_mem.parts["kv_cache"] = max(g_mem.parts["kv_cache"], g_mem.capacity)  # not even one sequence fits
     sync_s = 0.0
     if inputs.weight_sync != "skip":
-        sync_s = weight_sync_cost.estimate_seconds(costs, trainer, trainer_gpus, generator, replicas, precision)
+        sync_s = weight_sync_cost.estimate_seconds(costs, trainer, generator, precision)
     share = batch / replicas if mode == "continuous" else math.ceil(batch / replicas)
-    return AsyncLayout(
+    return AsyncCandidate(
         trainer,
-        trainer_gpus,
         generator,
-        generator_gpus,
         sequences,
         train_s,
         share * eta_g,
@@ -243,12 +273,18 @@ def evaluate_async(
     )
 
 
-def evaluate_sync(costs, inputs: PlanInputs, trainer: TrainerLayout, trainer_eval=None) -> SyncLayout:
+def evaluate_sync(costs, inputs: PlanInputs, trainer: TrainerLayout, trainer_eval=None) -> SyncCandidate:
+    """Price the colocated baseline: the trainer's dims span inputs.gpus, and every GPU also
+    generates, on the trainer's own TP x PP shards."""
     batch, gpus = inputs.batch, inputs.gpus
-    train_s, eta_t, t_mem = trainer_eval or evaluate_trainer(costs, trainer, gpus, batch)
-    dp = gpus // trainer.m
+    if trainer.gpus != gpus:
+        raise ConfigError(
+            f"sync layout {trainer.dims.describe()}: {trainer.gpus} GPUs, the colocated baseline runs on all {gpus}"
+        )
+    train_s, eta_t, t_mem = trainer_eval or evaluate_trainer(costs, trainer, batch)
+    dp = trainer.dims.dp
     precision, mode = inputs.sync_precision, inputs.sync_batching
-    layout = GeneratorLayout(trainer.tp, trainer.pp)  # the colocated generator uses the trainer's shards
+    layout = trainer.dims  # the colocated generator uses the trainer's shards
     resident = {k: v for k, v in t_mem.parts.items() if k in ("weights", "grads", "optimizer")}
     if inputs.sync_offload_trainer_state:
         resident = {"weights": resident["weights"]}
@@ -266,9 +302,7 @@ def evaluate_sync(costs, inputs: PlanInputs, trainer: TrainerLayout, trainer_eva
     if sequences < 1:
         g_mem.parts["kv_cache"] = max(g_mem.parts["kv_cache"], g_mem.capacity)
     eta_g = costs.generator_seconds_per_sample(layout, precision, max(sequences, 1), mode, role="sync_generator")
-    return SyncLayout(
-        trainer, gpus, sequences, precision, mode, train_s, per_replica * eta_g, eta_t, eta_g, t_mem, g_mem
-    )
+    return SyncCandidate(trainer, sequences, precision, mode, train_s, per_replica * eta_g, eta_t, eta_g, t_mem, g_mem)
 
 
 # -- the search ------------------------------------------------------------------------------
@@ -287,22 +321,24 @@ def search_layouts(costs, inputs: PlanInputs):
     # allowed); the asynchronous layout is the recommendation, so it is one megarl can run.
     trainers = trainer_layouts(costs, inputs.max_pp, uneven_pp=True, recompute=inputs.recompute, max_vpp=inputs.max_vpp)
     generators = generator_layouts(costs, inputs.max_pp, inputs.generator_precision, uneven_pp=inputs.uneven_pp)
-    best_train = {}  # trainer GPUs -> (seconds, layout, evaluation)
+    best_train = {}  # trainer GPUs -> (seconds, layout on those GPUs, evaluation)
     best_sync, sync_count, async_count = None, 0, 0
-    for layout in trainers:
-        unit = _split_unit(inputs, layout.m)
-        runnable = inputs.uneven_pp or layers % layout.pp == 0
+    for replica in trainers:
+        unit = _split_unit(inputs, replica.m)
+        runnable = inputs.uneven_pp or layers % replica.dims.pp == 0
         for gpus in range(unit, n, unit) if runnable else ():
-            ev = evaluate_trainer(costs, layout, gpus, batch)
+            layout = replica.on_gpus(gpus)
+            ev = evaluate_trainer(costs, layout, batch)
             if ev[2].fits and (gpus not in best_train or ev[0] < best_train[gpus][0]):
                 best_train[gpus] = (ev[0], layout, ev)
         if (
             inputs.sync_layout is None
-            and n % layout.m == 0
-            and costs.generator_allowed(GeneratorLayout(layout.tp, layout.pp), "sync_generator")
+            and n % replica.m == 0
+            and costs.generator_allowed(replica.dims, "sync_generator")
         ):
             sync_count += 1
-            ev = evaluate_trainer(costs, layout, n, batch)
+            layout = replica.on_gpus(n)
+            ev = evaluate_trainer(costs, layout, batch)
             if ev[2].fits:
                 candidate = evaluate_sync(costs, inputs, layout, ev)
                 if candidate.fits and (best_sync is None or candidate.step_seconds < best_sync.step_seconds):
@@ -312,13 +348,15 @@ def search_layouts(costs, inputs: PlanInputs):
         best_sync = evaluate_sync(costs, inputs, inputs.sync_layout)
     best_async = None
     for gpus, (_, layout, ev) in best_train.items():
-        for generator in generators:
-            if (n - gpus) % generator.m:
+        for replica in generators:
+            m_g = replica.world_size
+            if (n - gpus) % m_g:
                 continue
-            if inputs.equal_prompt_shares and inputs.prompts % ((n - gpus) // generator.m):
+            if inputs.equal_prompt_shares and inputs.prompts % ((n - gpus) // m_g):
                 continue
             async_count += 1
-            candidate = evaluate_async(costs, inputs, layout, gpus, generator, trainer_eval=ev)
+            generator = generator_dims(replica.tp, n - gpus, replica.pp)
+            candidate = evaluate_async(costs, inputs, layout, generator, trainer_eval=ev)
             if candidate.fits and (best_async is None or candidate.step_seconds < best_async.step_seconds):
                 best_async = candidate
     return best_async, best_sync, async_count, sync_count
@@ -362,9 +400,10 @@ def plan_from_inputs(inputs: PlanInputs) -> PlanResult:
         ("synchronous baseline", result.best_sync and result.best_sync.trainer),
     ):
         layers = costs.spec.num_layers
-        if layout is not None and layers % layout.pp:
+        pp = layout.dims.pp if layout is not None else 1
+        if layers % pp:
             result.notes.append(
-                f"{name} PP{layout.pp} splits {layers} layers unevenly (largest stage {-(-layers // layout.pp)}, "
+                f"{name} PP{pp} splits {layers} layers unevenly (largest stage {-(-layers // pp)}, "
                 f"Megatron's num_layers_in_first/last_pipeline_stage): {why[name]}"
             )
     if result.best_async is not None:
@@ -372,7 +411,7 @@ def plan_from_inputs(inputs: PlanInputs) -> PlanResult:
     return result
 
 
-def predict_weight_sync(costs, inputs: PlanInputs, a: AsyncLayout, notes: List[str]) -> None:
+def predict_weight_sync(costs, inputs: PlanInputs, a: AsyncCandidate, notes: List[str]) -> None:
     """Replace the estimate by megarl's transfer planner's prediction, when inputs ask for it."""
     if inputs.weight_sync != "predict":
         return
@@ -380,7 +419,7 @@ def predict_weight_sync(costs, inputs: PlanInputs, a: AsyncLayout, notes: List[s
         if a.generator.pp > 1:
             raise ConfigError(f"generator PP{a.generator.pp}: megarl's sync planner has SGLang TP layouts only")
         a.weight_sync_seconds = weight_sync_cost.predict_seconds(
-            costs.spec, costs.hw, a.trainer, a.dp, a.generator, a.replicas, inputs.generator_precision
+            costs.spec, costs.hw, a.trainer, a.generator, inputs.generator_precision
         )
         a.weight_sync_method = "predict"
     except ImportError as err:  # the planner itself needs no torch; the transfer planner does
@@ -389,7 +428,7 @@ def predict_weight_sync(costs, inputs: PlanInputs, a: AsyncLayout, notes: List[s
         notes.append(f"weight sync estimated, not predicted: {err}")
 
 
-def evaluate_layout(inputs: PlanInputs, fixed: FixedLayout, notes: Optional[List[str]] = None) -> AsyncLayout:
+def evaluate_layout(inputs: PlanInputs, fixed: FixedLayout, notes: Optional[List[str]] = None) -> AsyncCandidate:
     """One asynchronous layout on inputs.gpus GPUs, priced without searching (e.g. a run config's)."""
     inputs.validate()
     costs = build_costs(inputs)
@@ -401,22 +440,26 @@ def evaluate_layout(inputs: PlanInputs, fixed: FixedLayout, notes: Optional[List
 def balanced_split(
     inputs: PlanInputs,
     trainer: TrainerLayout,
-    generator: GeneratorLayout,
+    generator: ParallelDims,
     sequences: Optional[int] = None,
     notes: Optional[List[str]] = None,
-) -> Optional[AsyncLayout]:
-    """The trainer/generator split of inputs.gpus with the fastest step for fixed parallelism:
-    theta moves in whole nodes and whole replicas (and, with equal_prompt_shares, replica
-    counts dividing the prompts), so train and generate times come as close as they can."""
+) -> Optional[AsyncCandidate]:
+    """The trainer/generator split of inputs.gpus with the fastest step for fixed parallelism (the
+    replicas' TP x PP of ``trainer`` and ``generator``; their DP sizes are what is chosen): theta
+    moves in whole nodes and whole replicas (and, with equal_prompt_shares, replica counts
+    dividing the prompts), so train and generate times come as close as they can."""
     inputs.validate()
     costs = build_costs(inputs)
     n, best = inputs.gpus, None
     unit = _split_unit(inputs, trainer.m)
+    m_g = generator.world_size // generator.dp
     for gpus in range(unit, n, unit):
-        replicas = (n - gpus) // generator.m
-        if (n - gpus) % generator.m or (inputs.equal_prompt_shares and inputs.prompts % replicas):
+        replicas = (n - gpus) // m_g
+        if (n - gpus) % m_g or (inputs.equal_prompt_shares and inputs.prompts % replicas):
             continue
-        candidate = evaluate_async(costs, inputs, trainer, gpus, generator, sequences)
+        candidate = evaluate_async(
+            costs, inputs, trainer.on_gpus(gpus), generator_dims(generator.tp, n - gpus, generator.pp), sequences
+        )
         if candidate.fits and (best is None or candidate.step_seconds < best.step_seconds):
             best = candidate
     if best is not None:
@@ -424,34 +467,28 @@ def balanced_split(
     return best
 
 
-def _evaluate_fixed(costs, inputs: PlanInputs, fixed: FixedLayout) -> AsyncLayout:
-    n, t = inputs.gpus, fixed.trainer_gpus
-    if not 0 < t < n:
-        raise ConfigError(f"layout.trainer_gpus={t} must leave GPUs for the generator (gpus={n})")
-    if t % fixed.trainer.m:
-        raise ConfigError(f"layout.trainer_gpus={t} is not a multiple of trainer TP x PP = {fixed.trainer.m}")
-    if (n - t) % fixed.generator.m:
+def _evaluate_fixed(costs, inputs: PlanInputs, fixed: FixedLayout) -> AsyncCandidate:
+    n, t, g = inputs.gpus, fixed.trainer.dims, fixed.generator
+    if t.world_size + g.world_size != n:
         raise ConfigError(
-            f"layout: the {n - t} generator GPUs are not a multiple of generator TP = {fixed.generator.m}"
+            f"layout: layout.trainer {t.describe()} ({t.world_size} GPUs) + layout.generator {g.dp} x "
+            f"{generator_text(g)} ({g.world_size} GPUs) must use the gpus={n} GPUs"
         )
-    costs.spec.check_parallelism(fixed.trainer.tp, 1)
-    costs.spec.check_parallelism(fixed.generator.tp, 1)
+    costs.spec.check_parallelism(t.tp, 1)
+    costs.spec.check_parallelism(g.tp, 1)
     check_trainer_layout(fixed.trainer, costs.options)
-    if not 1 <= fixed.trainer.pp <= costs.spec.num_layers:
+    if not 1 <= t.pp <= costs.spec.num_layers:
+        raise ConfigError(f"layout.trainer.pp={t.pp} must be between 1 and the {costs.spec.num_layers} layers")
+    if costs.spec.num_layers % t.pp and not inputs.uneven_pp:
         raise ConfigError(
-            f"layout.trainer.pp={fixed.trainer.pp} must be between 1 and the {costs.spec.num_layers} layers"
-        )
-    if costs.spec.num_layers % fixed.trainer.pp and not inputs.uneven_pp:
-        raise ConfigError(
-            f"layout.trainer.pp={fixed.trainer.pp} does not divide the {costs.spec.num_layers} layers: "
+            f"layout.trainer.pp={t.pp} does not divide the {costs.spec.num_layers} layers: "
             f"megarl refuses uneven pipeline stages (the planner prices them with uneven_pp)"
         )
-    if fixed.trainer.vpp > 1 and costs.spec.num_layers % (fixed.trainer.pp * fixed.trainer.vpp):
+    if t.vpp > 1 and costs.spec.num_layers % (t.pp * t.vpp):
         raise ConfigError(
-            f"layout.trainer.vpp={fixed.trainer.vpp}: PP{fixed.trainer.pp} x VPP{fixed.trainer.vpp} "
-            f"chunks do not divide the {costs.spec.num_layers} layers"
+            f"layout.trainer.vpp={t.vpp}: PP{t.pp} x VPP{t.vpp} chunks do not divide the {costs.spec.num_layers} layers"
         )
-    return evaluate_async(costs, inputs, fixed.trainer, t, fixed.generator, fixed.generator_batch)
+    return evaluate_async(costs, inputs, fixed.trainer, g, fixed.generator_batch)
 
 
 def theorem_setting(inputs: PlanInputs) -> PlanInputs:

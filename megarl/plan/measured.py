@@ -24,8 +24,9 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple, Union
 
 from megarl.errors import ConfigError
+from megarl.parallel_dims import ParallelDims
 from megarl.plan.costs import H100CostModel
-from megarl.plan.inputs import GeneratorLayout, TrainerLayout
+from megarl.plan.inputs import TrainerLayout
 
 ROLES = ("trainer", "generator", "sync_generator")
 Key = Tuple[int, int]  # (tp, pp)
@@ -97,25 +98,25 @@ class MeasuredCostModel:
     # -- which layouts may be searched ------------------------------------------------------
 
     def trainer_allowed(self, layout: TrainerLayout) -> bool:
-        return self.trainer is None or (layout.tp, layout.pp, layout.micro_batch, layout.recompute) in self.trainer
+        return self.trainer is None or _trainer_key(layout) in self.trainer
 
-    def generator_allowed(self, layout: GeneratorLayout, role: str = "generator") -> bool:
+    def generator_allowed(self, layout: ParallelDims, role: str = "generator") -> bool:
         table = self.generator.get(role)
         return table is None or (layout.tp, layout.pp) in table
 
     # -- eta --------------------------------------------------------------------------------
 
-    def trainer_seconds_per_sample(self, layout: TrainerLayout, dp: int, batch: int) -> float:
+    def trainer_seconds_per_sample(self, layout: TrainerLayout, batch: int) -> float:
         if self.trainer is None:
-            return self.base.trainer_seconds_per_sample(layout, dp, batch)
-        return self.trainer[(layout.tp, layout.pp, layout.micro_batch, layout.recompute)]
+            return self.base.trainer_seconds_per_sample(layout, batch)
+        return self.trainer[_trainer_key(layout)]
 
-    def trainer_step_overhead(self, layout: TrainerLayout, dp: int) -> float:
-        return self.base.trainer_step_overhead(layout, dp) if self.trainer is None else 0.0
+    def trainer_step_overhead(self, layout: TrainerLayout) -> float:
+        return self.base.trainer_step_overhead(layout) if self.trainer is None else 0.0
 
     def generator_seconds_per_sample(
         self,
-        layout: GeneratorLayout,
+        layout: ParallelDims,
         precision: str,
         sequences: float,
         mode: str = "continuous",
@@ -130,6 +131,10 @@ class MeasuredCostModel:
             return below[-1][1]
         b, seconds = points[0]
         return seconds * b / max(sequences, 1e-9)  # same replica time per step, fewer sequences sharing it
+
+
+def _trainer_key(layout: TrainerLayout) -> Tuple[int, int, int, str]:
+    return (layout.dims.tp, layout.dims.pp, layout.micro_batch, layout.recompute)
 
 
 def load_measured(source: Union[str, Path, dict], base: H100CostModel) -> MeasuredCostModel:

@@ -1,4 +1,14 @@
-"""The planner's prediction of `megarl bench async-vs-sync`: measured per-sample times in, step times out.
+"""A decomposition check of `megarl bench async-vs-sync`: the planner's step-time model, fed
+the phase times of the very runs it is compared with, against those runs' whole steps.
+
+This is not a prediction. Every per-sample time below is measured in the run whose step time
+it is then composed into, so agreement says that LlamaRL's composition (max(train, generate) +
+sync for async, generate + train for sync) accounts for the steps' time -- that the parts the
+model leaves out (channels, controller work, the in-place weight copy) are small -- not that the
+planner can price a layout it has not seen run. A prediction would take eta_t and eta_g from
+other runs (another batch size or layout); on a CPU host whose ranks share its cores those times
+change with what else runs beside them (below), and each tiny run is ~40 s of two cores, so the
+bench does not attempt one.
 
 LlamaRL s.7 prices a layout with two per-sample times of one model replica (m devices),
 eta_t(m, b) and eta_g(m, b) -- tau(b) / b, the seconds a replica spends per sample at batch b --
@@ -13,9 +23,10 @@ The bench runs both modes on the same ranks (the planner's "devices"). This modu
 per-sample times each mode ran at, at the batch sizes it ran at, gives them to the planner as
 measured tables (``megarl.plan.measured``) and prices the two layouts that ran with the
 planner's own ``evaluate_async`` / ``evaluate_sync`` -- the functions that price the 405B
-layouts -- so the ratio printed is the model's composition of the measured parts, next to the
-measured ratio of whole steps. What the model leaves out (the rollout and batch channels,
-controller work between phases, the baseline's in-place weight copy) is what separates the two.
+layouts -- so the ``composed_ratio`` printed is the model's composition of the measured parts,
+next to the measured ratio of whole steps. What the model leaves out (the rollout and batch
+channels, controller work between phases, the baseline's in-place weight copy) is what
+separates the two.
 
 Model inputs, and how a run's metrics (metrics.jsonl) give them:
 
@@ -46,15 +57,15 @@ Model inputs, and how a run's metrics (metrics.jsonl) give them:
   split evenly. The per-sample times are measured in situ -- while the other ranks run as that
   mode runs them -- so whatever the ranks take from each other is inside them, and the model's
   premise (a replica's time depends on its layout and batch, not on what the other devices do)
-  holds for them. Per-sample times measured with the cores to one rank alone would not predict
-  either mode here.
+  holds for them. Per-sample times measured with the cores to one rank alone would not carry
+  over to either mode here.
 * Weight sync. Async: the measured per-step sync (the planner's own estimate is an NVLink
   figure). The colocated baseline updates its engine in place and the planner prices no sync
   for it; megarl's sync mode copies the new weights into each rank's engine, reported as
   ``unpriced_copy_s``.
 
-Memory is not what is predicted here: the tables replace the times, and the capacity is set so
-that the GPU memory model never binds.
+Memory is not checked here: the tables replace the times, and the capacity is set so that the
+GPU memory model never binds.
 """
 
 from __future__ import annotations
@@ -64,6 +75,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 from megarl.errors import ConfigError
+from megarl.parallel_dims import GeneratorDims, ParallelDims
 from megarl.plan.measured import MeasuredCostModel
 
 # capacity given to the planner's (GPU) memory model so that it never limits a measured layout
@@ -128,18 +140,17 @@ class PhaseTimes:
 
 @dataclass(frozen=True)
 class BenchLayouts:
-    """The two layouts of the bench in the planner's terms; devices = ranks."""
+    """The two layouts of the bench in the planner's terms; devices = ranks. ``trainer`` and
+    ``generator``: the asynchronous run's; ``sync``: the synchronous run's trainer, the same TP x
+    PP over every rank (each rank generates too)."""
 
     ranks: int
     prompts: int
     samples_per_prompt: int
-    trainer_tp: int
-    trainer_pp: int
-    trainer_dp: int  # async
-    generator_tp: int
-    generator_replicas: int
+    trainer: ParallelDims  # async
+    generator: GeneratorDims  # async
+    sync: ParallelDims
     max_running: int  # async b_g: sequences in flight per generator replica
-    sync_dp: int  # every rank trains (and generates) in sync
     micro_batch: int = 1  # samples per micro-batch of the planner (megarl packs by tokens)
     recompute: str = "none"
     generate_while_waiting: bool = True
@@ -151,12 +162,8 @@ class BenchLayouts:
         return self.prompts * self.samples_per_prompt
 
     @property
-    def trainer_m(self) -> int:
-        return self.trainer_tp * self.trainer_pp
-
-    @property
     def async_trainer_b(self) -> int:
-        return math.ceil(self.batch / self.trainer_dp)
+        return math.ceil(self.batch / self.trainer.dp)
 
     @property
     def async_generator_b(self) -> int:
@@ -164,23 +171,23 @@ class BenchLayouts:
 
     @property
     def samples_per_generator(self) -> float:
-        return self.batch / self.generator_replicas
+        return self.batch / self.generator.replicas
 
     @property
     def sync_b(self) -> int:
-        return math.ceil(self.batch / self.sync_dp)
+        return math.ceil(self.batch / self.sync.dp)
 
     def check(self) -> "BenchLayouts":
-        trainer = self.trainer_m * self.trainer_dp
-        if trainer + self.generator_tp * self.generator_replicas != self.ranks:
+        t, g, s = self.trainer, self.generator, self.sync
+        if t.world_size + g.world_size != self.ranks:
             raise ConfigError(
-                f"async: trainer {trainer} + generator {self.generator_tp} x {self.generator_replicas} "
-                f"ranks != {self.ranks}"
+                f"async: trainer {t.describe()} ({t.world_size} ranks) + generator {g.describe()} "
+                f"({g.world_size} ranks) != {self.ranks}"
             )
-        if self.trainer_m * self.sync_dp != self.ranks:
-            raise ConfigError(
-                f"sync: TP{self.trainer_tp} x PP{self.trainer_pp} x DP{self.sync_dp} != {self.ranks} ranks"
-            )
+        if s.world_size != self.ranks:
+            raise ConfigError(f"sync: {s.describe()} = {s.world_size} ranks != {self.ranks} ranks")
+        if (s.tp, s.pp, s.cp) != (t.tp, t.pp, t.cp):
+            raise ConfigError(f"sync: {s.describe()} must run the async trainer's model parallelism {t.describe()}")
         return self
 
 
@@ -188,19 +195,19 @@ def layouts_from_config(
     cfg, sync_dp: int, threads: Optional[Dict[str, int]] = None, cores: Optional[int] = None
 ) -> BenchLayouts:
     """The bench's layouts from its async run's config (the sync run: the same TP x PP on every rank)."""
+    from dataclasses import replace
+
     t, g, r = cfg.trainer, cfg.generator, cfg.rollout
     longest = cfg.data.max_prompt_tokens + r.max_new_tokens
+    trainer = cfg.trainer_dims()
     return BenchLayouts(
         ranks=cfg.world_size(),
         prompts=r.prompts_per_step,
         samples_per_prompt=r.samples_per_prompt,
-        trainer_tp=t.tp,
-        trainer_pp=t.pp,
-        trainer_dp=t.dp,
-        generator_tp=g.tp,
-        generator_replicas=g.replicas,
+        trainer=trainer,
+        generator=cfg.generator_dims(),
+        sync=replace(trainer, dp=sync_dp),
         max_running=g.max_running,
-        sync_dp=sync_dp,
         micro_batch=max(1, t.max_tokens_per_microbatch // longest),
         recompute=t.recompute_granularity or "none",
         generate_while_waiting=g.generate_while_waiting,
@@ -219,15 +226,15 @@ def measured_tables(layouts: BenchLayouts, async_t: PhaseTimes, sync_t: PhaseTim
     return {
         "trainer": [
             {
-                "tp": L.trainer_tp,
-                "pp": L.trainer_pp,
+                "tp": L.trainer.tp,
+                "pp": L.trainer.pp,
                 "samples_per_replica": L.async_trainer_b,
                 "recompute": L.recompute,
                 "seconds_per_sample": async_t.train_s / L.async_trainer_b,
             },
             {
-                "tp": L.trainer_tp,
-                "pp": L.trainer_pp,
+                "tp": L.sync.tp,
+                "pp": L.sync.pp,
                 "samples_per_replica": L.sync_b,
                 "recompute": L.recompute,
                 "seconds_per_sample": sync_t.train_s / L.sync_b,
@@ -235,7 +242,7 @@ def measured_tables(layouts: BenchLayouts, async_t: PhaseTimes, sync_t: PhaseTim
         ],
         "generator": [
             {
-                "tp": L.generator_tp,
+                "tp": L.generator.tp,
                 "pp": 1,
                 "b": L.async_generator_b,
                 "seconds_per_sample": (async_t.generate_s + async_t.reward_s) / L.samples_per_generator,
@@ -243,8 +250,8 @@ def measured_tables(layouts: BenchLayouts, async_t: PhaseTimes, sync_t: PhaseTim
         ],
         "sync_generator": [
             {
-                "tp": L.trainer_tp,
-                "pp": L.trainer_pp,
+                "tp": L.sync.tp,
+                "pp": L.sync.pp,
                 "b": L.sync_b,
                 "seconds_per_sample": (sync_t.generate_s + sync_t.reward_s) / L.sync_b,
             }
@@ -284,8 +291,9 @@ class ReplicaBatchCosts(MeasuredCostModel):
                 raise ConfigError(f"measured.trainer: record {rec!r} needs positive tp, pp, samples and seconds")
             self.by_replica_batch[key] = seconds
 
-    def trainer_seconds_per_sample(self, layout, dp: int, batch: int) -> float:
-        key = (layout.tp, layout.pp, math.ceil(batch / dp), layout.recompute)
+    def trainer_seconds_per_sample(self, layout, batch: int) -> float:
+        d = layout.dims
+        key = (d.tp, d.pp, math.ceil(batch / d.dp), layout.recompute)
         if key not in self.by_replica_batch:
             raise ConfigError(
                 f"measured.trainer: no time for TP{key[0]} x PP{key[1]} at {key[2]} samples per "
@@ -293,33 +301,35 @@ class ReplicaBatchCosts(MeasuredCostModel):
             )
         return self.by_replica_batch[key]
 
-    def trainer_step_overhead(self, layout, dp: int) -> float:
+    def trainer_step_overhead(self, layout) -> float:
         return 0.0  # inside the measured per-sample time
 
 
-# -- the prediction ---------------------------------------------------------------------------------
+# -- the decomposition -----------------------------------------------------------------------------
 
 
 @dataclass
-class Prediction:
+class Decomposition:
+    """Each mode's steady steps against the planner's composition of their own phase times."""
+
     layouts: BenchLayouts
     tables: dict
-    async_layout: object  # llamarl_model.AsyncLayout
-    sync_layout: object  # llamarl_model.SyncLayout
+    async_candidate: object  # llamarl_model.AsyncCandidate, priced from the async run's own phases
+    sync_candidate: object  # llamarl_model.SyncCandidate, from the sync run's
     measured_async: PhaseTimes
     measured_sync: PhaseTimes
 
     @property
-    def predicted_ratio(self) -> float:
-        """Async samples/s over sync samples/s = T_sync / T_async (``PlanResult.speedup``)."""
-        return self.sync_layout.step_seconds / self.async_layout.step_seconds
+    def composed_ratio(self) -> float:
+        """Async samples/s over sync samples/s as the model composes them: T_sync / T_async."""
+        return self.sync_candidate.step_seconds / self.async_candidate.step_seconds
 
     @property
     def measured_ratio(self) -> float:
         return self.measured_async.samples_per_s / self.measured_sync.samples_per_s
 
     def to_dict(self) -> dict:
-        L, a, s = self.layouts, self.async_layout, self.sync_layout
+        L, a, s = self.layouts, self.async_candidate, self.sync_candidate
         ma, ms = self.measured_async, self.measured_sync
         bottleneck = "trainer" if a.train_seconds >= a.generate_seconds else "generator"
         if L.generate_while_waiting:  # the generator's time fills the step: whether the trainer waited tells
@@ -334,14 +344,15 @@ class Prediction:
             eta_g_is = "measured (the generator stops once its batch is ready)"
         r = lambda x: round(x, 4)  # noqa: E731
         return {
-            "predicted_ratio": r(self.predicted_ratio),
+            "kind": "decomposition check: the planner's composition of the phase times measured in these same "
+            "runs, against their whole steps (not a prediction from other runs)",
+            "composed_ratio": r(self.composed_ratio),
             "measured_ratio": r(self.measured_ratio),
             "devices": L.ranks,
             "cores": L.cores,
             "threads": L.threads,
             "async": {
-                "layout": f"trainer TP{L.trainer_tp}xPP{L.trainer_pp} x DP{L.trainer_dp} + generator "
-                f"TP{L.generator_tp} x {L.generator_replicas} replica(s)",
+                "layout": f"trainer {L.trainer.describe()} + generator {L.generator.describe()}",
                 "steady_steps": ma.steps,
                 "b_t": L.async_trainer_b,
                 "eta_t": r(a.eta_t),
@@ -352,11 +363,11 @@ class Prediction:
                 "generate_s": r(a.generate_seconds),
                 "weight_sync_s": r(a.weight_sync_seconds),
                 "bottleneck": bottleneck,
-                "predicted_step_s": r(a.step_seconds),
+                "composed_step_s": r(a.step_seconds),
                 "measured_step_s": r(ma.step_s),
             },
             "sync": {
-                "layout": f"TP{L.trainer_tp}xPP{L.trainer_pp} x DP{L.sync_dp}, every rank generates then trains",
+                "layout": f"{L.sync.describe()}, every rank generates then trains",
                 "steady_steps": ms.steps,
                 "b_t": L.sync_b,
                 "eta_t": r(s.eta_t),
@@ -365,7 +376,7 @@ class Prediction:
                 "train_s": r(s.train_seconds),
                 "generate_s": r(s.generate_seconds),
                 "unpriced_copy_s": r(ms.weight_sync_s),
-                "predicted_step_s": r(s.step_seconds),
+                "composed_step_s": r(s.step_seconds),
                 "measured_step_s": r(ms.step_s),
             },
         }
@@ -391,18 +402,18 @@ def plan_inputs(layouts: BenchLayouts, spec, prompt_tokens: int, max_new_tokens:
     ).validate()
 
 
-def predict(
+def decompose(
     layouts: BenchLayouts,
     async_records: Sequence[dict],
     sync_records: Sequence[dict],
     spec,
     prompt_tokens: int,
     max_new_tokens: int,
-) -> Prediction:
-    """The planner's async and sync step times for the layouts that ran, from their steady steps."""
+) -> Decomposition:
+    """The planner's async and sync step times for the layouts that ran, composed from their own steady steps."""
     from dataclasses import replace
 
-    from megarl.plan.inputs import GeneratorLayout, TrainerLayout
+    from megarl.plan.inputs import TrainerLayout, planned_generator
     from megarl.plan.llamarl_model import build_costs, evaluate_async, evaluate_sync
 
     L = layouts.check()
@@ -411,17 +422,16 @@ def predict(
     tables = measured_tables(L, measured_async, measured_sync)
     inputs = plan_inputs(L, spec, prompt_tokens, max_new_tokens)
     costs = ReplicaBatchCosts(build_costs(replace(inputs, measured=None)), tables)
-    trainer = TrainerLayout(L.trainer_tp, L.trainer_pp, L.micro_batch, L.recompute)
+    settings = dict(micro_batch=L.micro_batch, recompute=L.recompute)
     a = evaluate_async(
         costs,
         inputs,
-        trainer,
-        L.trainer_m * L.trainer_dp,
-        GeneratorLayout(L.generator_tp),
+        TrainerLayout(L.trainer, **settings),
+        planned_generator(L.generator),
         sequences=L.async_generator_b,
     )
     a.weight_sync_seconds, a.weight_sync_method = measured_async.weight_sync_s, "measured"
-    s = evaluate_sync(costs, inputs, trainer)
+    s = evaluate_sync(costs, inputs, TrainerLayout(L.sync, **settings))
     if s.sequences != L.sync_b:
         raise ConfigError(f"sync: the planner runs {s.sequences} sequences per replica, the bench {L.sync_b}")
-    return Prediction(L, tables, a, s, measured_async, measured_sync)
+    return Decomposition(L, tables, a, s, measured_async, measured_sync)

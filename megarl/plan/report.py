@@ -7,7 +7,8 @@ from typing import List, Optional
 
 from megarl.plan.costs import MemoryBreakdown
 from megarl.plan.hardware import GB
-from megarl.plan.llamarl_model import AsyncLayout, PlanResult, SyncLayout
+from megarl.plan.inputs import generator_text
+from megarl.plan.llamarl_model import AsyncCandidate, PlanResult, SyncCandidate
 from megarl.plan.pipeline_appendix import PAPER_CASE, AppendixInputs, LagRow
 
 # LlamaRL Table 3: measured step-time speed-ups over the DeepSpeed-Chat-like baseline
@@ -19,18 +20,19 @@ LLAMARL_TABLE3 = (
 )
 
 
-def trainer_json(t, dp: int, gpus: int) -> dict:
-    """A trainer layout by Megatron-LM's names (recompute "none" is recompute_granularity None)."""
+def trainer_json(t) -> dict:
+    """A trainer layout (``TrainerLayout``) by Megatron-LM's names (recompute "none" is recompute_granularity None)."""
+    d = t.dims
     out = {
-        "tp": t.tp,
-        "pp": t.pp,
-        "dp": dp,
+        "tp": d.tp,
+        "pp": d.pp,
+        "dp": d.dp,
         "micro_batch": t.micro_batch,
         "recompute": t.recompute,
-        "gpus": gpus,
+        "gpus": d.world_size,
         "sequence_parallel": t.sp,
-        "cp": t.cp,
-        "vpp": t.vpp,
+        "cp": d.cp,
+        "vpp": d.vpp,
     }
     if t.recompute == "full":
         out.update(recompute_method=t.recompute_method or "uniform", recompute_num_layers=t.recompute_num_layers or 1)
@@ -56,11 +58,11 @@ def memory_json(m: MemoryBreakdown) -> dict:
     }
 
 
-def async_json(a: Optional[AsyncLayout]) -> Optional[dict]:
+def async_json(a: Optional[AsyncCandidate]) -> Optional[dict]:
     if a is None:
         return None
     return {
-        "trainer": trainer_json(a.trainer, a.dp, a.trainer_gpus),
+        "trainer": trainer_json(a.trainer),
         "generator": {
             "tp": a.generator.tp,
             "pp": a.generator.pp,
@@ -80,11 +82,11 @@ def async_json(a: Optional[AsyncLayout]) -> Optional[dict]:
     }
 
 
-def sync_json(s: Optional[SyncLayout]) -> Optional[dict]:
+def sync_json(s: Optional[SyncCandidate]) -> Optional[dict]:
     if s is None:
         return None
     return {
-        "layout": trainer_json(s.trainer, s.dp, s.gpus),
+        "layout": trainer_json(s.trainer),
         "generator_precision": s.generator_precision,
         "batching": s.batching,
         "sequences_in_flight": s.sequences,
@@ -153,7 +155,7 @@ def plan_text(r: PlanResult) -> str:
             [
                 "",
                 "generator",
-                f"{a.generator.describe()} {i.generator_precision} x {a.replicas}",
+                f"{generator_text(a.generator)} {i.generator_precision} x {a.replicas}",
                 str(a.generator_gpus),
                 str(a.sequences),
                 f"generate {a.generate_seconds:.1f}",
@@ -342,7 +344,7 @@ def config_plan_text(p) -> str:
             name,
             f"{a.trainer.describe()} x DP{a.dp}",
             str(a.trainer_gpus),
-            f"{a.generator.describe()} x {a.replicas}",
+            f"{generator_text(a.generator)} x {a.replicas}",
             str(a.generator_gpus),
             str(a.sequences),
             f"{a.train_seconds:.1f}",

@@ -15,49 +15,32 @@ from __future__ import annotations
 from functools import lru_cache
 
 from megarl.models.spec import LlamaSpec
+from megarl.parallel_dims import ParallelDims
 from megarl.plan.costs import H100CostModel
 from megarl.plan.hardware import GB, Hardware, weight_bytes
-from megarl.plan.inputs import GeneratorLayout, TrainerLayout
+from megarl.plan.inputs import TrainerLayout, runtime_generator
 
 
-def estimate_seconds(
-    costs: H100CostModel,
-    trainer: TrainerLayout,
-    trainer_gpus: int,
-    generator: GeneratorLayout,
-    replicas: int,
-    precision: str,
-) -> float:
+def estimate_seconds(costs: H100CostModel, trainer: TrainerLayout, generator: ParallelDims, precision: str) -> float:
+    """The busier end: a generator GPU receiving its shard, or a trainer GPU sending its share of
+    one copy per generator replica (``generator``: the planner's generators, dp = replicas)."""
     hw = costs.hw
     per_receiver = costs.generator_weight_bytes(generator, precision)
     shape = costs.shape
     model_bytes = shape.linear_params * weight_bytes(precision, "generator_precision")
     model_bytes += shape.embedding_params * 2.0 * (1 if shape.tied else 2)
-    per_sender = replicas * model_bytes / trainer_gpus
+    per_sender = generator.dp * model_bytes / trainer.gpus
     # Trainer and generator GPUs sit on different nodes: both ends go over the network.
     return max(per_receiver, per_sender) / (hw.network_gb_s * GB)
 
 
 def predict_seconds(
-    spec: LlamaSpec,
-    hw: Hardware,
-    trainer: TrainerLayout,
-    dp: int,
-    generator: GeneratorLayout,
-    replicas: int,
-    precision: str,
+    spec: LlamaSpec, hw: Hardware, trainer: TrainerLayout, generator: ParallelDims, precision: str
 ) -> float:
+    """megarl's transfer plan for these dims, priced (refused for a pipelined generator)."""
+    t, g = trainer.dims, runtime_generator(generator)
     return _predict(
-        spec,
-        hw.gpus_per_node,
-        hw.nvlink_gb_s,
-        hw.network_gb_s,
-        trainer.tp,
-        trainer.pp,
-        dp,
-        generator.tp,
-        replicas,
-        precision == "fp8",
+        spec, hw.gpus_per_node, hw.nvlink_gb_s, hw.network_gb_s, t.tp, t.pp, t.dp, g.tp, g.replicas, precision == "fp8"
     )
 
 

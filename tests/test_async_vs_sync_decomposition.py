@@ -1,9 +1,10 @@
-"""`megarl bench async-vs-sync`'s prediction: measured per-sample times through the planner.
+"""`megarl bench async-vs-sync`'s decomposition check: measured per-sample times through the planner.
 
-Every expected number below is worked out by hand from the per-step times the test
-gives (LlamaRL s.7: T_sync = B/(N/m) (eta_g + eta_t), T_async = max(B/dp eta_t,
-B/r eta_g) + weight sync); the code under test goes through the planner's measured
-tables and evaluate_async / evaluate_sync.
+A decomposition, not a prediction: the per-sample times come from the runs whose steps they are
+composed into. Every expected number below is worked out by hand from the per-step times the
+test gives (LlamaRL s.7: T_sync = B/(N/m) (eta_g + eta_t), T_async = max(B/dp eta_t,
+B/r eta_g) + weight sync); the code under test goes through the planner's measured tables and
+evaluate_async / evaluate_sync.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import pytest
 
 from megarl.errors import ConfigError
 from megarl.models.presets import preset_spec
-from megarl.plan.measured_ratio import BenchLayouts, ReplicaBatchCosts, predict, steady_records
+from megarl.parallel_dims import GeneratorDims, ParallelDims
+from megarl.plan.measured_ratio import BenchLayouts, ReplicaBatchCosts, decompose, steady_records
 
 APPROX = dict(rel=1e-9)
 
@@ -40,13 +42,10 @@ TWO_RANKS = BenchLayouts(
     ranks=2,
     prompts=4,
     samples_per_prompt=2,
-    trainer_tp=1,
-    trainer_pp=1,
-    trainer_dp=1,
-    generator_tp=1,
-    generator_replicas=1,
+    trainer=ParallelDims(tp=1, pp=1, dp=1),
+    generator=GeneratorDims(tp=1, replicas=1),
+    sync=ParallelDims(tp=1, pp=1, dp=2),
     max_running=8,
-    sync_dp=2,
     generate_while_waiting=False,
 )
 ASYNC_4 = [
@@ -72,8 +71,8 @@ def test_steady_steps_leave_out_warm_up_and_drain():
 
 
 def test_two_ranks_hand_computed():
-    p = predict(TWO_RANKS, ASYNC_4, SYNC_4, preset_spec("tiny"), prompt_tokens=128, max_new_tokens=16)
-    a, s = p.async_layout, p.sync_layout
+    p = decompose(TWO_RANKS, ASYNC_4, SYNC_4, preset_spec("tiny"), prompt_tokens=128, max_new_tokens=16)
+    a, s = p.async_candidate, p.sync_candidate
     # async, steps 2-3: train 1.04 s for 8 samples on one replica; generate 0.52 + reward 0.06 for 8
     assert a.eta_t == pytest.approx(1.04 / 8, **APPROX)
     assert a.eta_g == pytest.approx(0.58 / 8, **APPROX)
@@ -84,11 +83,12 @@ def test_two_ranks_hand_computed():
     assert s.eta_t == pytest.approx(0.175, **APPROX)
     assert s.eta_g == pytest.approx(0.105, **APPROX)
     assert s.step_seconds == pytest.approx(4 * (0.105 + 0.175), **APPROX)  # generate, then train: 1.12
-    assert p.predicted_ratio == pytest.approx(1.12 / 1.06, **APPROX)
+    assert p.composed_ratio == pytest.approx(1.12 / 1.06, **APPROX)
     # measured: 8 samples per 1.09 s (async steps 2-3) vs 8 per 1.15 s (sync steps 2-4)
     assert p.measured_ratio == pytest.approx(1.15 / 1.09, **APPROX)
     out = p.to_dict()
-    assert out["predicted_ratio"] == pytest.approx(1.0566, abs=1e-4)
+    assert out["composed_ratio"] == pytest.approx(1.0566, abs=1e-4)
+    assert not any("pred" in k for k in out) and not any("pred" in k for m in ("async", "sync") for k in out[m])
     assert out["async"]["bottleneck"] == "trainer" and out["async"]["steady_steps"] == [2, 3]
     assert out["sync"]["b_t"] == 4 and out["async"]["b_t"] == 8
     assert out["sync"]["unpriced_copy_s"] == pytest.approx(0.01)
@@ -100,9 +100,9 @@ def test_generate_while_waiting_hides_the_generators_work_not_the_step():
     from dataclasses import replace
 
     ahead = [dict(r, time_generate=r["time_train"] - r["time_reward"]) if r["time_generate"] else r for r in ASYNC_4]
-    p = predict(replace(TWO_RANKS, generate_while_waiting=True), ahead, SYNC_4, preset_spec("tiny"), 128, 16)
-    assert p.async_layout.generate_seconds == pytest.approx(1.04, **APPROX)  # = the trainer's step
-    assert p.async_layout.step_seconds == pytest.approx(1.06, **APPROX)  # as with the generator's own 0.58
+    p = decompose(replace(TWO_RANKS, generate_while_waiting=True), ahead, SYNC_4, preset_spec("tiny"), 128, 16)
+    assert p.async_candidate.generate_seconds == pytest.approx(1.04, **APPROX)  # = the trainer's step
+    assert p.async_candidate.step_seconds == pytest.approx(1.06, **APPROX)  # as with the generator's own 0.58
     out = p.to_dict()
     assert out["async"]["bottleneck"] == "trainer" and out["async"]["eta_g_is"].startswith("at most")
 
@@ -113,20 +113,17 @@ def test_generator_bound_with_tp_and_replicas_hand_computed():
         ranks=4,
         prompts=4,
         samples_per_prompt=3,
-        trainer_tp=2,
-        trainer_pp=1,
-        trainer_dp=1,
-        generator_tp=1,
-        generator_replicas=2,
+        trainer=ParallelDims(tp=2, dp=1),
+        generator=GeneratorDims(tp=1, replicas=2),
+        sync=ParallelDims(tp=2, dp=2),
         max_running=6,
-        sync_dp=2,
     )
     async_recs = [_rec(i, 0.6, 1.1, 0.1, 0.05, wall=1.3, samples=12) for i in (1, 2, 3)] + [
         _rec(4, 0.6, 0.0, wall=0.6, samples=12)
     ]
     sync_recs = [_rec(i, 0.45, 0.75, 0.03, 0.01, wall=1.27, samples=12) for i in (1, 2, 3, 4)]
-    p = predict(layouts, async_recs, sync_recs, preset_spec("tiny"), prompt_tokens=64, max_new_tokens=32)
-    a, s = p.async_layout, p.sync_layout
+    p = decompose(layouts, async_recs, sync_recs, preset_spec("tiny"), prompt_tokens=64, max_new_tokens=32)
+    a, s = p.async_candidate, p.sync_candidate
     assert a.eta_t == pytest.approx(0.6 / 12, **APPROX)  # one trainer replica, all 12 samples
     assert a.eta_g == pytest.approx(1.2 / 6, **APPROX)  # each generator replica makes 6
     assert a.sequences == 6
@@ -134,7 +131,7 @@ def test_generator_bound_with_tp_and_replicas_hand_computed():
     assert a.step_seconds == pytest.approx(1.25, **APPROX)
     assert s.eta_t == pytest.approx(0.45 / 6, **APPROX) and s.eta_g == pytest.approx(0.78 / 6, **APPROX)
     assert s.step_seconds == pytest.approx(6 * (0.13 + 0.075), **APPROX)  # 1.23
-    assert p.predicted_ratio == pytest.approx(1.23 / 1.25, **APPROX)
+    assert p.composed_ratio == pytest.approx(1.23 / 1.25, **APPROX)
     assert p.measured_ratio == pytest.approx(1.27 / 1.3, **APPROX)
     out = p.to_dict()
     assert out["async"]["bottleneck"] == "generator"  # the trainer waited 0.65 s of each 1.3 s step
@@ -146,6 +143,9 @@ def test_trainer_time_is_looked_up_at_the_replica_batch():
     from megarl.plan.llamarl_model import build_costs
     from megarl.plan.measured_ratio import plan_inputs
 
+    def at_dp(dp):
+        return TrainerLayout(ParallelDims(tp=1, pp=1, dp=dp), 1, "none")
+
     inputs = plan_inputs(TWO_RANKS, preset_spec("tiny"), 128, 16)
     costs = ReplicaBatchCosts(
         build_costs(inputs),
@@ -156,33 +156,38 @@ def test_trainer_time_is_looked_up_at_the_replica_batch():
             ]
         },
     )
-    layout = TrainerLayout(1, 1, 1, "none")
-    assert costs.trainer_seconds_per_sample(layout, 1, 8) == 0.13
-    assert costs.trainer_seconds_per_sample(layout, 2, 8) == 0.175
-    assert costs.trainer_step_overhead(layout, 2) == 0.0
+    assert costs.trainer_seconds_per_sample(at_dp(1), 8) == 0.13
+    assert costs.trainer_seconds_per_sample(at_dp(2), 8) == 0.175
+    assert costs.trainer_step_overhead(at_dp(2)) == 0.0
     with pytest.raises(ConfigError, match="3 samples per replica"):
-        costs.trainer_seconds_per_sample(layout, 3, 8)
+        costs.trainer_seconds_per_sample(at_dp(3), 8)
 
 
 def test_layouts_must_add_up():
-    with pytest.raises(ConfigError, match="sync"):
-        BenchLayouts(
+    from dataclasses import replace
+
+    def layouts(sync):
+        return BenchLayouts(
             ranks=2,
             prompts=4,
             samples_per_prompt=2,
-            trainer_tp=1,
-            trainer_pp=1,
-            trainer_dp=1,
-            generator_tp=1,
-            generator_replicas=1,
+            trainer=ParallelDims(),
+            generator=GeneratorDims(),
+            sync=sync,
             max_running=8,
-            sync_dp=3,
-        ).check()
+        )
+
+    with pytest.raises(ConfigError, match="sync: TP1 x PP1 x DP3 = 3 ranks != 2"):
+        layouts(ParallelDims(dp=3)).check()
+    with pytest.raises(ConfigError, match="sync: TP2 x PP1 x DP1 must run the async trainer's"):
+        layouts(ParallelDims(tp=2)).check()
+    with pytest.raises(ConfigError, match="async: trainer"):
+        replace(layouts(ParallelDims(dp=2)), generator=GeneratorDims(replicas=2)).check()
 
 
-def test_bench_prints_both_ratios_and_the_prediction(tmp_path, monkeypatch, capsys):
+def test_bench_prints_both_ratios_and_the_decomposition(tmp_path, monkeypatch, capsys):
     """The bench's own logic around two (stand-in) runs: workdir replaced, each run's thread split
-    its own, one JSON line with the measured ratios and the planner's prediction."""
+    its own, one JSON line with the measured ratios and the planner's composition of their phases."""
     import megarl.model_source
     import megarl.train
     from megarl.bench import async_vs_sync
@@ -221,19 +226,21 @@ def test_bench_prints_both_ratios_and_the_prediction(tmp_path, monkeypatch, caps
     assert seen["sync"][1] is None  # the async run's OMP_NUM_THREADS did not carry over
     assert seen["sync"][0]["trainer.dp"] == "2" and seen["sync"][0]["trainer.cpu_threads"] == "0"
     assert printed["measured_ratio"] == pytest.approx(1.15 / 1.09, abs=1e-4)
-    assert printed["predicted_ratio"] == pytest.approx(1.12 / 1.06, abs=1e-4)
+    assert printed["composed_ratio"] == pytest.approx(1.12 / 1.06, abs=1e-4)
+    assert not any("pred" in k for k in printed)  # a decomposition check, named as one
     wall_async, wall_sync = 5.5 + 1.05 + 1.13 + 0.9 + 1.0, 5.0 + 1.15 + 1.17 + 1.13
     assert printed["ratio_async_over_sync"] == pytest.approx(wall_sync / wall_async, rel=1e-9)
-    pred = printed["prediction"]
-    assert pred["devices"] == 2 and pred["threads"]["sync_rank"] >= 1
-    assert pred["tables"]["sync_generator"][0]["b"] == 4
-    assert json.loads((tmp_path / "prediction.json").read_text())["predicted_ratio"] == printed["predicted_ratio"]
+    dec = printed["decomposition"]
+    assert dec["kind"].startswith("decomposition check")
+    assert dec["devices"] == 2 and dec["threads"]["sync_rank"] >= 1
+    assert dec["tables"]["sync_generator"][0]["b"] == 4
+    assert json.loads((tmp_path / "decomposition.json").read_text())["composed_ratio"] == printed["composed_ratio"]
 
 
 @pytest.mark.slow
 def test_bench_end_to_end_tiny(tmp_path):
-    """The real bench on tiny_cpu (two ~40 s runs): the planner's step times, from the per-sample times
-    the runs measured, match the steps the runs timed. Each mode's step is one composition of its
+    """The real bench on tiny_cpu (two ~40 s runs), a decomposition check: the planner's composition
+    of the per-sample times the runs measured matches the steps the same runs timed. Each mode's step is one composition of its
     phases (async: max(train, generate) + sync; sync: generate + train), and the responses all run
     to max_new_tokens, so steps do not vary enough to separate the mean of maxima from the maximum
     of means; what the model leaves out (channels, controller work) stays well under 15%."""
@@ -258,11 +265,11 @@ def test_bench_end_to_end_tiny(tmp_path):
     proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    pred = out["prediction"]
-    assert pred["async"]["steady_steps"] == [2, 3] and pred["sync"]["steady_steps"] == [2, 3, 4]
+    dec = out["decomposition"]
+    assert dec["async"]["steady_steps"] == [2, 3] and dec["sync"]["steady_steps"] == [2, 3, 4]
     for mode in ("async", "sync"):
-        assert pred[mode]["predicted_step_s"] == pytest.approx(pred[mode]["measured_step_s"], rel=0.15)
-    assert out["predicted_ratio"] == pytest.approx(out["measured_ratio"], rel=0.15)
+        assert dec[mode]["composed_step_s"] == pytest.approx(dec[mode]["measured_step_s"], rel=0.15)
+    assert out["composed_ratio"] == pytest.approx(out["measured_ratio"], rel=0.15)
     # the measured ratio is the steady steps' samples/s, recomputed here from metrics.jsonl
     steps = {
         m: [json.loads(x) for x in (tmp_path / m / "metrics.jsonl").read_text().splitlines()] for m in ("async", "sync")
@@ -273,4 +280,4 @@ def test_bench_end_to_end_tiny(tmp_path):
     }
     assert out["measured_ratio"] == pytest.approx(rate["async"] / rate["sync"], abs=1e-4)
     even = max(1, (os.cpu_count() or 1) // 2)  # 2 ranks in each mode, the launcher's split
-    assert pred["threads"] == {"async_trainer": even, "async_generator": even, "sync_rank": even}
+    assert dec["threads"] == {"async_trainer": even, "async_generator": even, "sync_rank": even}
