@@ -71,7 +71,7 @@ def dry_run(cfg, path: str = "config") -> DryRun:
     spec = preset_spec(preset)
     topo = topology(cfg)
     report = DryRun(path, preset, gpn, topo)
-    if cfg.run.mode == "async" and cfg.generator.backend != "torch":
+    if topo.drivers_only:
         # SGLang spawns its own TP workers outside the torchrun world; they still occupy GPUs and
         # join the weight-sync group at ranks [T, T + G), which is the world checked here.
         topo.world_size = gpus_used(cfg)
@@ -79,12 +79,12 @@ def dry_run(cfg, path: str = "config") -> DryRun:
             f"generator.backend={cfg.generator.backend}: generator ranks are the weight-sync "
             f"group's (the engines' own workers), checked as ranks of a {topo.world_size}-GPU job"
         )
-    report.checks.append(check_model_shards(cfg, spec))
-    report.checks.append(check_allocation(cfg, section.gpus, gpn))
+    report.checks.append(check_model_shards(cfg, spec, topo))
+    report.checks.append(check_allocation(cfg, section.gpus, gpn, topo))
     check_tp_groups_within_nodes(cfg, topo, gpn)
     report.checks.extend(topo.check(gpn))
     report.checks.append(check_micro_batch(cfg))
-    if cfg.run.mode == "async":
+    if not topo.colocated:
         hw = section_hardware(section)
         report.weight_sync, report.sync_plan = check_weight_sync(cfg, spec, topo, gpn, hw.nvlink_gb_s, hw.network_gb_s)
         ws = report.weight_sync
@@ -104,7 +104,7 @@ def dry_run(cfg, path: str = "config") -> DryRun:
 # -- the checks ---------------------------------------------------------------------------------
 
 
-def check_model_shards(cfg, spec) -> str:
+def check_model_shards(cfg, spec, topo: Topology) -> str:
     from megarl.weight_sync.layouts import check_sglang_tp
 
     t, g = cfg.trainer, cfg.generator
@@ -112,21 +112,21 @@ def check_model_shards(cfg, spec) -> str:
         spec.check_parallelism(t.tp, t.pp)
     except ConfigError as err:
         raise ConfigError(f"trainer.tp={t.tp} / trainer.pp={t.pp}: {err}") from None
-    if cfg.run.mode == "async":
+    if not topo.colocated:
         try:
             check_sglang_tp(spec, g.tp)
         except ConfigError as err:
             raise ConfigError(f"generator.tp={g.tp}: {err}") from None
     return f"the model shards: trainer TP{t.tp} x PP{t.pp} ({spec.num_layers // t.pp} layers per stage)" + (
-        f", generator TP{g.tp}" if cfg.run.mode == "async" else ""
+        f", generator TP{g.tp}" if not topo.colocated else ""
     )
 
 
-def check_allocation(cfg, plan_gpus, gpus_per_node: int) -> str:
+def check_allocation(cfg, plan_gpus, gpus_per_node: int, topo: Topology) -> str:
     used = gpus_used(cfg)
     split = (
         f"trainer {cfg.trainer_dims().world_size} + generator {cfg.generator_dims().world_size}"
-        if cfg.run.mode == "async"
+        if not topo.colocated
         else f"trainer {cfg.trainer_dims().world_size}"
     )
     if plan_gpus is not None and used > plan_gpus:
