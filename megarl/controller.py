@@ -100,7 +100,8 @@ class Controller:
         if job.has("trainer"):
             from megarl.executors.trainer import TrainerExecutor
 
-            self.trainer = TrainerExecutor(cfg, job, prepared, resume)
+            lag_bound = cfg.rollout.max_lag if cfg.run.mode == "async" else 0  # sync trains on lag 0 only
+            self.trainer = TrainerExecutor(cfg, job, prepared, resume, lag_bound)
         # where a resumed run continues (runtime state of the checkpoint, loop_state.py)
         self.resume = _broadcast_from_rank0(job, resume_point(self.trainer.loop_state) if job.rank == 0 else None)
         self.start = self.resume.next_iteration

@@ -64,7 +64,8 @@ def replay_rank(cfg_dict: dict, prepared, rollouts: str) -> None:
     cfg = concrete_config(cfg_dict)
     init_distributed()
     batches = load_recorded_batches(Path(rollouts))
-    trainer = TrainerExecutor(cfg, None, prepared, resume_dir=None)
+    lag_bound = cfg.rollout.max_lag if cfg.run.mode == "async" else 0  # as the recorded run trained
+    trainer = TrainerExecutor(cfg, None, prepared, resume_dir=None, lag_bound=lag_bound)
     out = Path(cfg.run.output_dir)
     writer = None
     if dist.get_rank() == 0:
