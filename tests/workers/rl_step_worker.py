@@ -90,8 +90,10 @@ def main():
                 group["lr"] = KL_LR
             metrics[case] += [trainer.step(equal, version=VERSION) for _ in range(2)]
         elif case == "overlong":
+            # trainer_logprobs cleared: the earlier cases handed theirs back into these samples
             cut = [
-                dataclasses.replace(s, finish_reason="length" if i in (0, 3) else "stop") for i, s in enumerate(samples)
+                dataclasses.replace(s, finish_reason="length" if i in (0, 3) else "stop", trainer_logprobs=None)
+                for i, s in enumerate(samples)
             ]
             metrics[case] = [trainer.step(cut, version=VERSION)]
             metrics[case][0]["handed_back"] = [s.trainer_logprobs is not None for s in cut]
