@@ -309,12 +309,21 @@ class Config:
                 f"{name}: sync (colocated) mode copies the trainer's shards into each rank's engine "
                 f"by TP x PP only; run it with run.mode=async"
             )
-        from megarl.trainer.losses import bind_loss_params  # imports torch: only when a config is checked
-
-        bind_loss_params(t.loss, t.loss_params)
-        from megarl.trainer.aggregation import check_loss_settings
-
-        check_loss_settings(self)
+        # the loss's own settings (trainer.loss, loss_params, loss_agg) are checked against the loss when it
+        # is bound (megarl.trainer.bound_loss), which `megarl train` does before any rank starts; these need none
+        if t.entropy_coef < 0:
+            raise ConfigError(f"trainer.entropy_coef: an entropy bonus, must be >= 0, got {t.entropy_coef}")
+        _choice("trainer.overlong", t.overlong, ("none", "mask", "penalty"))
+        if t.overlong == "penalty":
+            if not 0 < t.overlong_buffer <= self.rollout.max_new_tokens:
+                raise ConfigError(
+                    f"trainer.overlong_buffer: the penalty's final stretch of tokens, must be in "
+                    f"[1, rollout.max_new_tokens={self.rollout.max_new_tokens}], got {t.overlong_buffer}"
+                )
+        elif t.overlong_buffer:
+            raise ConfigError(
+                f"trainer.overlong_buffer: used only with trainer.overlong=penalty (it is {t.overlong!r})"
+            )
 
     def _validate_optimizer(self) -> None:
         o, defaults = self.optimizer, OptimizerConfig()

@@ -22,6 +22,7 @@ def train(
     from megarl.runtime.launch import run_world, running_under_torchrun
 
     cfg = load_config(config_path, overrides)
+    check_loss(cfg, config_path)
     _resolve_dtypes(cfg, replay)
     from megarl.trainer.features import check_trainer_runs_here
 
@@ -80,6 +81,18 @@ def train(
     summary = json.loads((Path(cfg.run.output_dir) / "summary.json").read_text())
     print(json.dumps(summary), flush=True)
     return summary
+
+
+def check_loss(cfg, config_path: Optional[str] = None) -> None:
+    """The trainer's loss bound as its ranks will bind it (megarl.trainer.bound_loss), before any rank
+    starts: a bad trainer.loss / loss_params / loss_agg is refused here, naming the field."""
+    from megarl.errors import ConfigError
+    from megarl.trainer.bound_loss import bind_loss
+
+    try:
+        bind_loss(cfg.trainer, cfg.rollout, lag_bound=0)  # the lag bound changes nothing that is checked
+    except ConfigError as e:
+        raise ConfigError(f"{config_path or 'config'}: {e}") from None
 
 
 def _resolve_dtypes(cfg, replay: Optional[str]) -> None:

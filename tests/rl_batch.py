@@ -2,19 +2,21 @@
 
 The reference is plain PyTorch on transformers' LlamaForCausalLM: one sample at
 a time, log_softmax over the full (unpadded) vocabulary, each loss written out
-from its definition (per token or per sequence), then aggregated as its mode
-defines (token mean over the batch, or a mean over sequences). It shares no code
-with megarl's trainer.
+from its definition (per token or per sequence) over the tokens the sample's
+loss_mask trains, then aggregated as its mode defines (token mean over the batch,
+or a mean over the sequences that have a trained token). It shares no code with
+megarl's trainer.
 
-CASES are the loss configurations the Megatron workers run (LossConfig fields);
+CASES are the loss configurations the Megatron workers run (TrainerConfig fields,
+bound by ``bound_loss``; ``masked``: on ``masked_samples`` of the batch);
 ``reference_grads`` reads the same dictionaries but implements every loss itself.
 """
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 
-from megarl.rollout import Sample, sample_from_dict
+from megarl.rollout import MASKED_LOGPROB, MASKED_VERSION, Sample, sample_from_dict
 
 TEMPERATURE = 0.8
 RHO = 4.0
@@ -24,25 +26,76 @@ REWARDS = [1.0, 0.0, 0.5, 0.0, 0.0, 0.0, 1.0, 1.0]
 GROUPS = [0, 0, 0, 0, 1, 1, 1, 1]
 VERSION = 3  # the trainer's version: tokens of versions 1, 2, 3 have lags 2, 1, 0
 MAX_NEW_TOKENS = 16  # Dr.GRPO's constant normaliser
+MAX_LAG = 2  # the lag bound: buckets 0..2
 
-# name -> LossConfig fields (besides temperature and max_new_tokens)
+# name -> TrainerConfig fields (the rollout section gives temperature and max_new_tokens), and
+# ``masked``: run on masked_samples(batch)
 CASES = {
-    "aipo": dict(name="aipo", params={"rho": RHO}),
-    "gspo": dict(name="gspo", params={"eps": 0.1, "eps_high": 0.15}),  # its own seq_mean_token_mean
+    "aipo": dict(loss="aipo", loss_params={"rho": RHO}),
+    "gspo": dict(loss="gspo", loss_params={"eps": 0.1, "eps_high": 0.15}),  # its own seq_mean_token_mean
     "aipo_seq": dict(
-        name="aipo",
-        params={"rho": 1.2, "is_level": "sequence", "mask_c": 3.0},
-        agg="seq_mean_token_sum",
+        loss="aipo",
+        loss_params={"rho": 1.2, "is_level": "sequence", "mask_c": 3.0},
+        loss_agg="seq_mean_token_sum",
         entropy_coef=0.05,
     ),
     "ppo_mis": dict(
-        name="ppo_clip",
-        params={"eps": 0.2, "eps_high": 0.28, "mask_c": 1.25, "mask_level": "sequence"},
-        agg="seq_mean_token_mean",
+        loss="ppo_clip",
+        loss_params={"eps": 0.2, "eps_high": 0.28, "mask_c": 1.25, "mask_level": "sequence"},
+        loss_agg="seq_mean_token_mean",
     ),
-    "dr_grpo": dict(name="dr_grpo", params={}),  # its own seq_mean_token_sum_norm
-    "gmpo": dict(name="examples.losses.gmpo:gmpo", params={"eps_low": 0.2}),  # a user loss, seq_mean_token_mean
+    "dr_grpo": dict(loss="dr_grpo", loss_params={}),  # its own seq_mean_token_sum_norm
+    "gmpo": dict(loss="examples.losses.gmpo:gmpo", loss_params={"eps_low": 0.2}),  # a user loss, seq_mean_token_mean
+    # the loss mask: token-level, a sequence ratio over the trained tokens, and sequence-level IS with
+    # the entropy bonus summed per sequence
+    "aipo_masked": dict(loss="aipo", loss_params={"rho": RHO}, masked=True),
+    "gspo_masked": dict(loss="gspo", loss_params={"eps": 0.1, "eps_high": 0.15}, masked=True),
+    "aipo_seq_masked": dict(
+        loss="aipo",
+        loss_params={"rho": 1.2, "is_level": "sequence", "mask_c": 3.0},
+        loss_agg="seq_mean_token_sum",
+        entropy_coef=0.05,
+        masked=True,
+    ),
 }
+
+# masked_samples: per sample, which response tokens the loss leaves out (None: none). Sample 1 every other
+# token (half), sample 2 its first half, sample 6 its second half, sample 5 every token (it counts in
+# group 1's baseline, but adds nothing to the loss or to the sequence count)
+MASKS = {1: lambda j, n: j % 2 == 1, 2: lambda j, n: j < n // 2, 5: lambda j, n: True, 6: lambda j, n: j >= n // 2}
+
+
+def masked_samples(samples):
+    """``samples`` with MASKS applied: loss_mask 0 there, and the placeholders a masked token carries
+    (NaN behaviour log-prob, version -1) in place of its real values, which nothing may read."""
+    out = []
+    for i, s in enumerate(samples):
+        off = MASKS.get(i)
+        n = len(s.response_tokens)
+        mask = [0 if off is not None and off(j, n) else 1 for j in range(n)]
+        out.append(
+            replace(
+                s,
+                loss_mask=mask,
+                behaviour_logprobs=[mu if m else MASKED_LOGPROB for mu, m in zip(s.behaviour_logprobs, mask)],
+                policy_versions=[v if m else MASKED_VERSION for v, m in zip(s.policy_versions, mask)],
+                trainer_logprobs=None,
+            )
+        )
+    return out
+
+
+def case_samples(samples, case):
+    return masked_samples(samples) if case.get("masked") else samples
+
+
+def bound_loss(case, lag_bound=MAX_LAG):
+    """``case`` bound as the trainer binds a config's loss."""
+    from megarl.config import RolloutConfig, TrainerConfig
+    from megarl.trainer.bound_loss import bind_loss
+
+    trainer = TrainerConfig(**{k: v for k, v in case.items() if k != "masked"})
+    return bind_loss(trainer, RolloutConfig(temperature=TEMPERATURE, max_new_tokens=MAX_NEW_TOKENS), lag_bound)
 
 
 def response_logprobs(model, prompt, response, temperature, entropy=False):
@@ -101,8 +154,8 @@ def _clip(x, low, high):
 
 def _sequence_terms(case, logp, mu, adv, entropy):
     """(per-token loss [T] or per-sequence loss (scalar), which) from the loss's definition."""
-    p = case["params"]
-    name = case["name"]
+    p = case["loss_params"]
+    name = case["loss"]
     log_r = logp - mu
     if name == "aipo":
         lr = log_r.detach()
@@ -133,36 +186,45 @@ def _sequence_terms(case, logp, mu, adv, entropy):
 
 
 def _aggregation(case):
-    name = case["name"]
-    if case.get("agg"):
-        return case["agg"]
+    name = case["loss"]
+    if case.get("loss_agg"):
+        return case["loss_agg"]
     return {"gspo": "seq_mean_token_mean", "dr_grpo": "seq_mean_token_sum_norm"}.get(
         name, "seq_mean_token_mean" if name.endswith(":gmpo") else "token_mean"
     )
 
 
 def reference_grads(hf_dir, samples, case=CASES["aipo"]):
-    """(HF-named gradients, the loss's value) of ``case`` over ``samples``."""
+    """(HF-named gradients, the loss's value) of ``case`` over the trained tokens of ``samples``
+    (``case_samples``: masked ones for a masked case); a masked token is context, never a loss term."""
     from transformers import AutoModelForCausalLM
 
+    samples = case_samples(samples, case)
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     agg = _aggregation(case)
-    total_tokens = sum(len(s.response_tokens) for s in samples)
+    kept = [[j for j, m in enumerate(s.loss_mask) if m] for s in samples]
+    total_tokens = sum(len(k) for k in kept)
+    sequences = sum(1 for k in kept if k)  # a sample with every token masked is not one of them
     loss = torch.zeros(())
-    for s, adv in zip(samples, group_mean_advantages(samples)):
+    # the baseline is over every sample of a group, trained or not
+    for s, adv, k in zip(samples, group_mean_advantages(samples), kept):
+        if not k:
+            continue
         logp, entropy = response_logprobs(model, s.prompt_tokens, s.response_tokens, TEMPERATURE, entropy=True)
-        terms, kind = _sequence_terms(case, logp, torch.tensor(s.behaviour_logprobs), adv, entropy)
+        k = torch.tensor(k)
+        mu = torch.tensor(s.behaviour_logprobs)[k]
+        terms, kind = _sequence_terms(case, logp[k], mu, adv, entropy[k])
         if kind == "sequence":  # the sequence's loss, the same for each of its tokens
             assert agg == "seq_mean_token_mean"
-            loss = loss + terms / len(samples)
+            loss = loss + terms / sequences
         elif agg == "token_mean":
             loss = loss + terms.sum() / total_tokens
         elif agg == "seq_mean_token_mean":
-            loss = loss + terms.mean() / len(samples)
+            loss = loss + terms.mean() / sequences
         elif agg == "seq_mean_token_sum":
-            loss = loss + terms.sum() / len(samples)
+            loss = loss + terms.sum() / sequences
         else:  # seq_mean_token_sum_norm
-            loss = loss + terms.sum() / MAX_NEW_TOKENS / len(samples)
+            loss = loss + terms.sum() / MAX_NEW_TOKENS / sequences
     loss.backward()
     return {name: p.grad.clone() for name, p in model.named_parameters()}, loss.item()
 

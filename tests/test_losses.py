@@ -5,18 +5,12 @@ import math
 import pytest
 import torch
 
+from megarl.config import RolloutConfig, TrainerConfig
 from megarl.errors import ConfigError
 from megarl.rollout import Sample
 from megarl.trainer.advantages import compute_advantages
-from megarl.trainer.losses import (
-    LossInputs,
-    aipo,
-    bind_loss_params,
-    kl_penalty,
-    ppo_clip,
-    reinforce,
-    resolve_loss,
-)
+from megarl.trainer.bound_loss import bind_loss
+from megarl.trainer.losses import LossInputs, aipo, kl_penalty, ppo_clip, reinforce, resolve_loss
 
 RHO = 4.0
 
@@ -83,44 +77,52 @@ def test_registry_and_dotted_paths():
     x = inputs([-1.0], [-1.0], [1.0])
     x.entropy = torch.tensor([2.0], dtype=torch.float64)
     assert custom(x, entropy_coef=0.5).per_token_loss.item() == pytest.approx(1.0 * -1.0 * -1.0 - 1.0)
-    with pytest.raises(ConfigError, match="choose one of"):
+    with pytest.raises(ConfigError, match="trainer.loss: 'grpo' is unknown; choose one of"):
         resolve_loss("grpo")
     assert resolve_loss("gspo").loss_agg == "seq_mean_token_mean"
-    with pytest.raises(ConfigError, match="cannot import module 'no_such_pkg.losses'"):
+    with pytest.raises(ConfigError, match="trainer.loss: cannot import module 'no_such_pkg.losses'"):
         resolve_loss("no_such_pkg.losses:f")
-    with pytest.raises(ConfigError, match="has no function 'nope'"):
+    with pytest.raises(
+        ConfigError, match="trainer.loss: module 'examples.losses.entropy_bonus' has no attribute 'nope'"
+    ):
         resolve_loss("examples.losses.entropy_bonus:nope")
+    with pytest.raises(ConfigError, match="trainer.loss: 'examples.losses.gmpo:__doc__' is a str, not a function"):
+        resolve_loss("examples.losses.gmpo:__doc__")
+
+
+def bound_params(loss, params):
+    return dict(bind_loss(TrainerConfig(loss=loss, loss_params=params), RolloutConfig(), lag_bound=0).params)
 
 
 def test_loss_params_are_checked_against_the_loss_signature():
     no_mask = {"mask_c": None, "mask_level": "token"}
-    assert bind_loss_params("aipo", {}) == {"rho": 4.0, "is_level": "token", **no_mask}
-    assert bind_loss_params("aipo", {"rho": 2, "mask_c": 2}) == {
+    assert bound_params("aipo", {}) == {"rho": 4.0, "is_level": "token", **no_mask}
+    assert bound_params("aipo", {"rho": 2, "mask_c": 2}) == {
         "rho": 2.0,
         "is_level": "token",
         "mask_c": 2.0,
         "mask_level": "token",
     }
-    assert bind_loss_params("ppo_clip", {"eps_high": 0.28}) == {"eps": 0.2, "eps_high": 0.28, **no_mask}
-    assert bind_loss_params("gspo", {}) == {"eps": 3e-4, "eps_high": 4e-4}
-    assert bind_loss_params("examples.losses.entropy_bonus:aipo_with_entropy_bonus", {"entropy_coef": 0.1}) == {
+    assert bound_params("ppo_clip", {"eps_high": 0.28}) == {"eps": 0.2, "eps_high": 0.28, **no_mask}
+    assert bound_params("gspo", {}) == {"eps": 3e-4, "eps_high": 4e-4}
+    assert bound_params("examples.losses.entropy_bonus:aipo_with_entropy_bonus", {"entropy_coef": 0.1}) == {
         "rho": 4.0,
         "entropy_coef": 0.1,
     }
     with pytest.raises(ConfigError, match=r"loss_params.rho: must be > 1"):
-        bind_loss_params("aipo", {"rho": 0.5})
+        bound_params("aipo", {"rho": 0.5})
     with pytest.raises(
         ConfigError,
         match=r"loss_params.eps: .*has no such parameter \(its parameters: rho, is_level, "
         r"mask_c, mask_level\)",
     ):
-        bind_loss_params("aipo", {"eps": 0.2})
+        bound_params("aipo", {"eps": 0.2})
     with pytest.raises(ConfigError, match=r"loss_params.rho: .*has no such parameter \(its parameters: none\)"):
-        bind_loss_params("reinforce", {"rho": 2.0})
+        bound_params("reinforce", {"rho": 2.0})
     with pytest.raises(ConfigError, match=r"loss_params.eps_high: must be in \(0, 1\)"):
-        bind_loss_params("ppo_clip", {"eps_high": 1.5})
+        bound_params("ppo_clip", {"eps_high": 1.5})
     with pytest.raises(ConfigError, match=r"loss_params.rho: aipo expects float, got 'big'"):
-        bind_loss_params("aipo", {"rho": "big"})
+        bound_params("aipo", {"rho": "big"})
 
 
 def sample(reward, group):

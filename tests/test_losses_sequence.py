@@ -14,15 +14,18 @@ import math
 import pytest
 import torch
 
-from megarl.config import load_config
+from megarl.config import RolloutConfig, TrainerConfig, load_config
 from megarl.errors import ConfigError
 from megarl.rollout import Sample
-from megarl.trainer.aggregation import overlong_penalty, resolve_agg
-from megarl.trainer.hooks import LossConfig, aggregate, per_token_loss
-from megarl.trainer.losses import LossInputs, bind_loss_params, resolve_loss
+from megarl.train import check_loss
+from megarl.trainer.aggregation import overlong_penalty
+from megarl.trainer.bound_loss import bind_loss
+from megarl.trainer.hooks import aggregate, per_token_loss
+from megarl.trainer.losses import LossInputs, aipo
 from megarl.trainer.packing import plan_micro_batches
 from megarl.trainer.policy_trainer import shape_batch
 from megarl.trainer.stats import metrics_from_totals, micro_batch_stats, stat_fields
+from tests.loss_references import AGG_MODES, RefSample, objective
 
 TINY = "configs/tiny_cpu.yaml"
 VERSION = 5
@@ -34,6 +37,7 @@ SAMPLES = [  # log pi, log mu, advantage, group, token versions
 ENTROPY = [[1.5, 0.7, 2.2], [0.3, 1.1], [0.9, 1.8, 0.4, 2.6]]
 SPLITS = [[[0, 1, 2]], [[0, 1], [2]], [[0], [1], [2]]]
 S, N, M = 3, 9, 8  # sequences, response tokens, max_new_tokens (Dr.GRPO's constant)
+BATCH = [RefSample(lp, mu, a, h) for (lp, mu, a, _, _), h in zip(SAMPLES, ENTROPY)]
 
 
 def tokens():
@@ -41,16 +45,17 @@ def tokens():
     return [(i, lp, mu, s[2], h) for i, s in enumerate(SAMPLES) for lp, mu, h in zip(s[0], s[1], ENTROPY[i])]
 
 
+def bound(loss="aipo", params=None, agg=None, **trainer):
+    return bind_loss(
+        TrainerConfig(loss=loss, loss_params=params or {}, loss_agg=agg, **trainer),
+        RolloutConfig(max_new_tokens=M),
+        lag_bound=0,
+    )
+
+
 def run_hook(loss, params=None, agg=None, entropy_coef=0.0, split=SPLITS[0]):
     """(step loss, d/d log pi, d/d entropy, clipped, masked) through the hook's path, split as given."""
-    fn = resolve_loss(loss)
-    cfg = LossConfig(
-        name=loss,
-        params=bind_loss_params(loss, params or {}),
-        agg=resolve_agg(fn, agg),
-        entropy_coef=entropy_coef,
-        max_new_tokens=M,
-    )
+    bound_loss = bound(loss, params, agg, entropy_coef=entropy_coef)
     logp = torch.tensor([lp for s in SAMPLES for lp in s[0]], dtype=torch.float64, requires_grad=True)
     entropy = torch.tensor([h for e in ENTROPY for h in e], dtype=torch.float64, requires_grad=True)
     offsets = [0, 3, 5, 9]
@@ -68,8 +73,8 @@ def run_hook(loss, params=None, agg=None, entropy_coef=0.0, split=SPLITS[0]):
             step_sequences=S,
             step_tokens=N,
         )
-        out, per_token, _ = per_token_loss(fn, cfg, x)
-        total = total + aggregate(cfg.agg, x, per_token, M)
+        out, per_token, _ = per_token_loss(bound_loss, x)
+        total = total + aggregate(bound_loss.agg, x, per_token, M)
         flags = [False] * len(pos)
         for p, c, m in zip(
             pos,
@@ -82,137 +87,67 @@ def run_hook(loss, params=None, agg=None, entropy_coef=0.0, split=SPLITS[0]):
     return (total / N).item(), logp.grad.tolist(), grad_h, [clipped[p] for p in range(N)], [masked[p] for p in range(N)]
 
 
-# -- the objectives, written from their definitions ---------------------------------------------
+# -- the objectives, written from their definitions (tests/loss_references.py) ---------------------
 
 
-def coefficient(agg, i):
-    """c_i: the step's loss is sum_t c_{i(t)} l_t."""
-    n_i = len(SAMPLES[i][0])
-    return {
-        "token_mean": 1 / N,
-        "seq_mean_token_mean": 1 / (S * n_i),
-        "seq_mean_token_sum": 1 / S,
-        "seq_mean_token_sum_norm": 1 / (S * M),
-    }[agg]
-
-
-def seq_log_ratio(i):
-    lp, mu = SAMPLES[i][0], SAMPLES[i][1]
-    return sum(a - b for a, b in zip(lp, mu)) / len(lp)
-
-
-def keep(i, lp, mu, c, level):
-    if c is None:
-        return True
-    log_r = seq_log_ratio(i) if level == "sequence" else lp - mu
-    return abs(log_r) <= math.log(c)
-
-
-def aipo_ref(agg, rho=4.0, is_level="token", mask_c=None, mask_level="token"):
-    value, grad = 0.0, []
-    for i, lp, mu, a, _ in tokens():
-        w = min(math.exp(seq_log_ratio(i) if is_level == "sequence" else lp - mu), rho)
-        k = keep(i, lp, mu, mask_c, mask_level)
-        value += coefficient(agg, i) * (-w * a * lp) * k
-        grad.append(coefficient(agg, i) * -w * a * k)  # the weight carries no gradient
-    return value, grad
-
-
-def ppo_ref(agg, eps=0.2, eps_high=None, mask_c=None, mask_level="token"):
-    eps_high = eps if eps_high is None else eps_high
-    value, grad = 0.0, []
-    for i, lp, mu, a, _ in tokens():
-        r = math.exp(lp - mu)
-        clip_r = min(max(r, 1 - eps), 1 + eps_high)
-        k = keep(i, lp, mu, mask_c, mask_level)
-        value += coefficient(agg, i) * -min(r * a, clip_r * a) * k
-        # d(-r A)/d log pi = -r A where the unclipped term is the minimum; the clipped one is constant
-        grad.append(coefficient(agg, i) * (-r * a if r * a <= clip_r * a else 0.0) * k)
-    return value, grad
-
-
-def gspo_ref(agg, eps=3e-4, eps_high=4e-4):
-    value, grad = 0.0, []
-    for i, _lp, _mu, a, _ in tokens():
-        s = math.exp(seq_log_ratio(i))
-        n_i = len(SAMPLES[i][0])
-        clip_s = min(max(s, 1 - eps), 1 + eps_high)
-        value += coefficient(agg, i) * -min(s * a, clip_s * a)
-        # every token of sample i carries l_i; d s_i / d log pi_t = s_i / n_i for each of its n_i tokens
-        grad.append(n_i * coefficient(agg, i) * (-a * s / n_i if s * a <= clip_s * a else 0.0))
-    return value, grad
-
-
-def gmpo_ref(agg, eps_low=0.4, eps_high=0.4):
-    value, grad = 0.0, []
-    for i, lp, mu, a, _ in tokens():
-        n_i = len(SAMPLES[i][0])
-        # clipped log-ratio: for A > 0 min(log r, clip), for A < 0 max(log r, clip)
-        logs = [(x - y, min(max(x - y, -eps_low), eps_high)) for x, y in zip(SAMPLES[i][0], SAMPLES[i][1])]
-        chosen = [min(r, c) if a > 0 else max(r, c) for r, c in logs]
-        g = math.exp(sum(chosen) / n_i)
-        value += coefficient(agg, i) * -a * g
-        # the token's own log r is chosen (so has a gradient) unless capped on the side that helps
-        live = lp - mu <= eps_high if a > 0 else lp - mu >= -eps_low
-        grad.append(n_i * coefficient(agg, i) * (-a * g / n_i if live else 0.0))
-    return value, grad
-
-
-def entropy_bonus_ref(agg, coef):
-    value = sum(coefficient(agg, i) * -coef * h for i, _, _, _, h in tokens())
-    return value, [coefficient(agg, i) * -coef for i, _, _, _, _ in tokens()]
-
-
-def reinforce_ref(agg):
-    return (
-        sum(coefficient(agg, i) * -a * lp for i, lp, _, a, _ in tokens()),
-        [coefficient(agg, i) * -a for i, _, _, a, _ in tokens()],
-    )
+def ref(loss, agg, params=None, entropy_coef=0.0):
+    """(value, d/d log pi per token) of the definition over BATCH."""
+    r = objective(loss, params or {}, agg, BATCH, M, entropy_coef=entropy_coef)
+    return r.value, [g for per_sample in r.grad_logp for g in per_sample]
 
 
 CASES = [  # (id, loss, params, loss_agg (None: the loss's own), entropy_coef, reference, expected clip / mask)
-    ("aipo", "aipo", {}, None, 0.0, aipo_ref("token_mean"), [2], []),
+    ("aipo", "aipo", {}, None, 0.0, ref("aipo", "token_mean"), [2], []),
     (
         "aipo-seq-tis",
         "aipo",
         {"rho": 2.0, "is_level": "sequence"},
         "seq_mean_token_sum",
         0.0,
-        aipo_ref("seq_mean_token_sum", rho=2.0, is_level="sequence"),
+        ref("aipo", "seq_mean_token_sum", {"rho": 2.0, "is_level": "sequence"}),
         [0, 1, 2],
         [],
     ),
-    ("aipo-token-mis", "aipo", {"mask_c": 1.5}, "token_mean", 0.0, aipo_ref("token_mean", mask_c=1.5), [], [0, 2, 7]),
+    (
+        "aipo-token-mis",
+        "aipo",
+        {"mask_c": 1.5},
+        "token_mean",
+        0.0,
+        ref("aipo", "token_mean", {"mask_c": 1.5}),
+        [],
+        [0, 2, 7],
+    ),
     (
         "aipo-seq-mis",
         "aipo",
         {"mask_c": 1.5, "mask_level": "sequence"},
         "seq_mean_token_mean",
         0.0,
-        aipo_ref("seq_mean_token_mean", mask_c=1.5, mask_level="sequence"),
+        ref("aipo", "seq_mean_token_mean", {"mask_c": 1.5, "mask_level": "sequence"}),
         [],
         [0, 1, 2],
     ),
-    ("ppo", "ppo_clip", {}, "seq_mean_token_mean", 0.0, ppo_ref("seq_mean_token_mean"), [0, 2], []),
+    ("ppo", "ppo_clip", {}, "seq_mean_token_mean", 0.0, ref("ppo_clip", "seq_mean_token_mean"), [0, 2], []),
     (
         "ppo-seq-mis",
         "ppo_clip",
         {"eps_high": 0.28, "mask_c": 1.5, "mask_level": "sequence"},
         "token_mean",
         0.0,
-        ppo_ref("token_mean", eps_high=0.28, mask_c=1.5, mask_level="sequence"),
+        ref("ppo_clip", "token_mean", {"eps_high": 0.28, "mask_c": 1.5, "mask_level": "sequence"}),
         [],
         [0, 1, 2],
     ),
-    ("dr_grpo", "dr_grpo", {}, None, 0.0, ppo_ref("seq_mean_token_sum_norm"), [0, 2], []),
-    ("gspo", "gspo", {}, None, 0.0, gspo_ref("seq_mean_token_mean"), [0, 1, 2], []),
+    ("dr_grpo", "dr_grpo", {}, None, 0.0, ref("ppo_clip", "seq_mean_token_sum_norm"), [0, 2], []),
+    ("gspo", "gspo", {}, None, 0.0, ref("gspo", "seq_mean_token_mean"), [0, 1, 2], []),
     (
         "gspo-token-mean",
         "gspo",
         {"eps": 0.1, "eps_high": 0.2},
         "token_mean",
         0.0,
-        gspo_ref("token_mean", eps=0.1, eps_high=0.2),
+        ref("gspo", "token_mean", {"eps": 0.1, "eps_high": 0.2}),
         [0, 1, 2],
         [],
     ),
@@ -222,7 +157,7 @@ CASES = [  # (id, loss, params, loss_agg (None: the loss's own), entropy_coef, r
         {"eps_low": 0.3},
         None,
         0.0,
-        gmpo_ref("seq_mean_token_mean", eps_low=0.3),
+        ref("examples.losses.gmpo:gmpo", "seq_mean_token_mean", {"eps_low": 0.3}),
         [0, 2],
         [],
     ),
@@ -240,20 +175,19 @@ def test_loss_and_aggregation_against_the_definition(case, split):
     assert [t for t, m in enumerate(got_masked) if m] == masked
 
 
-@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"])
+@pytest.mark.parametrize("agg", AGG_MODES)
 def test_entropy_bonus_reaches_value_and_gradient(agg):
     value, grad_logp, grad_h, _, _ = run_hook("reinforce", {}, agg, 0.25, SPLITS[1])
-    (pg_value, pg_grad), (h_value, h_grad) = reinforce_ref(agg), entropy_bonus_ref(agg, 0.25)
-    assert value == pytest.approx(pg_value + h_value, rel=1e-10)
-    assert grad_logp == pytest.approx(pg_grad, rel=1e-10) and grad_h == pytest.approx(h_grad, rel=1e-10)
+    r = objective("reinforce", {}, agg, BATCH, M, entropy_coef=0.25)
+    assert value == pytest.approx(r.value, rel=1e-10)
+    assert grad_logp == pytest.approx([g for x in r.grad_logp for g in x], rel=1e-10)
+    assert grad_h == pytest.approx([g for x in r.grad_entropy for g in x], rel=1e-10)
+    assert grad_h != pytest.approx([0.0] * N)  # the bonus has a gradient of its own
 
 
 def test_the_modes_differ_on_this_batch():
     # a mode silently replaced by another would still pass the cases above only if they coincide here
-    values = [
-        reinforce_ref(a)[0]
-        for a in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
-    ]
+    values = [objective("reinforce", {}, a, BATCH, M).value for a in AGG_MODES]
     assert min(abs(x - y) for i, x in enumerate(values) for y in values[i + 1 :]) > 1e-3
 
 
@@ -297,14 +231,17 @@ def test_overlong_penalty_is_dapos():
 
 def test_overlong_mask_and_penalty_shape_the_batch():
     samples = batch_samples(finish=("length", "stop", "stop"))  # lengths 3, 2, 4; rewards 1.0, -0.5, 0.8
-    kept, adv, info = shape_batch(samples, LossConfig(overlong="mask", max_new_tokens=3))
+    kept, adv, info = shape_batch(
+        samples, bind_loss(TrainerConfig(overlong="mask"), RolloutConfig(max_new_tokens=3), lag_bound=0)
+    )
     assert kept == samples[1:] and info["overlong_masked"] == 1 and info["truncated_frac"] == pytest.approx(1 / 3)
     assert adv == pytest.approx([-0.75, 0.0])  # sample 0's reward still in group 0's baseline
     # penalty, max 4 buffer 2: lengths 3 -> -0.5, 2 -> 0, 4 -> -1
-    kept, adv, info = shape_batch(samples, LossConfig(overlong="penalty", max_new_tokens=4, overlong_buffer=2))
+    penalty = bind_loss(TrainerConfig(overlong="penalty", overlong_buffer=2), RolloutConfig(max_new_tokens=4), 0)
+    kept, adv, info = shape_batch(samples, penalty)
     assert kept == samples and info["overlong_penalty_mean"] == pytest.approx(-0.5)
     assert adv == pytest.approx([0.5 - 0.0, -0.5 - 0.0, 0.0])  # group 0: 0.5 vs -0.5; group 1 alone
-    kept, adv, info = shape_batch(samples, LossConfig())
+    kept, adv, info = shape_batch(samples, bound())
     assert adv == pytest.approx([0.75, -0.75, 0.0]) and info["overlong_masked"] == 0
 
 
@@ -313,7 +250,6 @@ def test_overlong_mask_and_penalty_shape_the_batch():
 
 def test_lag_buckets_separate_staleness_from_numerics():
     max_lag = 2
-    fn = resolve_loss("aipo")
     x = LossInputs(
         torch.tensor([t[1] for t in tokens()], dtype=torch.float64),
         torch.tensor([t[2] for t in tokens()], dtype=torch.float64),
@@ -323,7 +259,7 @@ def test_lag_buckets_separate_staleness_from_numerics():
         response_lengths=torch.tensor([3, 2, 4]),
         lags=torch.tensor([VERSION - v for s in SAMPLES for v in s[4]]),
     )
-    out = fn(x, rho=4.0, mask_c=1.5)
+    out = aipo(x, rho=4.0, mask_c=1.5)
     stats = micro_batch_stats(x, out, torch.tensor(0.0), torch.zeros(N), max_lag)
     m = metrics_from_totals(stats, max_lag)
     assert len(stats) == len(stat_fields(max_lag))
@@ -351,16 +287,6 @@ def test_lag_buckets_separate_staleness_from_numerics():
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["trainer.loss_agg=seq_mean"], r"trainer.loss_agg: 'seq_mean' is not one of"),
-        (
-            ["trainer.loss=dr_grpo", "trainer.normalize_advantage_std=true"],
-            "trainer.normalize_advantage_std: .*Dr.GRPO",
-        ),
-        (["trainer.loss=dr_grpo", "trainer.loss_agg=token_mean"], "defined by its aggregation"),
-        (["trainer.loss=gspo", "trainer.loss_params={rho: 2}"], r"loss_params.rho: loss 'gspo' has no such parameter"),
-        (["trainer.loss_params={mask_level: sequence}"], "mask_level: used only with trainer.loss_params.mask_c"),
-        (["trainer.loss_params={mask_c: 0.9}"], r"mask_c: the band is \[1/c, c\], must be > 1"),
-        (["trainer.loss_params={is_level: seq}"], "is_level: 'seq' is not one of"),
         (["trainer.entropy_coef=-0.1"], "trainer.entropy_coef: an entropy bonus, must be >= 0"),
         (["trainer.overlong=cut"], "trainer.overlong: 'cut' is not one of"),
         (
@@ -369,17 +295,47 @@ def test_lag_buckets_separate_staleness_from_numerics():
         ),
         (["trainer.overlong=penalty", "trainer.overlong_buffer=17"], "overlong_buffer: .*got 17"),
         (["trainer.overlong_buffer=4"], "trainer.overlong_buffer: used only with trainer.overlong=penalty"),
-        (["trainer.loss=examples.losses.gmpo:gmpo", "trainer.loss_params={eps_low: -1}"], "eps_low must be > 0"),
     ],
 )
-def test_bad_loss_settings_are_refused_when_the_config_loads(overrides, message):
+def test_bad_loss_field_values_are_refused_when_the_config_loads(overrides, message):
+    # ranges and choices that need no loss: the config itself refuses them
     with pytest.raises(ConfigError, match=message):
         load_config(TINY, overrides)
 
 
-def test_loss_settings_reach_the_loss_config():
-    from megarl.executors.trainer import loss_config
+LOSS_REFUSALS = [
+    (["trainer.loss_agg=seq_mean"], r"trainer.loss_agg: 'seq_mean' is not one of"),
+    (
+        ["trainer.loss=dr_grpo", "trainer.normalize_advantage_std=true"],
+        "trainer.normalize_advantage_std: .*Dr.GRPO",
+    ),
+    (["trainer.loss=dr_grpo", "trainer.loss_agg=token_mean"], "trainer.loss_agg: .*defined by its aggregation"),
+    (["trainer.loss=gspo", "trainer.loss_params={rho: 2}"], r"loss_params.rho: loss 'gspo' has no such parameter"),
+    (["trainer.loss_params={mask_level: sequence}"], "mask_level: used only with trainer.loss_params.mask_c"),
+    (["trainer.loss_params={mask_c: 0.9}"], r"mask_c: the band is \[1/c, c\], must be > 1"),
+    (["trainer.loss_params={is_level: seq}"], "is_level: 'seq' is not one of"),
+    (["trainer.loss=examples.losses.gmpo:gmpo", "trainer.loss_params={eps_low: -1}"], "eps_low must be > 0"),
+    (["trainer.loss=examples.losses.gmpo:nope"], "trainer.loss: module 'examples.losses.gmpo' has no attribute 'nope'"),
+]
 
+
+@pytest.mark.parametrize("overrides, message", LOSS_REFUSALS)
+def test_bad_loss_settings_are_refused_before_any_rank_starts(overrides, message):
+    # a setting that needs the loss looked up: `megarl train` binds the loss before it launches a rank
+    cfg = load_config(TINY, overrides)  # the config alone does not look the loss up
+    with pytest.raises(ConfigError, match=f"{TINY}: .*{message}"):
+        check_loss(cfg, TINY)
+
+
+def test_megarl_train_binds_the_loss_before_it_prepares_the_run(tmp_path):
+    from megarl.train import train
+
+    # prepare_only: without the check this would prepare the (random) model and return
+    with pytest.raises(ConfigError, match="trainer.loss: 'grpo_v9' is unknown"):
+        train(TINY, ["trainer.loss=grpo_v9", f"run.output_dir={tmp_path}"], prepare_only=True)
+
+
+def test_loss_settings_reach_the_bound_loss():
     cfg = load_config(
         TINY,
         [
@@ -387,29 +343,33 @@ def test_loss_settings_reach_the_loss_config():
             "trainer.entropy_coef=0.01",
             "trainer.overlong=penalty",
             "trainer.overlong_buffer=4",
-            "rollout.max_lag=3",
+            "trainer.kl_coef=0.5",
+            "trainer.kl_estimator=k2",
+            "trainer.advantage_estimator=rloo",
+            "rollout.temperature=0.7",
         ],
     )
-    loss = loss_config(cfg)
-    assert (loss.agg, loss.entropy_coef, loss.overlong, loss.overlong_buffer, loss.max_new_tokens, loss.max_lag) == (
-        None,
+    loss = bind_loss(cfg.trainer, cfg.rollout, lag_bound=3)
+    assert (loss.name, loss.agg, dict(loss.params)) == ("gspo", "seq_mean_token_mean", {"eps": 3e-4, "eps_high": 4e-4})
+    assert (loss.entropy_coef, loss.overlong, loss.overlong_buffer, loss.max_new_tokens, loss.lag_bound) == (
         0.01,
         "penalty",
         4,
         16,
         3,
     )
-    assert resolve_agg(resolve_loss(loss.name), loss.agg) == "seq_mean_token_mean"
-    assert loss_config(load_config(TINY, ["run.mode=sync"])).max_lag == 0
-    assert loss_config(load_config(TINY, ["trainer.loss=gspo", "trainer.loss_agg=token_mean"])).agg == "token_mean"
+    assert (loss.kl_coef, loss.kl_estimator, loss.advantage_estimator, loss.temperature) == (0.5, "k2", "rloo", 0.7)
+    assert bind_loss(cfg.trainer, cfg.rollout, lag_bound=3).fn is loss.fn
+    assert bound("gspo", agg="token_mean").agg == "token_mean"
+    with pytest.raises(TypeError):  # bound once: its parameters are read-only
+        loss.params["eps"] = 0.5
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_an_empty_micro_batch_contributes_nothing(case):
     # a DP rank with fewer bins than the others gets empty rows: every loss must give 0, not fail
     _, loss, params, agg, coef, _, _, _ = case
-    fn = resolve_loss(loss)
-    cfg = LossConfig(name=loss, params=bind_loss_params(loss, params), agg=resolve_agg(fn, agg), max_new_tokens=M)
+    bound_loss = bound(loss, params, agg)
     empty = torch.zeros(0, dtype=torch.float64)
     none = torch.zeros(0, dtype=torch.long)
     x = LossInputs(
@@ -424,7 +384,7 @@ def test_an_empty_micro_batch_contributes_nothing(case):
         step_sequences=S,
         step_tokens=N,
     )
-    out, per_token, kl = per_token_loss(fn, cfg, x)
-    assert aggregate(cfg.agg, x, per_token, M).item() == 0.0
+    out, per_token, kl = per_token_loss(bound_loss, x)
+    assert aggregate(bound_loss.agg, x, per_token, M).item() == 0.0
     stats = micro_batch_stats(x, out, torch.tensor(0.0), kl, 2)
     assert stats.abs().sum().item() == 0.0 and len(stats) == len(stat_fields(2))

@@ -2,8 +2,10 @@
 plain PyTorch reference on transformers' model, at every layout and however the batch
 is split into micro-batches: AIPO at every layout; GSPO, sequence-level truncated and
 masked importance sampling, Dr.GRPO, the aggregation modes, the entropy bonus and a
-user loss (GMPO) at TP2 x PP2 split into 1/2/4 micro-batches, at TP2 x DP2 and on one rank.
-Two launches in all (1 and 4 ranks); each loads the model once per layout."""
+user loss (GMPO) at TP2 x PP2 split into 1/2/4 micro-batches, at TP2 x DP2 and on one rank; and the
+loss mask at the same layouts: a batch with half of some responses masked (one sample wholly) against
+the reference that leaves those tokens out of the loss. Two launches in all (1 and 4 ranks); each
+loads the model once per layout."""
 
 import json
 import math
@@ -14,11 +16,21 @@ from megarl.checkpointing.dist_checkpoint_reader import DistCheckpointReader
 from megarl.checkpointing.megatron_checkpoint import read_spec
 from megarl.models.hf_mapping import tensor_mappings, to_hf
 from tests.conftest import run_ranks
-from tests.rl_batch import CASES, VERSION, make_samples, reference_grads, response_logprobs, save_samples
+from tests.rl_batch import (
+    CASES,
+    VERSION,
+    make_samples,
+    masked_samples,
+    reference_grads,
+    response_logprobs,
+    save_samples,
+)
 
 pytestmark = pytest.mark.slow
 
 SEQ_CASES = "gspo,aipo_seq,ppo_mis,dr_grpo,gmpo"
+MASKED_CASES = "aipo_masked,gspo_masked,aipo_seq_masked"
+RUN_CASES = f"aipo,{SEQ_CASES},{MASKED_CASES}"
 SINGLE = ["1x1:128", "1x1:64", "1x1:32"]  # 1, 2 and 4 micro-batches
 WORLD4 = ["2x1:32", "1x2:32", "2x2:64", "1x2x2:32", "1x1:16"]  # TP2.DP2, PP2.DP2, TP2xPP2, VP, DP4
 SEQ_RUNS = ["1x1:32", "2x2:128", "2x2:64", "2x2:32", "2x1:32"]  # one rank; TP2xPP2 at 1/2/4 micro-batches; TP2.DP2
@@ -44,16 +56,16 @@ def batch(tiny_hf, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def references(tiny_hf, batch):
-    return {case: reference_grads(tiny_hf, batch[0], CASES[case]) for case in ["aipo"] + SEQ_CASES.split(",")}
+    return {case: reference_grads(tiny_hf, batch[0], CASES[case]) for case in RUN_CASES.split(",")}
 
 
 @pytest.fixture(scope="module")
 def megatron_runs(tiny_megatron, batch, tmp_path_factory):
     out = tmp_path_factory.mktemp("rl_grads")
     common = ["--checkpoint", tiny_megatron, "--samples", batch[1], "--out", out]
-    single = [r if r != "1x1:32" else f"{r}:aipo,{SEQ_CASES}" for r in SINGLE]
-    world4 = [r if r not in SEQ_RUNS else f"{r}:aipo,{SEQ_CASES}" for r in WORLD4]
-    world4 += [f"{r}:{SEQ_CASES}" for r in SEQ_RUNS if r not in WORLD4 and r not in SINGLE]
+    single = [r if r != "1x1:32" else f"{r}:{RUN_CASES}" for r in SINGLE]
+    world4 = [r if r not in SEQ_RUNS else f"{r}:{RUN_CASES}" for r in WORLD4]
+    world4 += [f"{r}:{SEQ_CASES},{MASKED_CASES}" for r in SEQ_RUNS if r not in WORLD4 and r not in SINGLE]
     run_ranks(1, "rl_grad_worker.py", *common, "--runs", *single)
     run_ranks(4, "rl_grad_worker.py", *common, "--runs", *world4)
     return out
@@ -77,8 +89,8 @@ def check(out, run, case, reference):
         f"(worst tensor {worst:.2e}), loss {record['loss_sum'] / record['tokens']:.6f} vs {ref_loss:.6f}"
     )
     assert overall <= 1e-5 and worst <= 2e-5
-    # the output layer computed logits for the response tokens alone (trainer/response_logits.py),
-    # not for the prompts packed with them
+    # the output layer computed logits for the trained tokens alone (trainer/response_logits.py),
+    # not for the prompts packed with them nor for masked response tokens
     assert record["output_layer_rows"] == record["tokens"], (record["output_layer_rows"], record["tokens"])
     return record
 
@@ -105,6 +117,41 @@ def test_sequence_losses_match_transformers_reference(run, case, megatron_runs, 
     }[case]
     for flag in flags:
         assert 0 < m[f"{flag}_frac"] < 1, (flag, m[f"{flag}_frac"])
+
+
+@pytest.mark.parametrize("case", MASKED_CASES.split(","))
+@pytest.mark.parametrize("run", SEQ_RUNS)
+def test_masked_tokens_are_left_out_as_the_reference_leaves_them_out(
+    run, case, tiny_hf, batch, megatron_runs, references
+):
+    """Half of some responses masked (NaN behaviour log-probs, version -1), one sample wholly: the
+    gradient and loss equal the reference without those tokens (check), only trained tokens reach the
+    output layer, the counts and the lag buckets; log pi is handed back as None at each masked token."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    record = check(megatron_runs, run, case, references[case])
+    samples = masked_samples(batch[0])
+    trained = [[j for j, m in enumerate(s.loss_mask) if m] for s in samples]
+    all_tokens = sum(len(s.response_tokens) for s in samples)
+    assert record["tokens"] == sum(len(k) for k in trained) < all_tokens  # the masked ones are not counted
+    assert record["seqs"] == sum(1 for k in trained if k) == len(samples) - 1  # nor the wholly masked sample
+    m = record["metrics"]
+    per_lag = {0: 0, 1: 0, 2: 0}
+    for s in samples:
+        for v in s.trained(s.policy_versions):
+            per_lag[VERSION - v] += 1
+    assert [m[f"tokens_lag{b}"] for b in range(3)] == [per_lag[b] for b in range(3)]
+    assert all(math.isfinite(m[k]) for k in ("loss", "ess", "kl_mu_pi", "ratio_mean", "entropy"))
+    model = AutoModelForCausalLM.from_pretrained(tiny_hf, dtype=torch.float32).eval()
+    for s, k, handed_back in zip(samples, trained, record["trainer_logprobs"]):
+        if not k:  # left out of the loss whole: not trained, nothing handed back
+            assert handed_back is None
+            continue
+        with torch.no_grad():
+            logp = response_logprobs(model, s.prompt_tokens, s.response_tokens, 0.8).tolist()
+        assert [j for j, x in enumerate(handed_back) if x is not None] == k
+        assert [handed_back[j] for j in k] == pytest.approx([logp[j] for j in k], abs=2e-5)
 
 
 def test_micro_batch_counts(megatron_runs):

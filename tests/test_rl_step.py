@@ -57,9 +57,9 @@ def test_user_loss_by_dotted_path_takes_a_real_step(stepped, tiny_megatron, tiny
     assert not m["skipped"] and m["response_tokens"] == 84 and m["samples"] == 8
     # the user loss (AIPO + entropy bonus), written out on transformers, and plain AIPO
     ours_grads, ours_loss = reference_grads(
-        tiny_hf, samples, dict(name="aipo", params={"rho": RHO}, entropy_coef=ENTROPY_COEF)
+        tiny_hf, samples, dict(loss="aipo", loss_params={"rho": RHO}, entropy_coef=ENTROPY_COEF)
     )
-    aipo_grads, aipo_loss = reference_grads(tiny_hf, samples, dict(name="aipo", params={"rho": RHO}))
+    aipo_grads, aipo_loss = reference_grads(tiny_hf, samples, dict(loss="aipo", loss_params={"rho": RHO}))
     print(
         f"loss {m['loss']:.6f} (reference {ours_loss:.6f}, AIPO alone {aipo_loss:.6f}); grad norm "
         f"{m['grad_norm']:.6f} (reference {grad_norm(ours_grads):.6f}, AIPO alone {grad_norm(aipo_grads):.6f})"

@@ -15,9 +15,11 @@ import torch
 
 from megarl.config import load_config
 from megarl.errors import ConfigError
-from megarl.executors.trainer import loss_config, megatron_model_settings
+from megarl.executors.trainer import megatron_model_settings
+from megarl.train import check_loss
+from megarl.trainer.bound_loss import bind_loss
 from megarl.trainer.hooks import per_token_loss
-from megarl.trainer.losses import LossInputs, resolve_loss
+from megarl.trainer.losses import LossInputs
 
 TINY = "configs/tiny_cpu.yaml"
 
@@ -30,14 +32,14 @@ REF = [-0.8, -1.2, -1.0]
 
 def hook_loss(overrides):
     cfg = load_config(TINY, overrides)
-    loss = loss_config(cfg)
+    loss = bind_loss(cfg.trainer, cfg.rollout, lag_bound=0)
     x = LossInputs(
         torch.tensor(LOGP, dtype=torch.float64),
         torch.tensor(MU, dtype=torch.float64),
         torch.tensor(ADV, dtype=torch.float64),
         ref_logprobs=torch.tensor(REF, dtype=torch.float64),
     )
-    return per_token_loss(resolve_loss(loss.name), loss, x)[1].tolist()
+    return per_token_loss(loss, x)[1].tolist()
 
 
 def aipo_ref(rho):
@@ -70,7 +72,7 @@ def test_each_loss_parameter_reaches_the_hook(overrides, expected, default):
 def test_user_loss_parameters_reach_the_hook():
     name = "examples.losses.entropy_bonus:aipo_with_entropy_bonus"
     cfg = load_config(TINY, [f"trainer.loss={name}", "trainer.loss_params={entropy_coef: 0.3, rho: 1.5}"])
-    loss = loss_config(cfg)
+    loss = bind_loss(cfg.trainer, cfg.rollout, lag_bound=0)
     entropy = [2.0, 1.0, 0.5]
     x = LossInputs(
         torch.tensor(LOGP, dtype=torch.float64),
@@ -78,7 +80,7 @@ def test_user_loss_parameters_reach_the_hook():
         torch.tensor(ADV, dtype=torch.float64),
         entropy=torch.tensor(entropy, dtype=torch.float64),
     )
-    ours = per_token_loss(resolve_loss(loss.name), loss, x)[1].tolist()
+    ours = per_token_loss(loss, x)[1].tolist()
     assert ours == pytest.approx([a - 0.3 * e for a, e in zip(aipo_ref(1.5), entropy)], rel=1e-12)
 
 
@@ -100,9 +102,6 @@ def test_kl_coef_and_estimator_reach_the_hook(estimator, kl):
     [
         (["trainer.rho=2.0"], "trainer.rho: moved to trainer.loss_params.rho"),
         (["trainer.lr=1e-5"], "trainer.lr: moved to optimizer.lr"),
-        (["trainer.loss=grpo_v9"], "loss 'grpo_v9' is unknown"),
-        (["trainer.loss_params={eps: 0.2}"], r"trainer.loss_params.eps: loss 'aipo' has no such parameter"),
-        (["trainer.loss=ppo_clip", "trainer.loss_params={eps: 2}"], r"trainer.loss_params.eps: must be in \(0, 1\)"),
         (["trainer.recompute_granularity=full"], "full needs trainer.recompute_method"),
         (
             ["trainer.recompute_method=uniform"],
@@ -128,6 +127,31 @@ def test_kl_coef_and_estimator_reach_the_hook(estimator, kl):
 def test_bad_trainer_and_optimizer_settings_are_refused_naming_the_field(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(TINY, overrides)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["trainer.loss=grpo_v9"], "trainer.loss: 'grpo_v9' is unknown"),
+        (["trainer.loss=no_such_pkg:f"], "trainer.loss: cannot import module 'no_such_pkg'"),
+        (["trainer.loss_params={eps: 0.2}"], r"trainer.loss_params.eps: loss 'aipo' has no such parameter"),
+        (["trainer.loss=ppo_clip", "trainer.loss_params={eps: 2}"], r"trainer.loss_params.eps: must be in \(0, 1\)"),
+    ],
+)
+def test_bad_loss_settings_are_refused_naming_the_field_before_any_rank_starts(overrides, message):
+    # the loss is looked up once, by the resolver the trainer uses; `megarl train` calls it before it launches
+    with pytest.raises(ConfigError, match=f"{TINY}: {message}"):
+        check_loss(load_config(TINY, overrides), TINY)
+
+
+def test_the_config_imports_nothing_of_the_trainer():
+    # the config is the bottom layer: the loss is checked against the config, never the other way
+    import subprocess
+    import sys
+
+    code = "import sys, megarl.config; print(sorted(m for m in sys.modules if m.startswith('megarl.trainer')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 def test_sequence_and_context_parallel_are_refused_where_transformer_engine_cannot_run():

@@ -8,12 +8,14 @@ e.g. run from the repository root or put its package on PYTHONPATH):
       loss_params: {rho: 4.0, entropy_coef: 0.01}
 
 Its keyword-only parameters (after ``*``) are the ones ``trainer.loss_params``
-may set; a name it does not declare is refused when the config is loaded.
+may set; a name it does not declare is refused by `megarl train` before any rank
+starts (megarl.trainer.bound_loss binds the loss once).
 
-A loss receives the response tokens of one micro-batch (megarl.trainer.losses.LossInputs:
+A loss receives the trained response tokens of one micro-batch (a token the
+sample's loss_mask leaves out is never among them) as megarl.trainer.losses.LossInputs:
 log pi with gradient, log mu, advantages, entropy of pi with gradient, the
 reference policy's log-probs when configured, each token's sample, lag and the
-step's totals) and returns a per-token loss, unreduced: the hook aggregates it
+step's totals. It returns a per-token loss, unreduced: the hook aggregates it
 as ``trainer.loss_agg`` says (token_mean by default) over the whole optimizer
 step. (The built-in ``trainer.entropy_coef`` adds the same bonus to any loss;
 this file shows how a user loss declares parameters of its own. A sequence-level

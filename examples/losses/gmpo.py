@@ -13,7 +13,8 @@ where, as in PPO, the clip in log space [-eps_low, eps_high] is applied only on
 the side that would increase the objective (sign(A) * log r is capped).
 
 It shows what a loss may read besides per-token tensors: ``inputs.sequence_mean``
-reduces over each sample's tokens (a sample never straddles micro-batches), and
+reduces over each sample's trained tokens (a sample never straddles micro-batches;
+a token its loss_mask leaves out is not in ``inputs``), and
 ``inputs.to_tokens`` spreads a per-sample value back over its tokens. The loss
 puts J_i on every token of sample i and declares ``loss_agg =
 "seq_mean_token_mean"``: the hook then averages it over tokens within the sample

@@ -171,8 +171,9 @@ def _padding_efficiency(batch, per_micro_batch: int) -> float:
 
 def _megatron_step_time(ckpt: Path, batch, s: BenchSettings):
     from megarl.checkpointing.model_loading import load_llama
+    from megarl.config import RolloutConfig, TrainerConfig
     from megarl.runtime.distributed import init_distributed, init_megatron, shutdown, world_dims
-    from megarl.trainer.hooks import LossConfig
+    from megarl.trainer.bound_loss import bind_loss
     from megarl.trainer.policy_trainer import PolicyTrainer
     from megarl.trainer.setup import OptimizerSettings, build_optimizer, wrap_ddp
 
@@ -182,7 +183,7 @@ def _megatron_step_time(ckpt: Path, batch, s: BenchSettings):
     spec, chunks = load_llama(ckpt, layout, params_dtype=torch.bfloat16 if s.dtype == "bf16" else torch.float32)
     ddp = wrap_ddp(chunks)
     optimizer = build_optimizer(ddp, OptimizerSettings(lr=s.lr, clip_grad=1.0))
-    loss = LossConfig(params={"rho": s.rho}, temperature=s.temperature)
+    loss = bind_loss(TrainerConfig(loss_params={"rho": s.rho}), RolloutConfig(temperature=s.temperature), lag_bound=0)
     trainer = PolicyTrainer(ddp, optimizer, spec.vocab_size, loss, s.max_tokens)
     efficiency = trainer.plan(batch).efficiency
     seconds = _timed(lambda: trainer.step(batch), s.steps)

@@ -1,9 +1,10 @@
 """The trainer executor: Megatron-Core GPTModel + DDP + distributed optimizer, the AIPO hook.
 
 step(samples) runs one optimizer step (PolicyTrainer) after checking that no
-token is older than ``rollout.max_lag`` policy versions. How the new policy
-reaches the generators is the weight synchronizer's business
-(weight_sync/factory.py); it reads ``chunks`` and ``norm_names`` from here.
+trained token is older than the lag bound (``rollout.max_lag`` in async mode, 0
+in sync). How the new policy reaches the generators is the weight
+synchronizer's business (weight_sync/factory.py); it reads ``chunks`` and
+``norm_names`` from here.
 """
 
 from __future__ import annotations
@@ -21,19 +22,23 @@ class StaleSampleError(MegarlError):
     """A sample older than max_lag reached the trainer: the generator's admission control failed."""
 
 
-def check_lag(samples: Sequence[Sample], version: int, max_lag: int) -> List[int]:
-    """Per-token lags (trainer version - token version); fail loudly beyond max_lag."""
+def check_lag(samples: Sequence[Sample], version: int, lag_bound: int) -> List[int]:
+    """Per-token lags (trainer version - token version) of the trained tokens; fail loudly beyond
+    ``lag_bound``. A masked token's version is a placeholder (rollout.MASKED_VERSION): never read."""
     lags: List[int] = []
     for i, s in enumerate(samples):
-        oldest = min(s.policy_versions)
-        if version - oldest > max_lag:
+        versions = s.trained(s.policy_versions)
+        if not versions:  # every token masked: nothing of it is trained
+            continue
+        oldest = min(versions)
+        if version - oldest > lag_bound:
             raise StaleSampleError(
                 f"sample {i} (group {s.group_id}) has a token of policy version {oldest}; "
-                f"the trainer is at {version} and rollout.max_lag={max_lag}"
+                f"the trainer is at {version} and trains on lags up to {lag_bound} (rollout.max_lag in async mode)"
             )
-        if any(b < a for a, b in zip(s.policy_versions, s.policy_versions[1:])):
+        if any(b < a for a, b in zip(versions, versions[1:])):
             raise StaleSampleError(f"sample {i} (group {s.group_id}): policy versions decrease along the sequence")
-        lags += [version - v for v in s.policy_versions]
+        lags += [version - v for v in versions]
     return lags
 
 
@@ -51,44 +56,23 @@ def megatron_model_settings(t) -> dict:
     return settings
 
 
-def loss_config(cfg, lag_bound: int = 0):
-    """The loss hook's settings from the config: the loss, its parameters (checked, defaults filled)."""
-    from megarl.trainer.hooks import LossConfig
-    from megarl.trainer.losses import bind_loss_params
-
-    t = cfg.trainer
-    return LossConfig(
-        name=t.loss,
-        params=bind_loss_params(t.loss, t.loss_params),
-        temperature=cfg.rollout.temperature,
-        kl_coef=t.kl_coef,
-        kl_estimator=t.kl_estimator,
-        advantage_estimator=t.advantage_estimator,
-        normalize_advantage_std=t.normalize_advantage_std,
-        agg=t.loss_agg,
-        entropy_coef=t.entropy_coef,
-        max_new_tokens=cfg.rollout.max_new_tokens,
-        overlong=t.overlong,
-        overlong_buffer=t.overlong_buffer,
-        # the lag buckets of the mismatch metrics
-        max_lag=lag_bound,
-    )
-
-
 class TrainerExecutor:
     def __init__(self, cfg, prepared, resume_dir: Optional[Path], lag_bound: int, on_gpu: bool):
-        """``lag_bound``: the most policy versions a trained token may lag (rollout.max_lag; 0 where
-        generation and training alternate); ``on_gpu``: this rank's device is a GPU."""
+        """``lag_bound``: the largest lag (trainer version - token version) trained on: a token beyond it
+        is refused (check_lag), and the mismatch metrics are bucketed 0..lag_bound (rollout.max_lag; 0
+        where generation and training alternate); ``on_gpu``: this rank's device is a GPU."""
         from megarl.checkpointing.model_loading import load_llama
         from megarl.models.megatron_llama import build_model_chunks, transformer_config
         from megarl.models.spec import LlamaSpec
         from megarl.runtime.distributed import init_megatron
+        from megarl.trainer.bound_loss import bind_loss
         from megarl.trainer.features import gradient_accumulation_fusion
         from megarl.trainer.policy_trainer import PolicyTrainer
         from megarl.trainer.setup import OptimizerSettings, build_lr_scheduler, build_optimizer, wrap_ddp
 
         t = cfg.trainer
         self.cfg, self.lag_bound = cfg, lag_bound
+        loss = bind_loss(t, cfg.rollout, lag_bound)  # before the model loads: a bad loss fails at once
         # saved with every checkpoint, so `megarl eval` and exports find the tokenizer beside the weights
         from megarl.generator.tokenizer import NO_TOKENIZER
 
@@ -133,7 +117,6 @@ class TrainerExecutor:
             self.version = int(self.loop_state.get("version", self.loop_state["iteration"]))
             if "opt_param_scheduler" in self.loop_state:  # Megatron-LM's key
                 self.lr_scheduler.load_state_dict(self.loop_state["opt_param_scheduler"])
-        loss = loss_config(cfg, lag_bound)
         ref = load_llama(prepared.checkpoint, dims, params_dtype=dtype, **model_settings)[1] if t.kl_coef else None
         self.trainer = PolicyTrainer(
             self.ddp,
@@ -160,7 +143,10 @@ class TrainerExecutor:
     def step(self, samples: Sequence[Sample]) -> dict:
         lags = check_lag(samples, self.version, self.lag_bound)
         metrics = self.trainer.step(samples, version=self.version)
-        metrics.update(lag_mean=sum(lags) / len(lags), lag_max=max(lags), trained_version=self.version)
+        # no trained token at all: the trainer skipped the step (its skip_reason says so)
+        metrics.update(
+            lag_mean=sum(lags) / max(len(lags), 1), lag_max=max(lags, default=0), trained_version=self.version
+        )
         if not metrics.get("skipped"):
             self.version += 1
         return metrics

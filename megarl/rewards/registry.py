@@ -8,9 +8,9 @@ A reward function is ``fn(response_text: str, answer: str, **kwargs) -> float``;
 
 from __future__ import annotations
 
-import importlib
 from typing import Callable, Dict
 
+from megarl.dotted_path import is_dotted_path, resolve_dotted_path
 from megarl.errors import ConfigError
 
 RewardFn = Callable[..., float]
@@ -53,26 +53,12 @@ def resolve_reward(name_or_path: str) -> RewardFn:
     _load_builtins()
     if spec in _REGISTRY:
         return _REGISTRY[spec]
-    if ":" not in spec:
+    if not is_dotted_path(spec):
         raise ConfigError(
             f"{FIELD}: {spec!r} is not a built-in reward ({', '.join(sorted(_REGISTRY))}) "
             f"and not a dotted path of the form 'package.module:function'"
         )
-    module_name, _, attr_path = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # ImportError, or anything the module raises at import
-        raise ConfigError(
-            f"{FIELD}: cannot import module {module_name!r} of {spec!r}: {type(exc).__name__}: {exc}"
-        ) from exc
-    obj = module
-    for part in attr_path.split("."):
-        if not hasattr(obj, part):
-            raise ConfigError(f"{FIELD}: module {module_name!r} has no attribute {attr_path!r} (from {spec!r})")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ConfigError(f"{FIELD}: {spec!r} is a {type(obj).__name__}, not a function")
-    return obj
+    return resolve_dotted_path(spec, FIELD)
 
 
 def reward_spec(fn_or_spec) -> str:

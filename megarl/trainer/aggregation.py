@@ -1,29 +1,42 @@
 """How per-token losses become the step's loss, exactly however the step is split.
 
+Only trained tokens take part: a response token whose ``Sample.loss_mask`` is 0
+(a multi-turn episode's tool output, user turn, template glue) never reaches the
+loss (packing marks it off the micro-batch's mask row, so the hook does not even
+compute its logits), and every count below is of trained tokens: t ranges over the
+trained tokens of the step, N is their number, len_i is the number of trained
+tokens of sample i, and S counts the samples that have at least one. A masked
+token adds nothing to the gradient, to N, to len_i or to any metric; its
+placeholder behaviour log-prob (NaN) and version (-1) are never read.
+
 Megatron runs with ``calculate_per_token_loss``: each micro-batch's loss
-function returns (loss sum, response-token count) and Megatron divides the
+function returns (loss sum, trained-token count) and Megatron divides the
 gradient by the sum of the counts over every micro-batch and data-parallel rank
-of the step, N. The count stays the response tokens; a mode that is not a token
+of the step, N. The count stays the trained tokens; a mode that is not a token
 mean is written as per-token weights w_t that fold its normaliser into the sum,
 so that the step's loss is
 
-    (1 / N) sum_t w_t l_t        (sum over all response tokens of the step)
+    (1 / N) sum_t w_t l_t        (sum over all trained tokens of the step)
 
     token_mean               w_t = 1                   -> (1/N) sum_t l_t
     seq_mean_token_mean      w_t = N / (S len_i)       -> (1/S) sum_i (1/len_i) sum_{t in i} l_t
     seq_mean_token_sum       w_t = N / S               -> (1/S) sum_i sum_{t in i} l_t
     seq_mean_token_sum_norm  w_t = N / (S M)           -> (1/S) sum_i (1/M) sum_{t in i} l_t   (Dr.GRPO)
 
-with S the sequences and N the response tokens of the whole step (computed by
-PolicyTrainer.plan, which sees every sample, and carried by every micro-batch),
-len_i the response length of the token's sample (a sample never straddles
-micro-batches: packing places whole samples) and M = rollout.max_new_tokens, a
-constant. Every term only needs its own sample and the step's totals, so the
-sum over micro-batches and DP ranks divided by N is the exact global value.
-l_t is the loss's per-token value plus the KL penalty and minus the entropy
-bonus: all three are aggregated alike. (Context parallelism, which would split
-a sample over ranks, is refused by `megarl train` today; it would need the
-per-sample reductions all-reduced over the CP group.)
+with S and N the step's totals (computed by PolicyTrainer.plan, which sees every
+sample, and carried by every micro-batch), len_i as above (a sample never
+straddles micro-batches: packing places whole samples) and M =
+rollout.max_new_tokens, a constant. Every term only needs its own sample and the
+step's totals, so the sum over micro-batches and DP ranks divided by N is the
+exact global value. l_t is the loss's per-token value plus the KL penalty and
+minus the entropy bonus: all three are aggregated alike. (Context parallelism,
+which would split a sample over ranks, is refused by `megarl train` today; it
+would need the per-sample reductions all-reduced over the CP group.)
+
+A sample with every token masked counts in its group's baseline (its reward is a
+member of the group's mean, like an overlong-masked sample's) but adds nothing
+to the loss, to N or to S: it is left out of the micro-batches (shape_batch), so
+it gets no trainer_logprobs.
 
 Overlong samples (finish_reason "length", cut by rollout.max_new_tokens):
 ``trainer.overlong=mask`` leaves them out of the loss (their rewards still count
@@ -41,7 +54,6 @@ if TYPE_CHECKING:  # imported where the weights are made: config checks need no 
     import torch
 
 AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
-OVERLONG_MODES = ("none", "mask", "penalty")
 
 
 def default_agg(loss_fn) -> str:
@@ -49,10 +61,16 @@ def default_agg(loss_fn) -> str:
     return getattr(loss_fn, "loss_agg", "token_mean")
 
 
-def resolve_agg(loss_fn, configured: Optional[str]) -> str:
+def resolve_agg(loss_name: str, loss_fn, configured: Optional[str]) -> str:
+    """``trainer.loss_agg`` resolved: the configured mode, else the loss's own; a loss defined by its
+    aggregation (``fixed_agg``, Dr.GRPO) refuses another."""
     agg = default_agg(loss_fn) if configured is None else configured
     if agg not in AGG_MODES:
         raise ConfigError(f"trainer.loss_agg: {agg!r} is not one of {list(AGG_MODES)}")
+    if getattr(loss_fn, "fixed_agg", False) and agg != default_agg(loss_fn):
+        raise ConfigError(
+            f"trainer.loss_agg: loss {loss_name!r} is defined by its aggregation {default_agg(loss_fn)!r}, got {agg!r}"
+        )
     return agg
 
 
@@ -64,7 +82,8 @@ def aggregation_weights(
     step_tokens: int,
     max_new_tokens: int,
 ) -> Optional[torch.Tensor]:
-    """Per-token weights w_t in float64 (None for token_mean: the plain sum, bitwise as before)."""
+    """Per-token weights w_t in float64 (None for token_mean: the plain sum, bitwise as before).
+    ``sample_index``: each trained token's sample; ``response_lengths``: each sample's trained tokens."""
     import torch
 
     if agg == "token_mean":
@@ -89,34 +108,3 @@ def overlong_penalty(length: int, max_new_tokens: int, buffer: int) -> float:
     if length > max_new_tokens:
         return -1.0
     return -(length - start) / buffer
-
-
-def check_loss_settings(cfg) -> None:
-    """trainer.loss_agg / entropy_coef / overlong*: used or refused when the config is loaded."""
-    from megarl.trainer.losses import resolve_loss
-
-    t = cfg.trainer
-    if t.loss_agg is not None and t.loss_agg not in AGG_MODES:
-        raise ConfigError(f"trainer.loss_agg: {t.loss_agg!r} is not one of {list(AGG_MODES)}")
-    if t.entropy_coef < 0:
-        raise ConfigError(f"trainer.entropy_coef: an entropy bonus, must be >= 0, got {t.entropy_coef}")
-    if t.overlong not in OVERLONG_MODES:
-        raise ConfigError(f"trainer.overlong: {t.overlong!r} is not one of {list(OVERLONG_MODES)}")
-    if t.overlong == "penalty":
-        if not 0 < t.overlong_buffer <= cfg.rollout.max_new_tokens:
-            raise ConfigError(
-                f"trainer.overlong_buffer: the penalty's final stretch of tokens, must be in "
-                f"[1, rollout.max_new_tokens={cfg.rollout.max_new_tokens}], got {t.overlong_buffer}"
-            )
-    elif t.overlong_buffer:
-        raise ConfigError(f"trainer.overlong_buffer: used only with trainer.overlong=penalty (it is {t.overlong!r})")
-    fn = resolve_loss(t.loss)
-    if getattr(fn, "fixed_agg", False) and t.loss_agg not in (None, default_agg(fn)):
-        raise ConfigError(
-            f"trainer.loss_agg: loss {t.loss!r} is defined by its aggregation {default_agg(fn)!r}, got {t.loss_agg!r}"
-        )
-    if getattr(fn, "no_std_normalisation", False) and t.normalize_advantage_std:
-        raise ConfigError(
-            f"trainer.normalize_advantage_std: loss {t.loss!r} removes the division by the group's "
-            f"reward std (Dr.GRPO); set it to false"
-        )

@@ -1,12 +1,20 @@
 """The forward-step hook: an RL loss as the forward_step_func Megatron's schedules call.
 
-``make_forward_step`` returns ``forward_step(data_iterator, model) ->
+``make_forward_step(loss, vocab_size)`` (``loss``: the trainer's BoundLoss,
+megarl.trainer.bound_loss) returns ``forward_step(data_iterator, model) ->
 (output_tensor, loss_func)``. Megatron calls loss_func on the last pipeline
 stage with the TP-sharded logits; it computes log pi of every target with the
-fused vocab-parallel function, applies the configured loss to the response
-tokens only (prompt and padding positions never contribute), and returns
+fused vocab-parallel function, applies the loss to the trained response tokens
+only, and returns
 
-    (sum_t w_t l_t over this micro-batch's response tokens, their count, stats)
+    (sum_t w_t l_t over this micro-batch's trained tokens, their count, stats)
+
+The trained tokens are the micro-batch's mask row (packing: 1 at a response token
+whose Sample.loss_mask is 1, 0 at prompt and padding positions and at masked
+response tokens). The output layer computes logits for those positions alone
+(trainer/response_logits.py) and nothing at any other position is read: a masked
+token adds nothing to the loss, the gradient, the count or the statistics, and
+its placeholder log mu and version never leave the packed rows.
 
 With ``calculate_per_token_loss`` (set by trainer.setup.wrap_ddp) Megatron
 then divides the gradient by the sum of the counts over all micro-batches and
@@ -17,55 +25,43 @@ mode is the exact value over the whole global batch however it was split.
 
 ``stats`` is one fixed-layout vector per micro-batch (megarl.trainer.stats), summed by
 the trainer over micro-batches and DP ranks into the step's metrics. The
-micro-batch keeps its detached log pi (``mb.trainer_logprobs``) for the trainer
-to hand back per sample.
+micro-batch keeps its detached log pi of the trained tokens (``mb.trainer_logprobs``)
+for the trainer to hand back per sample.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from megarl.trainer.aggregation import aggregation_weights, resolve_agg
+from megarl.trainer.aggregation import aggregation_weights
 from megarl.trainer.logprobs import vocab_parallel_logprobs
-from megarl.trainer.losses import LossFn, LossInputs, kl_penalty
+from megarl.trainer.losses import LossInputs, kl_penalty
 from megarl.trainer.response_logits import logits_at
 from megarl.trainer.stats import BASE_FIELDS, micro_batch_stats
 
-STAT_FIELDS = BASE_FIELDS  # without the lag buckets; stats.stat_fields(max_lag) is the whole layout
+if TYPE_CHECKING:
+    from megarl.trainer.bound_loss import BoundLoss
+
+STAT_FIELDS = BASE_FIELDS  # without the lag buckets; stats.stat_fields(lag_bound) is the whole layout
 
 
-@dataclass(frozen=True)
-class LossConfig:
-    name: str = "aipo"  # built-in name or 'package.module:function'
-    params: dict = field(default_factory=dict)  # the loss's keyword parameters (bind_loss_params)
-    temperature: float = 1.0  # the sampler's: pi must be the distribution sampled from
-    kl_coef: float = 0.0  # > 0 needs a reference model
-    kl_estimator: str = "k3"
-    advantage_estimator: str = "group_mean"
-    normalize_advantage_std: bool = False
-    agg: Optional[str] = None  # megarl.trainer.aggregation.AGG_MODES; None: the loss's own (resolve_agg)
-    entropy_coef: float = 0.0  # entropy bonus, added to any loss
-    max_new_tokens: int = 0  # rollout.max_new_tokens: Dr.GRPO's constant, the overlong penalty's end
-    overlong: str = "none"  # none | mask | penalty
-    overlong_buffer: int = 0
-    max_lag: int = 0  # lag buckets of the mismatch metrics: 0..max_lag
+def trained_positions(mb) -> torch.Tensor:
+    """[L] bool: the positions of a micro-batch's packed row whose target the loss trains on."""
+    return mb.loss_mask[0] > 0
 
 
-def make_forward_step(loss_fn: LossFn, cfg: LossConfig, vocab_size: int):
-    cfg = replace(cfg, agg=resolve_agg(loss_fn, cfg.agg))
-
+def make_forward_step(loss: BoundLoss, vocab_size: int):
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
-        # only response positions matter: the output layer computes their logits alone
+        # only trained positions matter: the output layer computes their logits alone
         # (trainer/response_logits.py); without it the loss selects them from every position's
-        on = (mb.loss_mask[0] > 0).to(_device_of(model))
+        on = trained_positions(mb).to(_device_of(model))
         with logits_at(model, on) as selected:
             output = model(*model_inputs(mb, model), packed_seq_params=_packed_on_device(mb, model))
-        return output, partial(_loss_func, loss_fn, cfg, vocab_size, mb, on, selected)
+        return output, partial(_loss_func, loss, vocab_size, mb, on, selected)
 
     return forward_step
 
@@ -94,22 +90,22 @@ def _packed_on_device(mb, model):
     return params
 
 
-def per_token_loss(loss_fn: LossFn, cfg: LossConfig, inputs: LossInputs):
+def per_token_loss(loss: BoundLoss, inputs: LossInputs):
     """(the loss's output, its per-token loss with the KL penalty and entropy bonus added, the KL term per token)."""
-    out = loss_fn(inputs, **cfg.params)
+    out = loss.fn(inputs, **loss.params)
     per_token = out.per_token_loss
     kl_ref = torch.zeros_like(per_token)
-    if cfg.kl_coef:
-        kl_ref = kl_penalty(inputs.logprobs, inputs.ref_logprobs, cfg.kl_estimator)
-        per_token = per_token + cfg.kl_coef * kl_ref
-    if cfg.entropy_coef:
+    if loss.kl_coef:
+        kl_ref = kl_penalty(inputs.logprobs, inputs.ref_logprobs, loss.kl_estimator)
+        per_token = per_token + loss.kl_coef * kl_ref
+    if loss.entropy_coef:
         # the bonus rewards keeping pi spread out; its gradient flows through the fused entropy
-        per_token = per_token - cfg.entropy_coef * inputs.entropy
+        per_token = per_token - loss.entropy_coef * inputs.entropy
     return out, per_token, kl_ref
 
 
 def aggregate(agg: str, inputs: LossInputs, per_token: torch.Tensor, max_new_tokens: int = 0) -> torch.Tensor:
-    """sum_t w_t l_t: divided by the step's response tokens (Megatron) it is the ``agg`` loss."""
+    """sum_t w_t l_t: divided by the step's trained tokens (Megatron) it is the ``agg`` loss."""
     index, n = inputs.segments()
     lengths = inputs.response_lengths if inputs.response_lengths is not None else torch.bincount(index, minlength=n)
     # inputs without the step's totals (hand-built) are a whole step by themselves
@@ -120,7 +116,7 @@ def aggregate(agg: str, inputs: LossInputs, per_token: torch.Tensor, max_new_tok
 
 
 def loss_inputs(mb, on: torch.Tensor, logp: torch.Tensor, entropy: Optional[torch.Tensor]) -> LossInputs:
-    """The response tokens of a micro-batch (``on``: its loss mask) as the loss sees them."""
+    """The trained tokens of a micro-batch (``on``: trained_positions) as the loss sees them."""
     device = logp.device
 
     def tokens(row):
@@ -142,21 +138,24 @@ def loss_inputs(mb, on: torch.Tensor, logp: torch.Tensor, entropy: Optional[torc
     )
 
 
-def _loss_func(
-    loss_fn: LossFn, cfg: LossConfig, vocab_size: int, mb, on: torch.Tensor, selected: bool, logits: torch.Tensor
-):
-    # ``selected``: the logits are the response positions' already; else every position's
+def micro_batch_loss(loss: BoundLoss, mb, on: torch.Tensor, logp: torch.Tensor, entropy: Optional[torch.Tensor]):
+    """(sum_t w_t l_t, trained-token count, {"stats": ...}) of one micro-batch from log pi and the entropy
+    at its trained positions ``on``, in row order; leaves the detached log pi in ``mb.trainer_logprobs``."""
+    inputs = loss_inputs(mb, on, logp, entropy)
+    out, per_token, kl_ref = per_token_loss(loss, inputs)
+    loss_sum = aggregate(loss.agg, inputs, per_token, loss.max_new_tokens)
+    mb.trainer_logprobs = logp.detach()
+    stats = micro_batch_stats(inputs, out, loss_sum, kl_ref, loss.lag_bound)
+    return loss_sum, on.sum().to(torch.int), {"stats": stats}
+
+
+def _loss_func(loss: BoundLoss, vocab_size: int, mb, on: torch.Tensor, selected: bool, logits: torch.Tensor):
+    # ``selected``: the logits are the trained positions' already; else every position's
     rows = logits[0] if selected else logits[0][on]
     logp, entropy = vocab_parallel_logprobs(
-        rows, mb.targets[0].to(logits.device)[on], vocab_size, cfg.temperature, True
+        rows, mb.targets[0].to(logits.device)[on], vocab_size, loss.temperature, True
     )
-    inputs = loss_inputs(mb, on, logp, entropy)
-    out, per_token, kl_ref = per_token_loss(loss_fn, cfg, inputs)
-    loss_sum = aggregate(cfg.agg, inputs, per_token, cfg.max_new_tokens)
-    count = on.sum()
-    mb.trainer_logprobs = logp.detach()
-    stats = micro_batch_stats(inputs, out, loss_sum, kl_ref, cfg.max_lag)
-    return loss_sum, count.to(torch.int), {"stats": stats}
+    return micro_batch_loss(loss, mb, on, logp, entropy)
 
 
 def make_logprob_collector(vocab_size: int, temperature: float):

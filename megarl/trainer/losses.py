@@ -1,20 +1,24 @@
-"""Policy-gradient losses, per response token, and their registry.
+"""Policy-gradient losses, per trained response token, and their registry.
 
 Every loss has the same signature:
 
     loss(inputs: LossInputs, *, <its parameters, with defaults>) -> LossOutput
 
-``inputs`` hold, for the response tokens of one micro-batch (flattened):
-log pi (with gradient), log mu (the generator's behaviour log-prob, never
-recomputed), the advantage, the entropy of pi and, when a reference policy is
-configured, its log-prob; and the samples they belong to: each token's sample
-(``sample_index``, 0..n-1 within the micro-batch; a sample never straddles
-micro-batches), each sample's response length and group, each token's policy
-lag (trainer version - token version), and the step's totals of sequences and
-response tokens (all micro-batches, all DP ranks). The loss returns a per-token
-loss; the hook weights it by ``trainer.loss_agg`` (megarl.trainer.aggregation:
-token_mean, seq_mean_token_mean, ...) and Megatron divides by the step's
-response tokens, so every mode is the exact global value however the step is split.
+``inputs`` hold, for the trained response tokens of one micro-batch (flattened;
+a token the sample's ``loss_mask`` leaves out is never among them, so a loss
+needs no mask of its own): log pi (with gradient), log mu (the generator's
+behaviour log-prob, never recomputed), the advantage, the entropy of pi and,
+when a reference policy is configured, its log-prob; and the samples they belong
+to: each token's sample (``sample_index``, 0..n-1 within the micro-batch; a
+sample never straddles micro-batches), each sample's number of trained tokens and
+group, each token's policy lag (trainer version - token version), and the step's
+totals of sequences and trained tokens (all micro-batches, all DP ranks). A
+per-sample reduction (``sequence_mean``: GSPO's sequence ratio, the sequence-level
+IS weight and mask) is therefore over the sample's trained tokens only. The loss
+returns a per-token loss; the hook weights it by ``trainer.loss_agg``
+(megarl.trainer.aggregation: token_mean, seq_mean_token_mean, ...) and Megatron
+divides by the step's trained tokens, so every mode is the exact global value
+however the step is split.
 
 Built in (r_t = pi_t / mu_t; s_i = exp(mean_{t in i} log r_t), the sequence's
 geometric-mean ratio -- a product over hundreds of tokens would leave any band):
@@ -24,7 +28,7 @@ geometric-mean ratio -- a product over hundreds of tokens would leave any band):
     ppo_clip   GRPO/PPO two-sided clip: -min(r A, clip(r, 1-eps, 1+eps_high) A)
     dr_grpo    ppo_clip aggregated by Dr.GRPO's constant (arXiv 2503.20783): no 1/len_i,
                and no reward-std division (normalize_advantage_std=true or another
-               loss_agg is refused when the config loads)
+               loss_agg is refused when the loss is bound)
     gspo       GSPO (arXiv 2507.18071): -min(s_i A, clip(s_i, 1-eps, 1+eps_high) A) on every
                token of sample i, gradient through s_i; aggregated seq_mean_token_mean (its
                default) it is the paper's (1/G) sum_i of the sequence objective; eps 3e-4,
@@ -45,22 +49,25 @@ unset). A user loss is named by a dotted path, ``my_pkg.losses:my_loss``, with
 the same signature (see examples/losses/). Its keyword-only parameters are what
 ``trainer.loss_params`` may set: ``bind_loss_params`` checks a config's values
 against them (names, types, and a loss's own ``check_params`` when it has one)
-when the config is loaded, before any rank starts.
+when the loss is bound (megarl.trainer.bound_loss.bind_loss), which `megarl
+train` does before any rank starts.
 """
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
 import typing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Dict, Optional
 
+from megarl.dotted_path import is_dotted_path, resolve_dotted_path
 from megarl.errors import ConfigError
 
-if TYPE_CHECKING:  # only tensor methods at run time: a config is checked (losses bound, by `megarl train`'s
-    import torch  # launcher too) without importing torch
+if TYPE_CHECKING:  # only tensor methods at run time: a loss is bound (by `megarl train`'s launcher
+    import torch  # too, before any rank starts) without importing torch
+
+FIELD = "trainer.loss"
 
 
 @dataclass
@@ -73,11 +80,11 @@ class LossInputs:
     policy_versions: Optional[torch.Tensor] = None  # [T] version that produced each token
     # The samples: None means all T tokens are one sample (hand-built inputs).
     sample_index: Optional[torch.Tensor] = None  # [T] the token's sample, 0..n-1 within this micro-batch
-    response_lengths: Optional[torch.Tensor] = None  # [n] response tokens of each sample
+    response_lengths: Optional[torch.Tensor] = None  # [n] trained tokens of each sample (loss_mask 1)
     group_ids: Optional[torch.Tensor] = None  # [n] each sample's group (prompt)
     lags: Optional[torch.Tensor] = None  # [T] trainer version - token version
-    step_sequences: int = 0  # samples in the whole optimizer step (every micro-batch and DP rank)
-    step_tokens: int = 0  # response tokens in the whole optimizer step
+    step_sequences: int = 0  # samples with a trained token in the whole step (every micro-batch and DP rank)
+    step_tokens: int = 0  # trained tokens in the whole optimizer step
 
     @property
     def ratio(self) -> torch.Tensor:
@@ -274,33 +281,25 @@ def resolve_loss(name: str) -> LossFn:
     """A built-in loss by name, or a user loss by dotted path 'package.module:function'."""
     if name in BUILTIN_LOSSES:
         return BUILTIN_LOSSES[name]
-    if ":" not in name:
+    if not is_dotted_path(name):
         raise ConfigError(
-            f"loss {name!r} is unknown; choose one of {sorted(BUILTIN_LOSSES)} or give a dotted path "
+            f"{FIELD}: {name!r} is unknown; choose one of {sorted(BUILTIN_LOSSES)} or give a dotted path "
             f"'package.module:function'"
         )
-    module_name, _, attr = name.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ConfigError(f"loss {name!r}: cannot import module {module_name!r} ({err})") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ConfigError(f"loss {name!r}: module {module_name!r} has no function {attr!r}")
-    return fn
+    return resolve_dotted_path(name, FIELD)
 
 
-def loss_parameters(fn: LossFn) -> Dict[str, inspect.Parameter]:
+def loss_parameters(fn: LossFn, name: str) -> Dict[str, inspect.Parameter]:
     """A loss's parameters: its keyword-only arguments after ``inputs``."""
     sig = inspect.signature(fn)
     params = list(sig.parameters.values())
     if not params or params[0].kind not in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD):
-        raise ConfigError(f"loss {getattr(fn, '__name__', fn)!r}: its first argument must be the LossInputs")
+        raise ConfigError(f"{FIELD}: loss {name!r}: its first argument must be the LossInputs")
     others = params[1:]
     for p in others:
         if p.kind != p.KEYWORD_ONLY:
             raise ConfigError(
-                f"loss {fn.__name__!r}: parameter {p.name!r} must be keyword-only "
+                f"{FIELD}: loss {name!r}: parameter {p.name!r} must be keyword-only "
                 f"(def {fn.__name__}(inputs, *, {p.name}=...))"
             )
     return {p.name: p for p in others}
@@ -334,14 +333,14 @@ def _coerce_param(loss: str, name: str, value: Any, annotation: Any) -> Any:
     return value
 
 
-def bind_loss_params(name: str, params: Dict[str, Any]) -> Dict[str, Any]:
-    """``params`` checked against the loss's declared parameters, defaults filled in.
+def bind_loss_params(fn: LossFn, name: str, params: Dict[str, Any]) -> Dict[str, Any]:
+    """``params`` checked against the declared parameters of ``fn`` (the loss ``name`` resolved),
+    defaults filled in.
 
     Unknown names, missing required values and wrong types are refused naming
     the field; a loss's ``check_params(bound)`` then checks the values.
     """
-    fn = resolve_loss(name)
-    declared = loss_parameters(fn)
+    declared = loss_parameters(fn, name)
     unknown = sorted(set(params) - set(declared))
     if unknown:
         known = ", ".join(declared) or "none"

@@ -21,8 +21,12 @@ Packing efficiency = real tokens / row positions processed.
 
 A sample never straddles micro-batches (bins hold whole samples), so a loss can
 reduce over a sample's tokens within one micro-batch; each micro-batch also
-carries the step's totals of samples and response tokens (over every DP rank),
+carries the step's totals of samples and trained tokens (over every DP rank),
 which sequence-level aggregations need for an exact global normaliser.
+
+The row's loss mask is the samples' ``loss_mask``: a masked response token is
+packed (it is context for the tokens after it) but off the mask, so the loss, its
+normalisers and the metrics never see it (megarl.trainer.aggregation).
 """
 
 from __future__ import annotations
@@ -41,26 +45,31 @@ class MicroBatch:
     input_ids: torch.Tensor  # [1, L]
     position_ids: torch.Tensor  # [1, L], restarting at 0 for each sample
     targets: torch.Tensor  # [1, L] next token at each position
-    loss_mask: torch.Tensor  # [1, L] 1.0 where the target is a response token
+    loss_mask: torch.Tensor  # [1, L] 1.0 where the target is a trained response token (Sample.loss_mask 1)
     behaviour_logprobs: torch.Tensor  # [1, L] log mu of the target (0 off the mask)
     advantages: torch.Tensor  # [1, L]
     policy_versions: torch.Tensor  # [1, L] (-1 off the mask)
     sample_ids: torch.Tensor  # [1, L] the target's sample, 0..n-1 in this micro-batch (-1 off the mask)
     lags: torch.Tensor  # [1, L] trainer version - token version (0 off the mask)
-    response_lengths: torch.Tensor  # [n] response tokens of each sample, in sample_indices order
+    response_lengths: torch.Tensor  # [n] trained tokens of each sample, in sample_indices order
     group_ids: torch.Tensor  # [n]
     attention_mask: Optional[torch.Tensor]  # [1, 1, L, L] True = masked (local spec)
     packed_seq_params: Optional[object]  # megatron PackedSeqParams (TE spec)
     sample_indices: List[int]
     real_tokens: int
     ref_logprobs: Optional[torch.Tensor] = None  # [1, L], filled by a reference-model pass
-    step_sequences: int = 0  # samples in the whole step (all micro-batches, all DP ranks)
-    step_tokens: int = 0  # response tokens in the whole step
-    trainer_logprobs: Optional[torch.Tensor] = None  # log pi of the response tokens, left by the loss hook
+    step_sequences: int = 0  # samples with a trained token in the whole step (all micro-batches, all DP ranks)
+    step_tokens: int = 0  # trained tokens in the whole step
+    trainer_logprobs: Optional[torch.Tensor] = None  # log pi of the trained tokens in row order, left by the hook
 
     @property
     def length(self) -> int:
         return self.input_ids.shape[1]
+
+
+def newest_version(samples: Sequence[Sample]) -> int:
+    """The newest policy version among the trained tokens of ``samples`` (0 when none is trained)."""
+    return max((v for s in samples for v in s.trained(s.policy_versions)), default=0)
 
 
 def split_across_dp(lengths: Sequence[int], dp_size: int) -> List[List[int]]:
@@ -114,9 +123,11 @@ def build_micro_batch(
     thd: bool,
     version: Optional[int] = None,
 ) -> MicroBatch:
-    """``version``: the trainer's, for each token's lag (default: the newest token version among ``indices``)."""
+    """``version``: the trainer's, for each token's lag (default: the newest trained token's version among
+    ``indices``). A response token whose loss_mask is 0 is in the row (the model reads it) but off its
+    mask, with 0 / -1 in the per-token rows: its placeholder log mu (NaN) and version never enter a tensor."""
     if version is None:
-        version = max((max(samples[i].policy_versions) for i in indices), default=0)
+        version = newest_version([samples[i] for i in indices])
     ids, pos, tgt, mask, mu, adv, ver, seg, sid, lag = ([] for _ in range(10))
     for segment, i in enumerate(indices):
         s = samples[i]
@@ -127,12 +138,14 @@ def build_micro_batch(
         pos += range(n)
         seg += [segment] * n
         # position t predicts tokens[t + 1]; response token j sits at t = p - 1 + j
-        mask += [0.0] * (p - 1) + [1.0] * len(s.response_tokens)
-        mu += [0.0] * (p - 1) + list(map(float, s.behaviour_logprobs))
-        adv += [0.0] * (p - 1) + [float(advantages[i])] * len(s.response_tokens)
-        ver += [-1] * (p - 1) + list(map(int, s.policy_versions))
-        sid += [-1] * (p - 1) + [segment] * len(s.response_tokens)
-        lag += [0] * (p - 1) + [version - int(v) for v in s.policy_versions]
+        off = p - 1
+        trained = [bool(m) for m in s.loss_mask]
+        mask += [0.0] * off + [1.0 if m else 0.0 for m in trained]
+        mu += [0.0] * off + [float(x) if m else 0.0 for x, m in zip(s.behaviour_logprobs, trained)]
+        adv += [0.0] * off + [float(advantages[i]) if m else 0.0 for m in trained]
+        ver += [-1] * off + [int(v) if m else -1 for v, m in zip(s.policy_versions, trained)]
+        sid += [-1] * off + [segment if m else -1 for m in trained]
+        lag += [0] * off + [version - int(v) if m else 0 for v, m in zip(s.policy_versions, trained)]
     real = len(ids)
     pad = row_length - real
     seq_lengths = [len(samples[i]) for i in indices] + ([pad] if pad else [])
@@ -154,7 +167,7 @@ def build_micro_batch(
         policy_versions=row(ver, torch.long),
         sample_ids=row(sid, torch.long),
         lags=row(lag, torch.long),
-        response_lengths=torch.tensor([len(samples[i].response_tokens) for i in indices], dtype=torch.long),
+        response_lengths=torch.tensor([samples[i].trained_tokens for i in indices], dtype=torch.long),
         group_ids=torch.tensor([samples[i].group_id for i in indices], dtype=torch.long),
         attention_mask=None if thd else _segments_mask(torch.tensor(seg)),
         packed_seq_params=_packed_seq_params(seq_lengths) if thd and seq_lengths else None,
@@ -205,16 +218,18 @@ def plan_micro_batches(
     empty_row = max_tokens if fixed_row_length else row_multiple
     processed = sum(sum(r) + (count - len(r)) * empty_row for r in row_lengths)
     if version is None:
-        version = max((max(s.policy_versions) for s in samples), default=0)
+        version = newest_version(samples)
     mine = bins_per_rank[dp_rank]
     micro_batches = [
         build_micro_batch(samples, advantages, b, n, thd, version) for b, n in zip(mine, row_lengths[dp_rank])
     ]
     while len(micro_batches) < count:
         micro_batches.append(build_micro_batch(samples, advantages, [], empty_row, thd, version))
-    step_tokens = sum(len(s.response_tokens) for s in samples)
+    # the normalisers count what is trained: a sample with every token masked adds to neither
+    step_tokens = sum(s.trained_tokens for s in samples)
+    step_sequences = sum(1 for s in samples if s.trained_tokens)
     for mb in micro_batches:  # every DP rank plans every rank's bins: these are global totals
-        mb.step_sequences, mb.step_tokens = len(samples), step_tokens
+        mb.step_sequences, mb.step_tokens = step_sequences, step_tokens
     return PackingPlan(
         micro_batches=micro_batches,
         seq_length=max(mb.length for mb in micro_batches),

@@ -12,12 +12,17 @@ rank picks its own DP shard. The returned metrics are identical on every rank.
 (trainer version - token version) for the loss and the per-lag mismatch metrics.
 Each trained sample gets ``trainer_logprobs``: log pi of its response
 tokens as the loss saw them (gathered from the last pipeline stage of every DP
-rank), so a run's log holds both sides of every importance ratio.
+rank), None at a token its loss_mask leaves out, so a run's log holds both sides
+of every importance ratio. A sample the loss leaves out whole (overlong=mask, or
+every token masked) keeps trainer_logprobs None.
+
+``loss`` is the trainer's BoundLoss (megarl.trainer.bound_loss): the function,
+its parameters, its aggregation and settings, resolved once when the trainer is
+built.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
@@ -28,10 +33,10 @@ import torch.distributed as dist
 
 from megarl.rollout import Sample, validate_samples
 from megarl.trainer.advantages import compute_advantages
-from megarl.trainer.aggregation import overlong_penalty, resolve_agg
-from megarl.trainer.hooks import LossConfig, make_forward_step, make_logprob_collector
-from megarl.trainer.losses import bind_loss_params, resolve_loss
-from megarl.trainer.packing import PackingPlan, plan_micro_batches
+from megarl.trainer.aggregation import overlong_penalty
+from megarl.trainer.bound_loss import BoundLoss
+from megarl.trainer.hooks import make_forward_step, make_logprob_collector
+from megarl.trainer.packing import MicroBatch, PackingPlan, plan_micro_batches
 from megarl.trainer.setup import run_schedule, zero_grads
 from megarl.trainer.stats import BASE_FIELDS, metrics_from_totals, stat_fields
 
@@ -40,32 +45,61 @@ RATIO_MAX = BASE_FIELDS.index("ratio_max")
 TRUNCATED = "length"  # Sample.finish_reason of a sample cut by max_new_tokens
 
 
-def shape_batch(samples: Sequence[Sample], cfg: LossConfig) -> Tuple[List[Sample], List[float], dict]:
-    """(the samples the loss sees, their advantages, overlong metrics) under ``cfg.overlong``.
+def shape_batch(samples: Sequence[Sample], loss: BoundLoss) -> Tuple[List[Sample], List[float], dict]:
+    """(the samples the loss sees, their advantages, overlong metrics) under ``loss.overlong``.
 
-    penalty: DAPO's soft overlong penalty added to each reward before the advantages;
-    mask: samples cut by max_new_tokens are left out of the loss (and of the step's totals,
-    so the normaliser counts only what is trained), but their rewards still count in their
-    group's baseline, as DAPO's overlong filtering does.
+    Advantages are computed over every sample of each group. Then the samples the loss
+    trains nothing of are left out (of the loss and of the step's totals, so the
+    normaliser counts only what is trained), their rewards still in their group's
+    baseline: with overlong=mask, those cut by max_new_tokens (as DAPO's overlong
+    filtering does); always, those whose every token is masked (loss_mask all 0).
+    penalty: DAPO's soft overlong penalty added to each reward before the advantages.
     """
     validate_samples(samples)
     truncated = [s.finish_reason == TRUNCATED for s in samples]
     penalties = [0.0] * len(samples)
-    if cfg.overlong == "penalty":
-        penalties = [overlong_penalty(len(s.response_tokens), cfg.max_new_tokens, cfg.overlong_buffer) for s in samples]
+    if loss.overlong == "penalty":
+        penalties = [
+            overlong_penalty(len(s.response_tokens), loss.max_new_tokens, loss.overlong_buffer) for s in samples
+        ]
     advantages = compute_advantages(
         samples,
-        cfg.advantage_estimator,
-        cfg.normalize_advantage_std,
+        loss.advantage_estimator,
+        loss.normalize_advantage_std,
         rewards=[float(s.reward) + p for s, p in zip(samples, penalties)],
     )
-    keep = [i for i, t in enumerate(truncated) if not (t and cfg.overlong == "mask")]
+    overlong_masked = [t and loss.overlong == "mask" for t in truncated]
+    keep = [i for i, s in enumerate(samples) if s.trained_tokens and not overlong_masked[i]]
     info = {
         "truncated_frac": sum(truncated) / len(samples),
-        "overlong_masked": len(samples) - len(keep),
+        "overlong_masked": sum(overlong_masked),
         "overlong_penalty_mean": sum(penalties) / len(samples),
     }
     return [samples[i] for i in keep], [advantages[i] for i in keep], info
+
+
+def trained_logprobs_flat(samples: Sequence[Sample], micro_batches: Sequence[MicroBatch], flat) -> None:
+    """Write each micro-batch's ``trainer_logprobs`` (its trained tokens, row order) into ``flat``: the
+    step's trained tokens, sample by sample in ``samples`` order (the order ``per_sample_logprobs`` reads)."""
+    offsets = [0]
+    for s in samples:
+        offsets.append(offsets[-1] + s.trained_tokens)
+    for mb in micro_batches:
+        if mb.trainer_logprobs is None:
+            continue
+        start = 0
+        for i in mb.sample_indices:
+            n = offsets[i + 1] - offsets[i]
+            flat[offsets[i] : offsets[i + 1]] = mb.trainer_logprobs[start : start + n].float()
+            start += n
+
+
+def per_sample_logprobs(samples: Sequence[Sample], values: Sequence[float]) -> List[List[Optional[float]]]:
+    """The flat trained-token values spread over each sample's response tokens: None where masked."""
+    out, it = [], iter(values)
+    for s in samples:
+        out.append([next(it) if m else None for m in s.loss_mask])
+    return out
 
 
 class PolicyTrainer:
@@ -74,7 +108,7 @@ class PolicyTrainer:
         ddp_chunks: list,
         optimizer,
         vocab_size: int,
-        loss: LossConfig,
+        loss: BoundLoss,
         max_tokens_per_microbatch: int,
         ref_chunks: Optional[list] = None,
         thd: Optional[bool] = None,
@@ -82,21 +116,13 @@ class PolicyTrainer:
     ):
         from megarl.models.megatron_llama import transformer_engine_usable
 
-        # defaults filled in, every value checked against the loss's declared parameters
-        loss_fn = resolve_loss(loss.name)
-        loss = dataclasses.replace(
-            loss, params=bind_loss_params(loss.name, loss.params), agg=resolve_agg(loss_fn, loss.agg)
-        )
         if loss.kl_coef and ref_chunks is None:
             raise ValueError("loss.kl_coef > 0 needs a reference model (ref_chunks)")
-        if (loss.agg == "seq_mean_token_sum_norm" or loss.overlong == "penalty") and loss.max_new_tokens < 1:
-            raise ValueError(f"loss {loss.name} ({loss.agg}, overlong={loss.overlong}) needs loss.max_new_tokens")
         self.ddp_chunks = ddp_chunks
         self.optimizer = optimizer
         self.vocab_size = vocab_size
         self.loss = loss
-        self.loss_fn = loss_fn
-        self.stat_fields = stat_fields(loss.max_lag)
+        self.stat_fields = stat_fields(loss.lag_bound)
         self.max_tokens = max_tokens_per_microbatch
         self.ref_chunks = ref_chunks
         self.lr_scheduler = lr_scheduler  # Megatron's OptimizerParamScheduler, stepped after each update
@@ -151,7 +177,7 @@ class PolicyTrainer:
         zero_grads(self.ddp_chunks, self.optimizer)
         outputs = run_schedule(
             self.ddp_chunks,
-            make_forward_step(self.loss_fn, self.loss, self.vocab_size),
+            make_forward_step(self.loss, self.vocab_size),
             plan.micro_batches,
             plan.seq_length,
             1,
@@ -217,27 +243,17 @@ class PolicyTrainer:
         return total.cpu()
 
     def _hand_back_logprobs(self, samples: Sequence[Sample], plan: PackingPlan) -> None:
-        """Each sample's log pi (as the loss saw it) into its trainer_logprobs, on every rank.
+        """Each sample's log pi (as the loss saw it) into its trainer_logprobs, on every rank;
+        None at a masked token.
 
         The owner of each micro-batch writes its samples' slots of one flat vector of the
-        step's response tokens; one SUM all-reduce gives every rank all of them."""
-        offsets = [0]
-        for s in samples:
-            offsets.append(offsets[-1] + len(s.response_tokens))
-        flat = torch.zeros(offsets[-1], dtype=torch.float32, device=self._device())
+        step's trained tokens; one SUM all-reduce gives every rank all of them."""
+        flat = torch.zeros(sum(s.trained_tokens for s in samples), dtype=torch.float32, device=self._device())
         if self._owner():
-            for mb in plan.micro_batches:
-                if mb.trainer_logprobs is None:
-                    continue
-                start = 0
-                for i in mb.sample_indices:
-                    n = offsets[i + 1] - offsets[i]
-                    flat[offsets[i] : offsets[i + 1]] = mb.trainer_logprobs[start : start + n].float()
-                    start += n
+            trained_logprobs_flat(samples, plan.micro_batches, flat)
         dist.all_reduce(flat)
-        values = flat.tolist()
-        for i, s in enumerate(samples):
-            s.trainer_logprobs = values[offsets[i] : offsets[i + 1]]
+        for s, values in zip(samples, per_sample_logprobs(samples, flat.tolist())):
+            s.trainer_logprobs = values
 
     def _nonfinite_reason(self, totals: torch.Tensor) -> Optional[str]:
         loss_sum = totals[BASE_FIELDS.index("loss_sum")].item()
@@ -255,12 +271,12 @@ class PolicyTrainer:
         if flag.item() < 1.0:
             return "non-finite gradient"
         if totals[BASE_FIELDS.index("tokens")].item() == 0:
-            return "no response tokens in the batch"
+            return "no trained tokens in the batch"
         return None
 
     def _metrics(self, totals, grad_norm, reason, plan, elapsed, real_tokens, n_samples) -> dict:
         return {
-            **metrics_from_totals(totals, self.loss.max_lag),
+            **metrics_from_totals(totals, self.loss.lag_bound),
             **self.overlong_info,
             "samples": n_samples,
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),

@@ -1,6 +1,7 @@
-"""Logits only where the loss reads them: the output layer on a micro-batch's response positions.
+"""Logits only where the loss reads them: the output layer on a micro-batch's trained positions.
 
-The RL loss reads log pi at response positions only, yet Megatron's GPTModel runs its output
+The RL loss reads log pi at trained response positions only (loss mask 1: a masked response
+token, like a prompt token, is context and nothing else), yet Megatron's GPTModel runs its output
 layer over every position of the packed row, prompts included. That layer is the model's widest
 GEMM ([tokens, hidden] x [hidden, vocab], three times with its gradients) and its logits are the
 largest activation ([tokens, vocab/TP]; Llama 3's vocabulary is 128k); with RL prompts often
@@ -8,7 +9,7 @@ longer than their answers, most of it was thrown away (SmolLM2 on CPU, a demo-li
 prompt positions: the output layer's GEMMs ~9% of a bf16 train step; steps 1.03x faster without
 the prompts' share, 1.12x on `megarl bench train-step`'s batch). So for the duration of one
 micro-batch's forward, a forward pre-hook on the output layer keeps only the hidden states of
-the selected positions -- the selection Megatron makes
+the selected positions (hooks.trained_positions) -- the selection Megatron makes
 itself before its output layer when inference materialises only the last token's logits
 (GPTModel._postprocess). The output layer, its weight-gradient accumulation and the tied
 embedding stay Megatron's own; the positions left out would only have received zero gradient.
@@ -50,7 +51,7 @@ def logits_at(model: torch.nn.Module, rows: torch.Tensor) -> Iterator[bool]:
         hidden = args[0]
         if hidden.dim() != 3 or hidden.shape[1] != 1 or hidden.shape[0] != rows.numel():
             raise ValueError(
-                f"the output layer's input is {tuple(hidden.shape)}; the response selection expects "
+                f"the output layer's input is {tuple(hidden.shape)}; the trained-position selection expects "
                 f"one packed row of {rows.numel()} positions, [seq, 1, hidden]"
             )
         return (hidden[rows],) + tuple(args[1:]), kwargs

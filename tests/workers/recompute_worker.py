@@ -29,10 +29,10 @@ import torch.distributed as dist  # noqa: E402
 
 from megarl.checkpointing.megatron_checkpoint import save_model  # noqa: E402
 from megarl.checkpointing.model_loading import load_llama  # noqa: E402
-from megarl.config import TrainerConfig  # noqa: E402
+from megarl.config import RolloutConfig, TrainerConfig  # noqa: E402
 from megarl.executors.trainer import megatron_model_settings  # noqa: E402
 from megarl.runtime.distributed import init_distributed, init_megatron, shutdown, world_dims  # noqa: E402
-from megarl.trainer.hooks import LossConfig  # noqa: E402
+from megarl.trainer.bound_loss import bind_loss  # noqa: E402
 from megarl.trainer.policy_trainer import PolicyTrainer  # noqa: E402
 from megarl.trainer.setup import OptimizerSettings, build_optimizer, unwrap, wrap_ddp  # noqa: E402
 from tests.rl_batch import RHO, TEMPERATURE, load_samples  # noqa: E402
@@ -94,7 +94,11 @@ def main():
         ddp = wrap_ddp(chunks, settings)
         optimizer = build_optimizer(ddp, settings)
         trainer = PolicyTrainer(
-            ddp, optimizer, spec.vocab_size, LossConfig(params={"rho": RHO}, temperature=TEMPERATURE), 64
+            ddp,
+            optimizer,
+            spec.vocab_size,
+            bind_loss(TrainerConfig(loss_params={"rho": RHO}), RolloutConfig(temperature=TEMPERATURE), lag_bound=0),
+            64,
         )
         meter = ActivationMeter([q for c in chunks for q in c.parameters()])
         with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):

@@ -4,7 +4,8 @@
         --out DIR --runs 2x1:32 1x2:64:gspo,dr_grpo ...
 
 Each run is LAYOUT:MAX_TOKENS_PER_MICROBATCH[:CASE,CASE...] (cases of tests/rl_batch.CASES,
-default aipo). The model is loaded once per layout; for each case it runs
+default aipo; a masked case runs on rl_batch.masked_samples of the batch). The model is loaded
+once per layout; for each case it runs
 PolicyTrainer.forward_backward (Megatron schedule + DDP, no optimizer step) at the
 trainer version rl_batch.VERSION, writes the gradients as a model checkpoint
 OUT/<layout>_<budget>_<case> (gradient in place of each weight) and a .json beside it
@@ -26,14 +27,11 @@ from lm_batch import parse_layout  # noqa: E402
 from megarl.checkpointing.megatron_checkpoint import save_model  # noqa: E402
 from megarl.checkpointing.model_loading import load_llama  # noqa: E402
 from megarl.runtime.distributed import init_distributed, init_megatron, shutdown  # noqa: E402
-from megarl.trainer.hooks import LossConfig  # noqa: E402
 from megarl.trainer.policy_trainer import PolicyTrainer  # noqa: E402
 from megarl.trainer.response_logits import _output_layer  # noqa: E402
 from megarl.trainer.setup import OptimizerSettings, build_optimizer, unwrap, wrap_ddp  # noqa: E402
 from megarl.trainer.stats import metrics_from_totals  # noqa: E402
-from tests.rl_batch import CASES, MAX_NEW_TOKENS, TEMPERATURE, VERSION, load_samples  # noqa: E402
-
-MAX_LAG = 2
+from tests.rl_batch import CASES, MAX_LAG, VERSION, bound_loss, case_samples, load_samples  # noqa: E402
 
 
 def save_grads(ddp, spec, path):
@@ -77,10 +75,10 @@ def main():
             if layer is not None:
                 layer.register_forward_hook(count_rows)
         for case in cases[0].split(",") if cases else ["aipo"]:
-            loss = LossConfig(**CASES[case], temperature=TEMPERATURE, max_new_tokens=MAX_NEW_TOKENS, max_lag=MAX_LAG)
-            trainer = PolicyTrainer(ddp, optimizer, spec.vocab_size, loss, int(budget))
+            trainer = PolicyTrainer(ddp, optimizer, spec.vocab_size, bound_loss(CASES[case]), int(budget))
+            batch = case_samples(samples, CASES[case])
             rows.zero_()
-            plan, stats = trainer.forward_backward(samples, version=VERSION)
+            plan, stats = trainer.forward_backward(batch, version=VERSION)
             totals = trainer._reduce_stats(stats)
             output_layer_rows = rows.clone()
             dist.all_reduce(output_layer_rows)  # every TP rank of the last stage computes the same rows
@@ -94,7 +92,7 @@ def main():
                     micro_batches=len(plan.micro_batches),
                     output_layer_rows=output_layer_rows.item(),
                     efficiency=plan.efficiency,
-                    trainer_logprobs=[s.trainer_logprobs for s in samples],
+                    trainer_logprobs=[s.trainer_logprobs for s in batch],
                 )
                 with open(os.path.join(args.out, name + ".json"), "w") as f:
                     json.dump(record, f)

@@ -31,33 +31,31 @@ from lm_batch import parse_layout  # noqa: E402
 from megarl.checkpointing.megatron_checkpoint import save_model  # noqa: E402
 from megarl.checkpointing.model_loading import load_llama  # noqa: E402
 from megarl.runtime.distributed import init_distributed, init_megatron, shutdown  # noqa: E402
-from megarl.trainer.hooks import LossConfig  # noqa: E402
 from megarl.trainer.policy_trainer import PolicyTrainer  # noqa: E402
 from megarl.trainer.setup import OptimizerSettings, build_optimizer, unwrap, wrap_ddp  # noqa: E402
-from tests.rl_batch import RHO, TEMPERATURE, VERSION, load_samples  # noqa: E402
+from tests.rl_batch import RHO, VERSION, bound_loss, load_samples  # noqa: E402
 
 ENTROPY_COEF = 0.05
 KL_LR_AWAY = 1e-3  # step 1
 KL_LR = 1e-4  # steps 2, 3: lr x the KL's curvature along the step (|g|^2 / 2 KL ~ 700 here) ~ 0.07
-CASES = {
+CASES = {  # name -> (TrainerConfig fields, bound by rl_batch.bound_loss; the optimizer's settings)
     "custom": (
-        LossConfig(
-            name="examples.losses.entropy_bonus:aipo_with_entropy_bonus",
-            params={"rho": RHO, "entropy_coef": ENTROPY_COEF},
-            temperature=TEMPERATURE,
+        dict(
+            loss="examples.losses.entropy_bonus:aipo_with_entropy_bonus",
+            loss_params={"rho": RHO, "entropy_coef": ENTROPY_COEF},
         ),
         OptimizerSettings(lr=1e-2),
     ),
     "nan": (
-        LossConfig(name="tests.workers.nan_loss:aipo_with_nan", params={"rho": RHO}, temperature=TEMPERATURE),
+        dict(loss="tests.workers.nan_loss:aipo_with_nan", loss_params={"rho": RHO}),
         OptimizerSettings(lr=1e-2),
     ),
     "overlong": (
-        LossConfig(name="aipo", params={"rho": RHO}, temperature=TEMPERATURE, overlong="mask", max_new_tokens=16),
+        dict(loss="aipo", loss_params={"rho": RHO}, overlong="mask"),
         OptimizerSettings(lr=1e-2),
     ),
     "kl": (
-        LossConfig(name="aipo", params={"rho": RHO}, temperature=TEMPERATURE, kl_coef=1.0),
+        dict(loss="aipo", loss_params={"rho": RHO}, kl_coef=1.0),
         # Megatron's distributed optimizer is Adam-only
         OptimizerSettings(
             optimizer="sgd", sgd_momentum=0.0, lr=KL_LR_AWAY, clip_grad=0.0, use_distributed_optimizer=False
@@ -77,7 +75,8 @@ def main():
     samples = load_samples(args.samples)
     layout = parse_layout(args.layout)
     metrics = {}
-    for case, (loss, settings) in CASES.items():
+    for case, (trainer_fields, settings) in CASES.items():
+        loss = bound_loss(trainer_fields, lag_bound=0)
         init_megatron(layout)
         spec, chunks = load_llama(args.checkpoint, layout)
         ref_chunks = load_llama(args.checkpoint, layout)[1] if loss.kl_coef else None
@@ -91,6 +90,7 @@ def main():
                 group["lr"] = KL_LR
             metrics[case] += [trainer.step(equal, version=VERSION) for _ in range(2)]
         elif case == "overlong":
+            # trainer_logprobs cleared: the earlier cases handed theirs back into these samples
             cut = [
                 dataclasses.replace(s, finish_reason="length" if i in (0, 3) else "stop", trainer_logprobs=None)
                 for i, s in enumerate(samples)
