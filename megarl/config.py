@@ -114,7 +114,7 @@ class GeneratorConfig:
     generate_while_waiting: bool = True
     cpu_threads: int = 0  # CPU runs: intra-op threads per generator rank (0: the launcher's OMP_NUM_THREADS)
     verify_sync: bool = False  # checksum every received shard against the sender's (costs a pass)
-    # -- backend: sglang (one server per replica; see README "SGLang generators") ---------------
+    # -- backend: sglang (one server per replica; docs/sglang.md) ---------------
     # attach: the running servers, one URL per replica (`megarl sglang-command` prints how to start
     # them); empty: each replica's first rank launches its own server
     sglang_urls: List[str] = field(default_factory=list)

@@ -75,7 +75,7 @@ def gradient_accumulation_fusion(setting: Optional[bool], on_gpu: bool) -> bool:
     if setting and not available:
         raise ConfigError(
             "trainer.gradient_accumulation_fusion: true needs Apex's fused_weight_gradient_mlp_cuda "
-            "extension, which does not import here (build Apex from source, README 'Install'); "
+            "extension, which does not import here (build Apex from source, docs/install.md, GPU clusters); "
             "set it to false, or leave it unset to use it where it is built"
         )
     return available
