@@ -46,6 +46,8 @@ def train(
         else:
             run_rank(cfg.to_dict(), prepared)
         return {}
+    if not replay:  # (torchrun's ranks are checked by the --prepare-only that precedes them: scripts/launch.sh)
+        _check_data(cfg)  # a replay trains on recorded token ids: it reads no data source
     if prepare_only and cfg.plan:
         # A GPU config (one with a plan: section) whose layout cannot fit in GPU memory with its own
         # settings is refused before a checkpoint is converted for it, naming the part that overflows.
@@ -80,6 +82,17 @@ def train(
     summary = json.loads((Path(cfg.run.output_dir) / "summary.json").read_text())
     print(json.dumps(summary), flush=True)
     return summary
+
+
+def _check_data(cfg) -> None:
+    """data.train and data.eval parsed here, before a conversion or any rank: a missing file or a malformed
+    line is named by the field and the file:line at once, not later by the first rank to read it."""
+    from megarl.data.datasets import check_data_source
+
+    for name in ("train", "eval"):
+        spec = getattr(cfg.data, name)
+        if spec is not None:
+            check_data_source(f"data.{name}", spec, cfg.data.max_prompt_tokens)
 
 
 def _resolve_dtypes(cfg, replay: Optional[str]) -> None:
