@@ -46,14 +46,14 @@ def train(
         else:
             run_rank(cfg.to_dict(), prepared)
         return {}
-    if not replay:  # (torchrun's ranks are checked by the --prepare-only that precedes them: scripts/launch.sh)
-        _check_data(cfg)  # a replay trains on recorded token ids: it reads no data source
     if prepare_only and cfg.plan:
         # A GPU config (one with a plan: section) whose layout cannot fit in GPU memory with its own
         # settings is refused before a checkpoint is converted for it, naming the part that overflows.
         from megarl.plan.config_plan import check_config_fits
 
         check_config_fits(cfg)
+    if not replay:  # (torchrun's ranks are checked by the --prepare-only that precedes them: scripts/launch.sh)
+        _check_data(cfg)  # a replay trains on recorded token ids: it reads no data source
     prepared = prepare_model(cfg.model)
     if prepare_only:
         print(
