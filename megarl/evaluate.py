@@ -35,13 +35,26 @@ import torch
 
 def _checkpoint_dir(checkpoint: str, cache_dir: str) -> Path:
     from megarl.checkpointing.manifest import MANIFEST_FILE
-    from megarl.checkpointing.megatron_checkpoint import resolve_checkpoint_dir
+    from megarl.checkpointing.megatron_checkpoint import TRACKER_FILE, resolve_checkpoint_dir
     from megarl.config import ModelConfig
+    from megarl.errors import CheckpointError, ConfigError
     from megarl.model_source import prepare_model
 
     path = Path(checkpoint)
-    if (path / "checkpoints" / "latest_checkpointed_iteration.txt").exists():  # a training run's directory
+    if checkpoint.startswith("random:"):  # model.source's random initialisation has no weights to evaluate
+        raise ConfigError(
+            f"--checkpoint: {checkpoint} is a random initialisation, not a checkpoint; {CHECKPOINT_KINDS}"
+        )
+    if checkpoint != "smollm2" and not path.exists():
+        raise CheckpointError(f"--checkpoint {checkpoint}: no such file or directory; {CHECKPOINT_KINDS}")
+    if (path / "checkpoints" / TRACKER_FILE).exists():  # a training run's directory
         path = path / "checkpoints"
+    elif (path / "checkpoints").is_dir() or (path / "metrics.jsonl").is_file():
+        # a run that has saved nothing yet: its config.json is no Hugging Face model's
+        raise CheckpointError(
+            f"--checkpoint {checkpoint}: a training run's directory with no checkpoint saved yet "
+            f"({path / 'checkpoints' / TRACKER_FILE} is missing; a run saves every run.save_every steps and at its end)"
+        )
     # a root, or one iteration dir (iter_XXXXXXX/); every file is checked against the
     # manifest first, so a damaged checkpoint is named here and not deep inside torch
     if (
@@ -50,8 +63,41 @@ def _checkpoint_dir(checkpoint: str, cache_dir: str) -> Path:
         or (path / "metadata.json").exists()
     ):
         return resolve_checkpoint_dir(path, what="--checkpoint", verify="checksums")
-    prepared = prepare_model(ModelConfig(source=checkpoint, cache_dir=cache_dir))
+    prepared = prepare_model(ModelConfig(source=checkpoint, cache_dir=cache_dir), what="--checkpoint")
     return resolve_checkpoint_dir(prepared.checkpoint, what="--checkpoint", verify="checksums")
+
+
+CHECKPOINT_KINDS = (
+    "give a training run's directory, a Megatron checkpoint (root or iter_N/), a Hugging Face model "
+    "directory, or smollm2"
+)
+
+
+def check_reward(reward: str) -> None:
+    """--reward resolved before the model loads, its errors naming the flag (not the config's reward.function)."""
+    from megarl.errors import ConfigError
+    from megarl.rewards.registry import FIELD, reward_spec
+
+    try:
+        reward_spec(reward)
+    except ConfigError as err:
+        raise ConfigError(f"--reward: {str(err).removeprefix(f'{FIELD}: ')}") from None
+
+
+def check_data(data: str) -> int:
+    """Every --data record parsed before the model loads (a bad line costs no load); the prompt count."""
+    from megarl.data.datasets import load_records
+    from megarl.errors import ConfigError
+
+    if data.startswith("random:"):
+        raise ConfigError(
+            f"--data: {data}: random token prompts have no answers to grade; give a .jsonl/.parquet prompt "
+            f"file or arithmetic:<n>:<seed>"
+        )
+    try:
+        return len(load_records(data))
+    except ConfigError as err:
+        raise ConfigError(f"--data: {err}") from None
 
 
 def _run_config(ckpt_dir: Path) -> dict:
@@ -230,6 +276,8 @@ def evaluate(
     from megarl.runtime.launch import run_world
 
     sampling_rule(samples, 1.0 if temperature is None else temperature, top_p, seed, {})  # before any loading
+    check_data(data)
+    check_reward(reward)
     ckpt_dir = _checkpoint_dir(checkpoint, cache_dir)
     run_config = _run_config(ckpt_dir)
     decode_dtype, source = dtype_rule(dtype, run_config)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from megarl.errors import ConfigError
+from megarl.errors import CheckpointError, ConfigError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -58,23 +58,36 @@ def tokenizer_vocab_size(tokenizer_dir: Path) -> int:
     return len(AutoTokenizer.from_pretrained(tokenizer_dir))
 
 
-def _converted(source: str, cache: Path, gguf_file: Optional[str] = None, convert_now: bool = True) -> Path:
+def _converted(
+    source: str, cache: Path, gguf_file: Optional[str] = None, convert_now: bool = True, what: str = "model.source"
+) -> Path:
     from megarl.convert.hf_to_megatron import HfToMegatron, convert
 
     name = "smollm2" if gguf_file else Path(source).resolve().name
     out = cache / f"{name}-megatron"
     if not (out / TRACKER).exists():
+        hf_dir = not gguf_file and Path(source).suffix != ".gguf"  # a .gguf file is converted too
+        if hf_dir and not (Path(source) / "config.json").is_file():
+            # neither kind: name what the user gave (not the converter's --hf-model) before any conversion
+            raise CheckpointError(
+                f"{what} {source}: neither a Megatron checkpoint (no {TRACKER}) nor a Hugging Face "
+                f"model (no config.json)"
+            )
         if not convert_now:
             raise ConfigError(
-                f"model.source: {source} is not converted yet ({out} is missing); run "
+                f"{what}: {source} is not converted yet ({out} is missing); run "
                 f"`megarl train --config FILE --prepare-only` once before launching the ranks"
             )
         print(f"megarl: converting {source} to a Megatron checkpoint in {out} (first use)", flush=True)
-        convert(HfToMegatron(hf_model=source, output=str(out), gguf_file=gguf_file))
+        try:
+            convert(HfToMegatron(hf_model=source, output=str(out), gguf_file=gguf_file))
+        except CheckpointError as err:  # the converter names its own flags (--hf-model): say whose input it was
+            raise CheckpointError(f"{what} {source}: cannot be converted: {err}") from err
     return out
 
 
-def prepare_model(model_cfg, convert: bool = True) -> PreparedModel:
+def prepare_model(model_cfg, convert: bool = True, what: str = "model.source") -> PreparedModel:
+    """``what``: the field or flag the source came from, as errors name it (`megarl eval`: --checkpoint)."""
     from megarl.checkpointing.megatron_checkpoint import TOKENIZER_DIR, read_spec, resolve_checkpoint_dir
     from megarl.models.spec import LlamaSpec
 
@@ -96,13 +109,13 @@ def prepare_model(model_cfg, convert: bool = True) -> PreparedModel:
         from megarl.models.hf_checkpoint import smollm2_gguf_path
 
         gguf = smollm2_gguf_path()
-        ckpt = _converted(str(gguf.parent), cache, gguf.name, convert)
+        ckpt = _converted(str(gguf.parent), cache, gguf.name, convert, what)
     else:
         path = Path(source)
         if not path.exists():
-            raise ConfigError(f"model.source: {source} does not exist (a path, 'smollm2' or 'random:<preset>')")
-        ckpt = path if (path / TRACKER).exists() else _converted(source, cache, convert_now=convert)
-    ckpt_dir = resolve_checkpoint_dir(ckpt, what="model.source")
+            raise ConfigError(f"{what}: {source} does not exist (a path, 'smollm2' or 'random:<preset>')")
+        ckpt = path if (path / TRACKER).exists() else _converted(source, cache, convert_now=convert, what=what)
+    ckpt_dir = resolve_checkpoint_dir(ckpt, what=what)
     tok = model_cfg.tokenizer or str(ckpt_dir / TOKENIZER_DIR)
     if model_cfg.tokenizer == "smollm2":
         tok = str(_smollm2_tokenizer(cache))

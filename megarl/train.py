@@ -53,6 +53,8 @@ def train(
         from megarl.plan.config_plan import check_config_fits
 
         check_config_fits(cfg)
+    if not replay:  # (torchrun's ranks are checked by the --prepare-only that precedes them: scripts/launch.sh)
+        _check_data(cfg)  # a replay trains on recorded token ids: it reads no data source
     prepared = prepare_model(cfg.model)
     if prepare_only:
         print(
@@ -93,6 +95,17 @@ def check_loss(cfg, config_path: Optional[str] = None) -> None:
         bind_loss(cfg.trainer, cfg.rollout, lag_bound=0)  # the lag bound changes nothing that is checked
     except ConfigError as e:
         raise ConfigError(f"{config_path or 'config'}: {e}") from None
+
+
+def _check_data(cfg) -> None:
+    """data.train and data.eval parsed here, before a conversion or any rank: a missing file or a malformed
+    line is named by the field and the file:line at once, not later by the first rank to read it."""
+    from megarl.data.datasets import check_data_source
+
+    for name in ("train", "eval"):
+        spec = getattr(cfg.data, name)
+        if spec is not None:
+            check_data_source(f"data.{name}", spec, cfg.data.max_prompt_tokens)
 
 
 def _resolve_dtypes(cfg, replay: Optional[str]) -> None:

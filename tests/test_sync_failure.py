@@ -132,7 +132,9 @@ def test_generator_killed_inside_a_weight_sync_ends_the_job_naming_it(tmp_path):
         rc, err, elapsed = _kill_and_wait(generator_pid, proc)
     finally:
         _stop(proc)
-    print(f"\njob exit {rc}, {elapsed:.2f} s after the kill; last line: {err.strip().splitlines()[-1]}")
+    # the measured time, for the README (which states the bound this test asserts, and this measurement)
+    last_line = err.strip().splitlines()[-1]
+    print(f"\njob exit {rc}, {elapsed:.2f} s after the kill (bound {EXIT_WITHIN_S} s); last line: {last_line}")
     assert rc == 2, err[-4000:]
     assert elapsed < EXIT_WITHIN_S, elapsed
     # the launcher's one-line error names the rank, its executor and its pid, first
@@ -198,7 +200,9 @@ def test_a_save_underway_when_the_generator_dies_never_becomes_the_latest(tmp_pa
         rc, err, elapsed = _kill_and_wait(generator_pid, proc)
     finally:
         _stop(proc)
-    print(f"\njob exit {rc}, {elapsed:.2f} s after the kill; last line: {err.strip().splitlines()[-1]}")
+    # the measured time, for the README (which states the bound this test asserts, and this measurement)
+    last_line = err.strip().splitlines()[-1]
+    print(f"\njob exit {rc}, {elapsed:.2f} s after the kill (bound {EXIT_WITHIN_S} s); last line: {last_line}")
     assert rc == 2 and elapsed < EXIT_WITHIN_S, (rc, elapsed, err[-3000:])
     assert f"error: rank 2 ({GENERATOR}, pid {generator_pid}) was killed by SIGKILL" in err
     # the interrupted save stayed a staging directory: never listed, never pointed at

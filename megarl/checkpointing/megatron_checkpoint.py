@@ -58,7 +58,12 @@ def resolve_checkpoint_dir(path: os.PathLike, what: str = "--megatron", verify: 
         raise CheckpointError(f"{what} {path}: no such file or directory")
     tracker = path / TRACKER_FILE
     if tracker.exists():
-        tag = tracker.read_text().strip()
+        tag = tracker.read_text(errors="replace").strip()
+        if tag != "release" and not tag.isdigit():  # Megatron-LM writes "release" or the iteration
+            raise CheckpointError(
+                f"{what}: {tracker} holds {tag[:80]!r}, expected 'release' or an iteration number "
+                f"(the file names the checkpoint to load; Megatron-LM and megarl write it)"
+            )
         path = path / (tag if tag == "release" else iteration_dir_name(int(tag)))
         if not path.is_dir():
             raise CheckpointError(f"{what}: {tracker} points to {path}, which does not exist")

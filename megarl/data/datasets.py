@@ -60,6 +60,20 @@ def load_records(spec: str) -> List[PromptRecord]:
     return load_prompts(spec)
 
 
+def check_data_source(field: str, spec: str, max_prompt_tokens: int) -> int:
+    """What `megarl train`'s launcher can check of a data source before any rank starts, with neither a
+    tokenizer nor torch: every record of a file, an arithmetic spec's problems, a random spec's numbers.
+    Returns the number of prompts; a ConfigError names ``field`` (data.train, data.eval), then the file:line."""
+    if spec.startswith("random:"):
+        from megarl.data.random_tokens import parse_spec
+
+        return parse_spec(spec, max_prompt_tokens, field)[0]
+    try:
+        return len(load_records(spec))
+    except ConfigError as err:
+        raise ConfigError(f"{field}: {err}") from None
+
+
 def load_prompts(path) -> List[PromptRecord]:
     """Every record of a .jsonl or .parquet prompt file; ConfigError naming file:line on a bad one."""
     path = os.fspath(path)
@@ -85,7 +99,9 @@ def _read_jsonl(path: str) -> Iterator[PromptRecord]:
             try:
                 raw = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ConfigError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from exc
+                # exc.pos, not exc.colno: an error at the line's end falls on its newline, which json
+                # counts as the start of a second line (column 1)
+                raise ConfigError(f"{where}: not valid JSON ({exc.msg} at column {exc.pos + 1})") from exc
             yield parse_record(raw, where)
 
 
