@@ -55,11 +55,14 @@ lint: setup-test
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
 
+# The whole suite (what CI runs): tests/unit (no processes), tests/multiprocess (ranks, servers,
+# subprocesses) and tests/gpu (skipped without a GPU).
 test: setup-test
 	$(PY) -m pytest -q
 
+# The unit tests alone: no process is started (tests/unit/conftest.py fails a test that starts one).
 test-quick: setup-test
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q tests/unit
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -230,7 +230,7 @@ class Config:
         if self.run.mode == "sync" and g.verify_sync:
             raise ConfigError(
                 "generator.verify_sync: sync mode copies the weights on each rank, nothing travels to "
-                "verify (its copy is tested bitwise in tests/test_colocated.py)"
+                "verify (its copy is tested bitwise in tests/multiprocess/test_colocated.py)"
             )
         if self.run.wandb is not None:
             self.run.wandb = check_wandb_config(self.run.wandb)

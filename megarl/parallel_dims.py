@@ -19,7 +19,7 @@ ranks is regrouped for the experts as ETP x EP x EDP x PP (EDP, the expert data 
 size, is what is left), so ``ep`` and ``etp`` never multiply into the world size, and
 ``etp`` defaults to ``tp`` as in Megatron-Core. Groups (``groups("tp")``,
 ``expert_groups("ep")``, ...) list the ranks of every group of that kind in Megatron's order
-(tests/test_parallel_dims.py compares them with Megatron's RankGenerator).
+(tests/unit/test_parallel_dims.py compares them with Megatron's RankGenerator).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ class AttentionBench:
 
 def core_attention_pair(dtype: torch.dtype, heads: int = 9, groups: int = 3, head_dim: int = 64) -> dict:
     """Megatron's DotProductAttention and SdpaDotProductAttention built alike (one layer's core attention,
-    causal, no dropout) -- also what tests/test_sdpa_attention.py compares. Needs Megatron's parallel state."""
+    causal, no dropout) -- also what tests/multiprocess/test_sdpa_attention.py compares. Needs Megatron's parallel state."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig

@@ -7,7 +7,7 @@ the SGLang TP worker (CUDA IPC from the trainer on the same device).
 
 Needs SGLang and Transformer Engine (``pip install -e .[gpu]``). On CPU its driver, the
 job's side of the protocol and the receiver run against tests/sglang_test_server.py
-(tests/test_sglang_loop.py).
+(tests/multiprocess/test_sglang_loop.py).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ while training, no packed (thd) sequences. Any of those sends it to Megatron's o
 forward. The mask is Megatron's (True = masked out); a causal mask type without
 a mask is SDPA's ``is_causal``. Numerics: Megatron's path rounds the scores to the
 model's dtype before its fp32 softmax; SDPA keeps them in fp32 -- the same product,
-within the model dtype's rounding (tests/test_sdpa_attention.py compares both).
+within the model dtype's rounding (tests/multiprocess/test_sdpa_attention.py compares both).
 
 Two things make the CPU path cheaper than one masked SDPA call over the row:
 

@@ -21,7 +21,7 @@ torch -- megarl's reference engine (megarl/generator/torch_engine), eager PyTorc
     (``Hardware.eager_op_us``) adds to the step.
 
 The op counts were taken with torch.profiler on one decode step of the engine
-(kernel-launching aten ops per layer, views excluded); tests/test_plan.py
+(kernel-launching aten ops per layer, views excluded); tests/unit/test_plan.py
 counts them again so that an engine change shows up here.
 """
 

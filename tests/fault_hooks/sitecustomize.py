@@ -1,4 +1,4 @@
-"""Test-only fault injection for tests/test_sync_failure.py: pause a rank at an exact point of the loop.
+"""Test-only fault injection for tests/multiprocess/test_sync_failure.py: pause a rank at an exact point of the loop.
 
 megarl has no test hooks of its own. This file is put first on PYTHONPATH of a
 `megarl train` run, so every Python process of the job (the launcher and each

@@ -2,7 +2,7 @@
 
     python tests/workers/cpu_backend_checks.py {basic|fake_cuda|other_version}
 
-Prints one JSON object of observations; tests/test_cpu_backend.py asserts on it.
+Prints one JSON object of observations; tests/multiprocess/test_cpu_backend.py asserts on it.
 """
 
 import json

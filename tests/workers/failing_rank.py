@@ -1,4 +1,4 @@
-"""Rank bodies for tests/test_launch.py (importable by spawned children)."""
+"""Rank bodies for tests/multiprocess/test_launch.py (importable by spawned children)."""
 
 import os
 import time

@@ -1,7 +1,7 @@
 """What megarl sends to an SGLang 0.5.x server and how it reads the answers.
 
 Pure functions over JSON-able dicts, so they are tested on CPU against
-SGLang's own request types (tests/test_sglang_protocol.py reads the field
+SGLang's own request types (tests/unit/test_sglang_protocol.py reads the field
 names from SGLang's io_struct.py / sampling_params.py and runs SGLang's own
 weight-version-span code).
 

@@ -1,0 +1,46 @@
+"""The HF <-> Megatron tensor layouts, on labelled rows (independent of any model)."""
+
+import torch
+
+from megarl.models.hf_mapping import fuse_qkv, pad_vocab, split_qkv
+from megarl.models.spec import LlamaSpec
+from tests.unit.test_spec import llama_config
+
+
+def labelled(rows_per_head: int, heads: int, tag: float, cols: int = 3) -> torch.Tensor:
+    """Row r of head h holds tag + h + r/100 in every column."""
+    values = torch.tensor([tag + h + r / 100 for h in range(heads) for r in range(rows_per_head)])
+    return values.unsqueeze(1).repeat(1, cols)
+
+
+def test_qkv_grouped_per_kv_group():
+    # 4 q heads, 2 KV heads, head_dim 16: Megatron's rows are, per KV group g,
+    # [q heads of g (2 of them); k_g; v_g].
+    spec = LlamaSpec.from_hf_config(llama_config())
+    d = spec.head_dim
+    q, k, v = labelled(d, 4, 100.0), labelled(d, 2, 200.0), labelled(d, 2, 300.0)
+    fused = fuse_qkv(q, k, v, spec)
+    head_tags = fused[::d, 0].floor().tolist()
+    assert head_tags == [100, 101, 200, 300, 102, 103, 201, 301]
+    assert torch.equal(fused[:d], q[:d]) and torch.equal(fused[2 * d : 3 * d], k[:d])
+    back = split_qkv(fused, spec)
+    assert all(torch.equal(a, b) for a, b in zip(back, (q, k, v)))
+
+
+def test_qkv_matches_megatrons_own_split():
+    # Megatron's SelfAttention views the fused projection as
+    # [groups, (q_per_group + 2) * head_dim] and splits q | k | v inside each group.
+    spec = LlamaSpec.from_hf_config(llama_config())
+    d, g, qpg = spec.head_dim, spec.num_kv_heads, spec.q_per_kv
+    q, k, v = torch.randn(4 * d, 8), torch.randn(2 * d, 8), torch.randn(2 * d, 8)
+    x = torch.randn(8)
+    mixed = (fuse_qkv(q, k, v, spec) @ x).view(g, (qpg + 2) * d)
+    mq, mk, mv = torch.split(mixed, [qpg * d, d, d], dim=1)
+    assert torch.allclose(mq.reshape(-1), q @ x) and torch.allclose(mk.reshape(-1), k @ x)
+    assert torch.allclose(mv.reshape(-1), v @ x)
+
+
+def test_vocab_padding_appends_zero_rows():
+    w = torch.randn(300, 4)
+    padded = pad_vocab(w, 384)
+    assert padded.shape == (384, 4) and torch.equal(padded[:300], w) and not padded[300:].any()

@@ -1,0 +1,193 @@
+"""The trainer's and optimizer's config sections: every value reaches Megatron or the loss, or is refused.
+
+Loss parameters: for each built-in loss and each parameter, the per-token loss the
+forward-step hook computes from a loaded config equals the loss's formula written
+out here with the configured value, and differs from what the default would give
+(so a dropped parameter fails). Megatron settings: the TransformerConfig and
+optimizer a config builds carry its values.
+"""
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from megarl.config import load_config
+from megarl.errors import ConfigError
+from megarl.executors.trainer import megatron_model_settings
+from megarl.train import check_loss
+from megarl.trainer.bound_loss import bind_loss
+from megarl.trainer.hooks import per_token_loss
+from megarl.trainer.losses import LossInputs
+
+TINY = "configs/tiny_cpu.yaml"
+
+
+# three tokens: log pi, log mu, advantage, log ref
+LOGP = [-0.5, -1.5, -1.0]
+
+
+MU = [-1.0, -1.0, -2.5]
+
+
+ADV = [1.0, -1.0, 0.5]
+
+
+REF = [-0.8, -1.2, -1.0]
+
+
+def hook_loss(overrides):
+    cfg = load_config(TINY, overrides)
+    loss = bind_loss(cfg.trainer, cfg.rollout, lag_bound=0)
+    x = LossInputs(
+        torch.tensor(LOGP, dtype=torch.float64),
+        torch.tensor(MU, dtype=torch.float64),
+        torch.tensor(ADV, dtype=torch.float64),
+        ref_logprobs=torch.tensor(REF, dtype=torch.float64),
+    )
+    return per_token_loss(loss, x)[1].tolist()
+
+
+def aipo_ref(rho):
+    return [-min(math.exp(lp - mu), rho) * a * lp for lp, mu, a in zip(LOGP, MU, ADV)]
+
+
+def ppo_ref(eps, eps_high):
+    out = []
+    for lp, mu, a in zip(LOGP, MU, ADV):
+        r = math.exp(lp - mu)
+        out.append(-min(r * a, min(max(r, 1 - eps), 1 + eps_high) * a))
+    return out
+
+
+@pytest.mark.parametrize(
+    "overrides, expected, default",
+    [
+        # ratios e^0.5 = 1.65, e^-0.5 = 0.61, e^1.5 = 4.48: rho 1.5 clips the first and the last
+        (["trainer.loss_params={rho: 1.5}"], aipo_ref(1.5), aipo_ref(4.0)),
+        (["trainer.loss=ppo_clip", "trainer.loss_params={eps: 0.45}"], ppo_ref(0.45, 0.45), ppo_ref(0.2, 0.2)),
+        (["trainer.loss=ppo_clip", "trainer.loss_params={eps_high: 0.9}"], ppo_ref(0.2, 0.9), ppo_ref(0.2, 0.2)),
+    ],
+)
+def test_each_loss_parameter_reaches_the_hook(overrides, expected, default):
+    ours = hook_loss(overrides)
+    assert ours == pytest.approx(expected, rel=1e-12, abs=0)
+    assert ours != pytest.approx(default, rel=1e-6)  # the value changed the loss: dropping it would fail
+
+
+def test_user_loss_parameters_reach_the_hook():
+    name = "examples.losses.entropy_bonus:aipo_with_entropy_bonus"
+    cfg = load_config(TINY, [f"trainer.loss={name}", "trainer.loss_params={entropy_coef: 0.3, rho: 1.5}"])
+    loss = bind_loss(cfg.trainer, cfg.rollout, lag_bound=0)
+    entropy = [2.0, 1.0, 0.5]
+    x = LossInputs(
+        torch.tensor(LOGP, dtype=torch.float64),
+        torch.tensor(MU, dtype=torch.float64),
+        torch.tensor(ADV, dtype=torch.float64),
+        entropy=torch.tensor(entropy, dtype=torch.float64),
+    )
+    ours = per_token_loss(loss, x)[1].tolist()
+    assert ours == pytest.approx([a - 0.3 * e for a, e in zip(aipo_ref(1.5), entropy)], rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "estimator, kl",
+    [
+        ("k1", [lp - r for lp, r in zip(LOGP, REF)]),
+        ("k2", [0.5 * (lp - r) ** 2 for lp, r in zip(LOGP, REF)]),
+        ("k3", [math.exp(r - lp) - (r - lp) - 1 for lp, r in zip(LOGP, REF)]),
+    ],
+)
+def test_kl_coef_and_estimator_reach_the_hook(estimator, kl):
+    ours = hook_loss(["trainer.kl_coef=0.25", f"trainer.kl_estimator={estimator}"])
+    assert ours == pytest.approx([a + 0.25 * k for a, k in zip(aipo_ref(4.0), kl)], rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["trainer.rho=2.0"], "trainer.rho: moved to trainer.loss_params.rho"),
+        (["trainer.lr=1e-5"], "trainer.lr: moved to optimizer.lr"),
+        (["trainer.recompute_granularity=full"], "full needs trainer.recompute_method"),
+        (
+            ["trainer.recompute_method=uniform"],
+            "trainer.recompute_method: used only with trainer.recompute_granularity=full",
+        ),
+        (["trainer.recompute_granularity=some"], "trainer.recompute_granularity: 'some' is not one of"),
+        (["trainer.recompute_modules=[mlp]"], "trainer.recompute_modules: used only with"),
+        (["trainer.vpp=2"], "trainer.vpp=2: .*needs trainer.pp > 1"),
+        (["trainer.kl_estimator=k5"], "trainer.kl_estimator: 'k5'"),
+        (["optimizer.min_lr=1e-5"], "optimizer.min_lr: used only with lr_decay_style linear | cosine"),
+        (["optimizer.lr_decay_style=cosine", "optimizer.min_lr=1.0"], "optimizer.min_lr=1.0 is above optimizer.lr"),
+        (["optimizer.lr_decay_style=cosine", "optimizer.lr_warmup_iters=3"], "lr_warmup_iters=3 must be below"),
+        (["optimizer.lr_decay_style=step"], "optimizer.lr_decay_style: 'step' is not one of"),
+        (["optimizer.sgd_momentum=0.5"], "optimizer.sgd_momentum: not used by optimizer.optimizer=adam"),
+        (
+            ["optimizer.overlap_param_gather=true"],
+            "optimizer.overlap_param_gather: needs use_distributed_optimizer and",
+        ),
+        (["optimizer.lr_warmup_init=1e-4"], "optimizer.lr_warmup_init: used only with optimizer.lr_warmup_iters > 0"),
+        (["run.mode=sync", "trainer.pp=2", "trainer.vpp=2", "rollout.prompts_per_step=2"], "trainer.vpp: sync"),
+    ],
+)
+def test_bad_trainer_and_optimizer_settings_are_refused_naming_the_field(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(TINY, overrides)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["trainer.loss=grpo_v9"], "trainer.loss: 'grpo_v9' is unknown"),
+        (["trainer.loss=no_such_pkg:f"], "trainer.loss: cannot import module 'no_such_pkg'"),
+        (["trainer.loss_params={eps: 0.2}"], r"trainer.loss_params.eps: loss 'aipo' has no such parameter"),
+        (["trainer.loss=ppo_clip", "trainer.loss_params={eps: 2}"], r"trainer.loss_params.eps: must be in \(0, 1\)"),
+    ],
+)
+def test_bad_loss_settings_are_refused_naming_the_field_before_any_rank_starts(overrides, message):
+    # the loss is looked up once, by the resolver the trainer uses; `megarl train` calls it before it launches
+    with pytest.raises(ConfigError, match=f"{TINY}: {message}"):
+        check_loss(load_config(TINY, overrides), TINY)
+
+
+def test_sequence_and_context_parallel_are_refused_where_transformer_engine_cannot_run():
+    from megarl.trainer.features import check_trainer_runs_here, transformer_engine_available
+
+    if transformer_engine_available():
+        pytest.skip("needs a machine without Transformer Engine on CUDA (every CPU machine)")
+    for overrides, message in [
+        (
+            ["trainer.sequence_parallel=true"],
+            "trainer.sequence_parallel: needs Transformer Engine on GPUs.*no CUDA device",
+        ),
+        (["trainer.cp=2"], "trainer.cp=2: context parallelism runs in Transformer Engine"),
+        (["optimizer.overlap_grad_reduce=true"], "optimizer.overlap_grad_reduce: .*on CPU"),
+    ]:
+        cfg = load_config(TINY, overrides)  # a consistent config: `megarl plan` reads it anywhere
+        with pytest.raises(ConfigError, match=message):
+            check_trainer_runs_here(cfg)
+
+
+def test_recompute_settings_reach_megatron():
+    from megarl.models.megatron_llama import transformer_config
+    from megarl.models.presets import preset_spec
+
+    cfg = load_config(
+        TINY, ["trainer.recompute_granularity=full", "trainer.recompute_method=block", "trainer.recompute_num_layers=1"]
+    )
+    config = transformer_config(preset_spec("tiny"), **megatron_model_settings(cfg.trainer))
+    assert (config.recompute_granularity, config.recompute_method, config.recompute_num_layers) == ("full", "block", 1)
+    cfg = load_config(TINY, ["trainer.recompute_granularity=selective", "trainer.recompute_modules=[core_attn,mlp]"])
+    config = transformer_config(preset_spec("tiny"), **megatron_model_settings(cfg.trainer))
+    assert config.recompute_granularity == "selective" and config.recompute_modules == ["core_attn", "mlp"]
+
+
+CONFIGS = sorted(Path(__file__).resolve().parents[2].glob("configs/*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_every_shipped_config_loads(path):
+    # strict loading: a misspelt field or a value a section refuses (e.g. an overlong_buffer above
+    # max_new_tokens) in a shipped config would otherwise surface only when a user launches it
+    assert load_config(str(path)).run.output_dir
