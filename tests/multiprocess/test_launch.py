@@ -3,13 +3,15 @@
 import sys
 import time
 
-import failing_rank  # noqa: E402
 import pytest
 
 from megarl.errors import MegarlError
 from megarl.runtime.launch import run_world
-from tests.conftest import ROOT
-from tests.unit.test_launch import SUITE_CACHE
+from tests.conftest import ROOT, WORKERS
+from tests.unit.test_launcher_vocabulary import SUITE_CACHE
+
+sys.path.insert(0, str(WORKERS))  # the ranks' bodies: importable by the spawned children too
+import failing_rank  # noqa: E402
 
 
 def test_crashed_rank_is_named_and_nobody_hangs():

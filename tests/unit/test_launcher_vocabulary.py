@@ -1,13 +1,8 @@
-"""A failed rank ends a local world promptly, with a message naming it."""
+"""The launcher's own process: what it reads without importing torch (no ranks started here)."""
 
-import sys
-
-from tests.conftest import ROOT, WORKERS
+from tests.conftest import ROOT
 
 SUITE_CACHE = ROOT / "runs" / "cache"  # model.cache_dir's default: the suite's `megarl train` runs share it
-
-
-sys.path.insert(0, str(WORKERS))
 
 
 def test_the_launchers_vocabulary_size_is_transformers_len_of_the_tokenizer(tmp_path):
