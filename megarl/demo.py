@@ -15,20 +15,20 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from megarl.checkpointing.megatron_checkpoint import TOKENIZER_DIR, TRACKER_FILE, resolve_checkpoint_dir
+from megarl.checkpointing.model_loading import load_llama
 from megarl.convert.hf_to_megatron import HfToMegatron, convert
 from megarl.models.hf_checkpoint import smollm2_gguf_path
+from megarl.runtime.distributed import init_distributed, init_megatron, shutdown, world_dims
 from megarl.runtime.launch import run_world
+from megarl.trainer.forward import full_logits
 
 PROMPT = "What is 12 + 30? Answer with the number only."
 
 
 def _greedy_rank(ckpt: str, tokens: list, max_new_tokens: int, tp: int, out: str) -> None:
-    from megarl.checkpointing.model_loading import load_llama
-    from megarl.runtime.distributed import init_distributed, init_megatron, shutdown, world_dims
-    from megarl.trainer.forward import full_logits
-
     rank = init_distributed()
     layout = world_dims(tp, 1)
     init_megatron(layout)
@@ -46,8 +46,6 @@ def _greedy_rank(ckpt: str, tokens: list, max_new_tokens: int, tp: int, out: str
 
 
 def _reference(gguf: Path, tokens: list, max_new_tokens: int):
-    from transformers import AutoModelForCausalLM
-
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
     seq = torch.tensor([tokens])
     with torch.no_grad():
@@ -59,8 +57,6 @@ def _reference(gguf: Path, tokens: list, max_new_tokens: int):
 
 
 def run_demo(workdir: str = "runs/demo", tp: int = 3, max_new_tokens: int = 12) -> dict:
-    from transformers import AutoTokenizer
-
     workdir_path = Path(workdir)
     gguf = smollm2_gguf_path()
     ckpt = workdir_path / "smollm2_megatron"

@@ -89,7 +89,7 @@ class MetricsWriter:
         # first: a W&B run that cannot start stops the job before anything is written
         self.wandb = WandbLogger(wandb, out_dir, run_config) if wandb and wandb.get("mode") != "disabled" else None
         self.jsonl = open(out_dir / "metrics.jsonl", "a")
-        try:
+        try:  # optional: the GPU check runs where tensorboard is not installed (tests/multiprocess/test_gpu_check.py)
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(str(out_dir / "tensorboard"))
@@ -104,7 +104,7 @@ class MetricsWriter:
         # run.time_budget_min: with a budget, the run ends on it rather than at run.steps (the bar's
         # total), so the bar also shows the budget's minutes left (from this launch's start)
         self.budget_end = time.monotonic() + time_budget_s - budget_spent_s if time_budget_s else None
-        if progress:
+        if progress:  # tqdm only for a bar: the GPU check runs without it (and with run.progress false)
             from tqdm import tqdm
 
             self.bar = tqdm(total=total_steps, initial=start_step, desc="megarl train", unit="step", dynamic_ncols=True)

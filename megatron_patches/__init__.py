@@ -34,7 +34,7 @@ __all__ = ["apply_cpu_backend", "cpu_device_mode", "is_active"]
 
 def __getattr__(name):
     if name in __all__:
-        from megatron_patches import cpu_backend
+        from megatron_patches import cpu_backend  # lazily: it imports torch (see above)
 
         return {
             "apply_cpu_backend": cpu_backend.apply,

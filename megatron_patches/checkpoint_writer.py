@@ -19,30 +19,27 @@ or starts it tied to its parent.
 
 from __future__ import annotations
 
+import ctypes
+import multiprocessing as mp
+import os
 import signal
 import sys
+from multiprocessing.managers import SyncManager
+
+import megatron.core
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 
 EXPECTED_MEGATRON = "0.16"
 
 
 def _die_with_parent(parent_pid: int) -> None:
     if sys.platform.startswith("linux"):
-        import ctypes
-        import os
-
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
         if os.getppid() != parent_pid:  # the rank died while this process started: no signal will come
             os._exit(1)
 
 
 def apply() -> None:
-    import multiprocessing as mp
-    import os
-    from multiprocessing.managers import SyncManager
-
-    import megatron.core
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
     if not megatron.core.__version__.startswith(EXPECTED_MEGATRON):
         raise RuntimeError(
             f"megatron_patches.checkpoint_writer was written for megatron-core {EXPECTED_MEGATRON}, "

@@ -45,6 +45,12 @@ import warnings
 import torch
 from torch.overrides import TorchFunctionMode
 
+from megatron_patches import single_rank_grad_sync
+
+# Megatron-Core is imported inside the functions that patch it, which run after _check_megatron_version:
+# a missing Megatron-Core is named there with the version to install, and another version is warned
+# about before any of it is patched.
+
 WRITTEN_FOR_MEGATRON_CORE = "0.16.1"
 
 _state = threading.local()
@@ -281,8 +287,6 @@ def _install_patches() -> None:
             _patch_torch_cuda()
             _patch_autograd_entry()
             _patch_megatron_rng()
-            from megatron_patches import single_rank_grad_sync
-
             single_rank_grad_sync.apply()
             _applied = True
 

@@ -36,6 +36,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from megatron_patches import cpu_backend
+
+# Megatron-Core is imported when the patch applies: on CPU only, where cpu_backend has checked its
+# version (enable() returns at once elsewhere); trainer/setup.py imports this module at its top.
+
 # Mixed-dtype add_ converts its operand into a temporary first; in blocks of 1M elements (4 MB fp32)
 # malloc reuses the block, where a full-size temporary (113 MB for SmolLM2's vocab) is mapped and
 # page-faulted in afresh every time.
@@ -125,8 +130,6 @@ def _install() -> None:
 
 def enable(ddp_chunks) -> bool:
     """Turn the fusion on for these DDP-wrapped chunks, on CPU; returns False (nothing changed) elsewhere."""
-    from megatron_patches import cpu_backend
-
     if not cpu_backend.is_active():
         return False
     _install()

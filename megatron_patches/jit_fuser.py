@@ -44,7 +44,7 @@ class _DisableJitFuserOnCpu(importlib.abc.MetaPathFinder):
 
         def exec_then_disable(module):
             exec_module(module)
-            import torch
+            import torch  # here, not at the top: `import megarl` installs this hook and must not import torch
 
             if not torch.cuda.is_available():
                 module.disable_jit_fuser()

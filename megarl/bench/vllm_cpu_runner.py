@@ -23,6 +23,7 @@ def main(job_path: str) -> None:
     cores = os.cpu_count() or 1
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{cores - 1}" if cores > 1 else "0")
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    # vLLM after its environment is set, and only in vLLM's own interpreter: megarl's venv has no vLLM
     import vllm
     from vllm import LLM, SamplingParams
 

@@ -34,6 +34,10 @@ from typing import Dict, List, Optional, Sequence
 
 from megarl.errors import CheckpointError
 
+# torch.distributed is imported where a process group is used: the `megarl train` launcher reads
+# checkpoints through this module (model_source.py -> megatron_checkpoint.py) and must not import
+# torch (tests/multiprocess/test_launch.py: ~4 s of CPU per launch on 2 cores).
+
 MANIFEST_FILE = "megarl_manifest.json"
 PART_PREFIX = ".manifest_part_"  # one per rank in the staging dir, merged by rank 0
 FORMAT = 1

@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
 
 from megarl.checkpointing.megatron_checkpoint import (
     load_model_state,
@@ -67,9 +69,6 @@ def load_training_state(
     process already verified, e.g. with find_resumable_checkpoint); a file that does not
     match the manifest raises CheckpointError naming it.
     """
-    import torch.distributed as dist
-    from megatron.core import dist_checkpointing
-
     ckpt_dir = resolve_checkpoint_dir(
         path, what="checkpoint", verify=verify, group=dist.group.WORLD if dist.is_initialized() else None
     )

@@ -125,7 +125,9 @@ def fill_from_hf(chunks, spec: LlamaSpec, read_hf: Callable[[str], torch.Tensor]
                 param.fill_(float("nan"))
         order = sorted(groups, key=lambda kl: (-1 if kl[1] is None else kl[1], kl[0]))
         if show_progress:
-            from tqdm import tqdm  # lazily: runs that never convert (gpu_check.sh) need no tqdm
+            # lazily: every `megarl` command imports this module (cli.py -> convert/cli.py), the GPU
+            # check's launcher included, which runs where tqdm is not installed (tests/multiprocess/test_gpu_check.py)
+            from tqdm import tqdm
 
             order = tqdm(order, desc="convert", unit="tensor")
         for key, layer in order:

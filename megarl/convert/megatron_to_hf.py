@@ -33,7 +33,12 @@ from megarl.convert import parse_dtype
 from megarl.errors import CheckpointError
 from megarl.models.hf_checkpoint import write_config
 from megarl.models.hf_mapping import tensor_mappings, to_hf
+from megarl.weight_sync import fp8 as fp8_format
 from megarl.weight_sync.fp8 import BLOCK_FP8_QUANT_CONFIG
+
+# safetensors and tqdm are imported where they are used: every `megarl` command imports this module
+# (cli.py -> convert/cli.py), the GPU check's launcher included, which runs where neither is
+# installed (tests/multiprocess/test_gpu_check.py).
 
 
 @dataclass(frozen=True)
@@ -62,8 +67,6 @@ def _add_tensor(
     writer: "ShardedSafetensorsWriter", name: str, tensor: torch.Tensor, dtype: torch.dtype, fp8: bool
 ) -> None:
     if fp8 and name.startswith("model.layers.") and name.endswith(FP8_HF_LINEARS):
-        from megarl.weight_sync import fp8 as fp8_format
-
         q, scale_inv = fp8_format.quantize(tensor)
         writer.add(name, q)
         writer.add(name + fp8_format.SCALE_SUFFIX, scale_inv)

@@ -41,7 +41,9 @@ from dataclasses import dataclass
 from typing import Dict, List, Set
 
 import torch
+import torch.distributed as dist
 
+from megarl.data.datasets import PromptStream
 from megarl.errors import MegarlError
 from megarl.generator.interface import ABORTED, Completion, GenerationRequest, GeneratorBackend, SamplingParams
 
@@ -81,8 +83,6 @@ class GeneratorExecutor:
     ):
         """``rollout``: the config's RolloutConfig section; ``prompts``: tokenized prompts;
         ``groups_per_step``: this replica's share of a batch."""
-        from megarl.data.datasets import PromptStream
-
         self.rollout, self.max_running, self.seed = rollout, max_running, seed
         self.groups_per_step = groups_per_step
         self.backend = backend
@@ -235,8 +235,6 @@ class GeneratorExecutor:
         """Keep decoding (groups that finish wait for the next batch) until ``stop()`` says the
         trainer is done: PipelineRL's generator never idles while the trainer works. The
         replica's first rank decides; its TP peers follow, so all run the same steps."""
-        import torch.distributed as dist
-
         self._abort_doomed(next_train_version)
         # batches next_train_version .. version + max_lag can still take a group started now
         useful = self.groups_per_step * max(0, self.version + self.rollout.max_lag - next_train_version + 1)

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from typing import List
 
 from megarl.generator.interface import Completion
+from megarl.rewards.registry import reward_spec
+from megarl.rewards.scoring import score_batch
 from megarl.rollout import Sample
 
 
@@ -25,8 +27,6 @@ class ScoredSamples:
 
 class RewardExecutor:
     def __init__(self, cfg, tokenizer):
-        from megarl.rewards.registry import reward_spec
-
         self.fn = reward_spec(cfg.reward.function)  # resolves now: a bad name fails at start
         self.timeout_s = cfg.reward.timeout_s
         self.tokenizer = tokenizer
@@ -37,8 +37,6 @@ class RewardExecutor:
         return self.tokenizer.decode(c.output_ids, skip_special_tokens=True)
 
     def score(self, groups: List[List[Completion]]) -> ScoredSamples:
-        from megarl.rewards.scoring import score_batch
-
         start = time.perf_counter()
         flat = [c for g in groups for c in g]
         texts = [self.decode(c) for c in flat]

@@ -16,7 +16,12 @@ from dataclasses import dataclass
 import torch
 
 from megarl.generator.interface import GeneratorBackend
+from megarl.generator.sglang.http_backend import SglangBackend
+from megarl.generator.sglang.launch import serving_model, start_replica_server
+from megarl.generator.sglang.server import wait_for_attached
+from megarl.generator.torch_engine.engine import TorchEngine
 from megarl.parallel_dims import GeneratorDims
+from megarl.weight_sync.endpoints import allocate_generator_params
 
 
 @dataclass(frozen=True)
@@ -33,9 +38,6 @@ class GeneratorRank:
 
 def torch_engine_backend(g, spec, p: GeneratorRank) -> GeneratorBackend:
     """megarl's reference engine: this rank's TP shard of its replica, in SGLang's layout."""
-    from megarl.generator.torch_engine.engine import TorchEngine
-    from megarl.weight_sync.endpoints import allocate_generator_params
-
     dtype = torch.bfloat16 if g.dtype == "bf16" else torch.float32
     params = allocate_generator_params(spec, p.dims.tp, p.tp_rank, dtype, g.fp8, device=p.device)
     return TorchEngine(
@@ -52,17 +54,11 @@ def torch_engine_backend(g, spec, p: GeneratorRank) -> GeneratorBackend:
 
 def sglang_backend(g, p: GeneratorRank, samples_per_prompt: int, run_dir, store, on_failure) -> GeneratorBackend:
     """An SGLang server driven over HTTP: attached (generator.sglang_urls) or launched here."""
-    from megarl.generator.sglang.http_backend import SglangBackend
-
     server = None
     if g.sglang_urls:
-        from megarl.generator.sglang.server import wait_for_attached
-
         url = g.sglang_urls[p.replica]
         wait_for_attached(url, f"SGLang server of generator replica {p.replica} ({url})", g.sglang_startup_timeout_s)
     else:
-        from megarl.generator.sglang.launch import serving_model, start_replica_server
-
         model_dir = serving_model(run_dir, store, p.replica, g.fp8, g.dtype, timeout_s=g.sglang_startup_timeout_s)
         server = start_replica_server(g, p.replica, model_dir, run_dir, base_gpu_id=p.local_rank)
         url = server.url

@@ -28,6 +28,7 @@ from megarl.errors import ConfigError
 from megarl.rollout import Sample
 
 if TYPE_CHECKING:
+    # annotations only: the interface itself needs no torch (weight_sync.transport imports it)
     from megarl.weight_sync.transport import SyncStats
 
 ABORTED = "abort"  # finish_reason of a sample stopped by GeneratorBackend.abort

@@ -14,6 +14,10 @@ def load_tokenizer(path):
     """transformers' tokenizer from ``path``; None for ``model.tokenizer: none``."""
     if path == NO_TOKENIZER:
         return None
+    # transformers here, not at the top: the launcher imports this module (model_source.py: NO_TOKENIZER)
+    # and must not import transformers (tests/multiprocess/test_launch.py), nor may a run on token ids alone (the GPU
+    # check, tests/multiprocess/test_gpu_check.py); AutoTokenizer's import costs 2.3-3.0 s there (it pulls in torch;
+    # measured 2026-12-03).
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)

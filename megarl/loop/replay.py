@@ -17,8 +17,15 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Dict, List
 
+import torch
+import torch.distributed as dist
+
 from megarl.errors import ConfigError
+from megarl.executors.trainer import TrainerExecutor
+from megarl.loop.wiring import concrete_config, lag_bound
+from megarl.metrics import MetricsWriter
 from megarl.rollout import Sample
+from megarl.runtime.distributed import init_distributed, shutdown
 
 TOKEN_FIELDS = ("prompt_tokens", "response_tokens", "behaviour_logprobs", "versions", "reward", "group")
 
@@ -55,13 +62,6 @@ def load_recorded_batches(path: Path) -> Dict[int, dict]:
 
 
 def replay_rank(cfg_dict: dict, prepared, rollouts: str) -> None:
-    import torch
-    import torch.distributed as dist
-
-    from megarl.executors.trainer import TrainerExecutor
-    from megarl.loop.wiring import concrete_config, lag_bound
-    from megarl.runtime.distributed import init_distributed, shutdown
-
     cfg = concrete_config(cfg_dict)
     init_distributed()
     batches = load_recorded_batches(Path(rollouts))
@@ -70,8 +70,6 @@ def replay_rank(cfg_dict: dict, prepared, rollouts: str) -> None:
     out = Path(cfg.run.output_dir)
     writer = None
     if dist.get_rank() == 0:
-        from megarl.metrics import MetricsWriter
-
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
         writer = MetricsWriter(out, len(batches), 0, progress=cfg.run.progress)

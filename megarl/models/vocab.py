@@ -10,12 +10,11 @@ the vocabulary masks them first.
 from __future__ import annotations
 
 import torch
+from megatron.core import parallel_state as mpu
 
 
 def local_vocab_range(shard_size: int) -> tuple:
     """[start, end) of the global vocabulary held by this TP rank."""
-    from megatron.core import parallel_state as mpu
-
     start = mpu.get_tensor_model_parallel_rank() * shard_size
     return start, start + shard_size
 

@@ -10,9 +10,11 @@ process, so the launcher ends the whole job within seconds.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import sys
 import time
+from pathlib import Path
 
 REPORT_ENV = "MEGARL_ERROR_REPORT"  # set by runtime.launch for the ranks it spawns
 USER_ERROR_EXIT_CODE = 2
@@ -23,8 +25,6 @@ def announce_role(role: str) -> None:
     """Tell the local launcher what this rank is (its executor) and its pid, ahead of any failure:
     a rank killed without a word (SIGKILL, the OOM killer) writes no report, and the launcher
     would otherwise name it by number only. A no-op where no launcher of ours asked (torchrun)."""
-    from pathlib import Path
-
     path = os.environ.get(REPORT_ENV)
     if path:
         try:
@@ -34,8 +34,6 @@ def announce_role(role: str) -> None:
 
 
 def fail_rank(message: str) -> None:
-    import multiprocessing
-
     rank = os.environ.get("RANK", "?")
     path = os.environ.get(REPORT_ENV)
     if path:

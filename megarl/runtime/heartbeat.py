@@ -40,6 +40,8 @@ import threading
 import time
 from typing import Dict, Optional, Set, Tuple
 
+from megarl.runtime import failure
+
 KEY = "megarl/heartbeat/{}"
 PULSE_KEY = "megarl/pulse/{}"
 
@@ -51,9 +53,7 @@ class Heartbeat:
         self.count, self.last = 0, 0.0
         self.host = socket.gethostname()
         self.beat("starting", force=True)
-        from megarl.runtime.failure import announce_role
-
-        announce_role(role)  # the local launcher names a rank killed outright by this
+        failure.announce_role(role)  # the local launcher names a rank killed outright by this
         self._stop = threading.Event()
         self._read_since: Optional[float] = None  # when the watcher's pending store read began
         self._store_host_entry = ""  # rank 0's entry as last read: it hosts the store
@@ -127,21 +127,19 @@ class Heartbeat:
 
     def _watch_store_host(self) -> None:
         while not self._stop.wait(self.interval_s):
-            failure = self._store_host_stopped(time.monotonic())
-            if failure is not None and not self._stop.is_set():
-                self._end_job(*failure)
+            store_host_failure = self._store_host_stopped(time.monotonic())
+            if store_host_failure is not None and not self._stop.is_set():
+                self._end_job(*store_host_failure)
 
     def _end_job(self, message: str, host: str, pid: int) -> None:
         """End the job naming the hung rank; kill it first if it runs on this host (another process):
         a stopped process ignores the launcher's SIGTERM, so the job would not end now."""
-        from megarl.runtime.failure import fail_rank
-
         if host == self.host and pid > 0 and pid != os.getpid():
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
-        fail_rank(message)
+        failure.fail_rank(message)
 
     def _store_host_stopped(self, now: float) -> Optional[Tuple[str, str, int]]:
         """The message naming rank 0, if the watcher's store read has waited longer than the timeout."""

@@ -19,15 +19,22 @@ them: guard its entry point with ``if __name__ == "__main__":``.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import importlib
+import multiprocessing
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
+from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any, Callable, List, Tuple, Union
 
 from megarl.errors import MegarlError
+from megarl.runtime import preemption
 from megarl.runtime.failure import REPORT_ENV, ROLE_SUFFIX, USER_ERROR_EXIT_CODE
 from megarl.runtime.ports import free_port
 
@@ -46,9 +53,6 @@ def _die_with_parent(parent_pid: int) -> None:
     write workers (one left behind by a rank killed mid-save held a test's pipes open)."""
     if not sys.platform.startswith("linux"):
         return
-    import ctypes
-    import signal
-
     prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
 
     def arm(expected_parent: int) -> None:
@@ -74,8 +78,6 @@ TERMINATE_GRACE_S = 30.0
 def _resolve(fn: RankFunction) -> Callable[..., Any]:
     if callable(fn):
         return fn
-    import importlib
-
     module, _, name = fn.partition(":")
     return getattr(importlib.import_module(module), name)
 
@@ -145,13 +147,9 @@ def _failure_message(error_dir: Path, fallback: str) -> str:
 @contextlib.contextmanager
 def _forwarding_preemption(pids: List[int]):
     """SIGTERM / SIGUSR1 to this launcher reach its ranks as SIGUSR1 (runtime/preemption.py)."""
-    import signal
-    import threading
-
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    from megarl.runtime import preemption
 
     def forward(signum):
         for pid in pids:
@@ -181,8 +179,6 @@ def run_worlds(worlds: List[Tuple[RankFunction, int, tuple]]) -> None:
     """Run several independent worlds at once, e.g. trainer ranks and generator workers
     that meet through their own sync group. Process numbers (as named in errors) run
     through all worlds in order; each process sees only its own world's RANK/WORLD_SIZE."""
-    import multiprocessing
-
     total = sum(size for _, size, _ in worlds)
     # Ranks share this machine's cores: split them rather than oversubscribe
     # (children read this when torch starts, before any of our code runs).
@@ -206,8 +202,6 @@ def run_worlds(worlds: List[Tuple[RankFunction, int, tuple]]) -> None:
         exit_code = processes[failed].exitcode
         if exit_code < 0:  # killed (OOM killer, scheduler, a user): it wrote no report, and its
             # peers' reports only say that it vanished -- name it first
-            import signal
-
             try:
                 signal_name = signal.Signals(-exit_code).name
             except ValueError:
@@ -223,8 +217,6 @@ def run_worlds(worlds: List[Tuple[RankFunction, int, tuple]]) -> None:
 
 def _wait_for_first_failure(processes: list):
     """Block until every process has exited 0 (-> None) or one has not (-> its index)."""
-    from multiprocessing.connection import wait
-
     pending = {p.sentinel: i for i, p in enumerate(processes)}
     while pending:
         for sentinel in wait(list(pending)):

@@ -66,6 +66,8 @@ def agree_stop(group, budget_reached: bool = False) -> Optional[str]:
     """Why the job stops at this step boundary, the same on every rank of ``group`` (a collective:
     all ranks call it): "preempted" if any rank got a signal, else "time_budget" if any rank says
     the time budget is spent (``budget_reached``), else None."""
+    # torch here, not at the top: the `megarl train` launcher installs these handlers (runtime/launch.py)
+    # and must not import torch (tests/multiprocess/test_launch.py: ~4 s of CPU per launch on 2 cores)
     import torch
     import torch.distributed as dist
 

@@ -18,6 +18,7 @@ import datetime
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
 
 def init_sync_group(
@@ -30,8 +31,6 @@ def init_sync_group(
     timeout_s: float = 300.0,
     store=None,
 ):
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
-
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     timeout = datetime.timedelta(seconds=timeout_s)
     if store is None:  # else: a store the caller already shares (e.g. the job's, on global rank 0)

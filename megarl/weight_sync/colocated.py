@@ -308,6 +308,9 @@ def copy_colocated(
     (float8_e4m3fn + ``<name>_scale_inv``) are block-quantised. ``norm_names``: the layer
     spec's norm naming ("local" or "te"); None detects it from the parameter names.
     """
+    # Megatron-Core here, not at the top: every rank's synchronizer (synchronizer.py) imports this module,
+    # generator ranks on GPUs (which never need Megatron-Core) included; its import costs 1.3-1.5 s of CPU
+    # beyond torch's (measured 2026-12-03).
     from megatron.core import parallel_state as mpu
 
     start = time.perf_counter()

@@ -25,6 +25,7 @@ from typing import Iterable, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.multiprocessing.reductions import reduce_tensor
 
 ALIGN = 64  # byte alignment of each payload inside the staging buffer
 
@@ -48,8 +49,6 @@ def create_staging(nbytes: int, device: Optional[torch.device]) -> Tuple[torch.T
     """A byte buffer another process on this device can map, and the handle to map it with."""
     nbytes = max(nbytes, 1)
     if device is not None and device.type == "cuda":
-        from torch.multiprocessing.reductions import reduce_tensor
-
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
         return buffer, pickle.dumps(reduce_tensor(buffer))
     path = os.path.join(

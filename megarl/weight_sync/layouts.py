@@ -30,6 +30,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
+from megarl.errors import ConfigError
 from megarl.models.megatron_llama import DEFAULT_VOCAB_DIVISIBLE_BY, padded_vocab_size
 from megarl.models.spec import LlamaSpec
 
@@ -275,8 +276,6 @@ def sglang_kv_head_of(spec: LlamaSpec, tp: int, rank: int) -> Tuple[int, int]:
 
 
 def check_sglang_tp(spec: LlamaSpec, tp: int) -> None:
-    from megarl.errors import ConfigError
-
     if spec.num_attention_heads % tp:
         raise ConfigError(
             f"generator tensor_parallel={tp} does not divide num_attention_heads={spec.num_attention_heads}"

@@ -29,6 +29,8 @@ from typing import Callable, Tuple
 
 import torch
 
+from megarl.weight_sync.colocated import copy_colocated
+from megarl.weight_sync.endpoints import TrainerSync
 from megarl.weight_sync.transport import SyncStats
 
 
@@ -75,8 +77,6 @@ class ShardToShardSender(WeightSynchronizer):
             self._connect()
 
     def _connect(self) -> None:
-        from megarl.weight_sync.endpoints import TrainerSync
-
         group, peers = self.connect()
         self.sender = TrainerSync(
             *self.args,
@@ -129,8 +129,6 @@ class ColocatedCopy(WeightSynchronizer):
         self.last = None  # the last copy's ColocatedCopyStats (peak temporary bytes, seconds)
 
     def sync(self, version: int) -> SyncStats:
-        from megarl.weight_sync.colocated import copy_colocated
-
         def copy() -> SyncStats:
             self.last = copy_colocated(self.spec, self.chunks, self.backend.params, norm_names=self.norm_names)
             return SyncStats(version=version, bytes_received=self.last.bytes_copied, seconds=self.last.seconds)

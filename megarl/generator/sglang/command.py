@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import List, Optional, Sequence
 from urllib.parse import urlparse
 
+from megarl.config import load_config
 from megarl.errors import ConfigError
 from megarl.generator.sglang import serving
 
@@ -70,8 +71,6 @@ def run(
     hosts: str = "",
     gpus_per_node: int = 8,
 ) -> None:
-    from megarl.config import load_config
-
     cfg = load_config(config_path, overrides)
     lines = replica_commands(cfg, model_path, hosts=[h for h in hosts.split(",") if h], gpus_per_node=gpus_per_node)
     if replica is not None:

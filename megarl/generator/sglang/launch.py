@@ -26,8 +26,10 @@ import datetime
 import shutil
 from pathlib import Path
 
+from megarl.checkpointing.megatron_checkpoint import save_model
 from megarl.errors import MegarlError
 from megarl.generator.sglang import serving
+from megarl.generator.sglang.server import SglangServer
 
 POLICY_KEY = "megarl/sglang/policy_saved"
 MODEL_KEY = "megarl/sglang/model_ready"
@@ -35,8 +37,6 @@ MODEL_KEY = "megarl/sglang/model_ready"
 
 def publish_policy(chunks, spec, run_dir, store, tokenizer_files, first_rank: bool) -> None:
     """Trainer ranks (collective over the trainer's world): save the policy the servers start from."""
-    from megarl.checkpointing.megatron_checkpoint import save_model
-
     root = serving.sglang_dir(run_dir) / "policy"
     if first_rank:
         shutil.rmtree(root, ignore_errors=True)
@@ -47,6 +47,9 @@ def publish_policy(chunks, spec, run_dir, store, tokenizer_files, first_rank: bo
 
 def serving_model(run_dir, store, replica: int, fp8: bool, dtype: str, timeout_s: float) -> Path:
     """The Hugging Face directory every launched server loads (replica 0 writes it)."""
+    # Imported here: only this rank converts, and the trainer ranks and torch-engine generators import
+    # this module too (generator/factory.py); megatron_to_hf's import would cost each 0.8-1.1 s
+    # (measured 2026-12-03).
     from megarl.convert.megatron_to_hf import MegatronToHf, convert
 
     out = serving.sglang_dir(run_dir) / "model"
@@ -72,8 +75,6 @@ def serving_model(run_dir, store, replica: int, fp8: bool, dtype: str, timeout_s
 
 def start_replica_server(g, replica: int, model_dir: Path, run_dir, base_gpu_id: int):
     """Start replica ``replica``'s server (``g``: the generator config section); wait for health."""
-    from megarl.generator.sglang.server import SglangServer
-
     url = f"http://127.0.0.1:{g.sglang_port + replica}"
     server = SglangServer(
         serving.replica_command(g, replica, str(model_dir), base_gpu_id),

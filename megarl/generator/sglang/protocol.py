@@ -36,7 +36,11 @@ from __future__ import annotations
 
 import base64
 import io
+from multiprocessing.reduction import ForkingPickler
 from typing import Dict, List, Tuple
+
+import torch
+import torch.multiprocessing  # noqa: F401  (registers torch's ForkingPickler reductions)
 
 from megarl.errors import MegarlError
 from megarl.generator.interface import ABORTED, Completion, GenerationRequest, SamplingParams
@@ -195,11 +199,6 @@ def sync_trigger_payload(version: int, replica: int, tp: int, loader: str) -> Di
     on any host, and passes SGLang's SafeUnpickler allow-list (an empty
     storage rebuilds through ``rebuild_storage_empty``).
     """
-    from multiprocessing.reduction import ForkingPickler
-
-    import torch
-    import torch.multiprocessing  # noqa: F401  (registers torch's ForkingPickler reductions)
-
     buf = io.BytesIO()
     ForkingPickler(buf).dump([(sync_trigger_name(version, replica), torch.empty(0, dtype=torch.int64))])
     blob = base64.b64encode(buf.getvalue()).decode()

@@ -11,6 +11,7 @@ started with PR_SET_PDEATHSIG, so the kernel kills it with its parent).
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
 import signal
 import subprocess
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from megarl.errors import MegarlError
+from megarl.generator.sglang.http_backend import get_ok
 
 
 class SglangLaunchError(MegarlError):
@@ -28,8 +30,6 @@ class SglangLaunchError(MegarlError):
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     if sys.platform.startswith("linux"):
-        import ctypes
-
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     os.setsid()  # its own process group: stop() reaches SGLang's scheduler/detokenizer children too
 
@@ -43,8 +43,6 @@ def _log_tail(path: Path, lines: int = 15) -> str:
 
 def wait_for_attached(url: str, name: str, timeout_s: float) -> None:
     """An attached server may still be loading when the job starts: wait for /health."""
-    from megarl.generator.sglang.http_backend import get_ok
-
     deadline = time.monotonic() + timeout_s
     while not get_ok(url, "/health", timeout_s=5):
         if time.monotonic() > deadline:
@@ -82,8 +80,6 @@ class SglangServer:
         return self.proc.poll()
 
     def wait_healthy(self, timeout_s: float) -> None:
-        from megarl.generator.sglang.http_backend import get_ok
-
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -32,13 +32,18 @@ from typing import Dict, List, Tuple
 import torch
 
 from megarl.errors import ConfigError
+from megarl.generator.sglang.protocol import parse_sync_trigger_name
+from megarl.generator.sglang.serving import SYNC_CONFIG_ENV
+from megarl.models.spec import LlamaSpec
+from megarl.parallel_dims import GeneratorDims, ParallelDims, generator_rank
+from megarl.runtime.rendezvous import init_sync_group
+from megarl.weight_sync.endpoints import GeneratorSync
+from megarl.weight_sync.ipc import colocated_peers
 
 _STATE: Dict[str, object] = {}
 
 
 def _config() -> dict:
-    from megarl.generator.sglang.serving import SYNC_CONFIG_ENV
-
     path = os.environ.get(SYNC_CONFIG_ENV)
     if not path:
         raise ConfigError(
@@ -67,12 +72,6 @@ def _tp_rank() -> int:
 def _receiver(model: torch.nn.Module, replica: int):
     if "sync" in _STATE:
         return _STATE["sync"]
-    from megarl.models.spec import LlamaSpec
-    from megarl.parallel_dims import GeneratorDims, ParallelDims, generator_rank
-    from megarl.runtime.rendezvous import init_sync_group
-    from megarl.weight_sync.endpoints import GeneratorSync
-    from megarl.weight_sync.ipc import colocated_peers
-
     cfg = _config()
     spec = LlamaSpec.from_dict(cfg["spec"])
     trainer = ParallelDims(**cfg["trainer"])
@@ -112,8 +111,6 @@ def _receiver(model: torch.nn.Module, replica: int):
 
 def pull_shards(model: torch.nn.Module, named_tensors: List[Tuple[str, torch.Tensor]]) -> None:
     """SGLang custom weight loader: receive this worker's shards of the announced policy version."""
-    from megarl.generator.sglang.protocol import parse_sync_trigger_name
-
     if len(named_tensors) != 1:
         raise ConfigError(f"megarl's weight loader got {len(named_tensors)} tensors; expected one trigger")
     version, replica = parse_sync_trigger_name(named_tensors[0][0])
