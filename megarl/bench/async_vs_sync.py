@@ -38,7 +38,13 @@ import shutil
 from pathlib import Path
 from typing import Dict, Sequence
 
+from megarl.config import load_config
 from megarl.errors import ConfigError
+from megarl.metrics import read_metrics
+from megarl.model_source import prepare_model
+from megarl.models.spec import LlamaSpec
+from megarl.plan.measured_ratio import decompose, layouts_from_config
+from megarl.train import train
 
 KEYS = (
     "samples_per_s",
@@ -78,10 +84,6 @@ def rank_threads(cfg, role: str, world: int, cores: int) -> int:
 
 
 def run(config: str, overrides: Sequence[str] = (), workdir: str = "runs/bench_async_vs_sync") -> dict:
-    from megarl.config import load_config
-    from megarl.metrics import read_metrics
-    from megarl.train import train
-
     cfg = load_config(config, list(overrides) + ["run.mode=async"])
     ranks = cfg.world_size()
     trainer = cfg.trainer_dims()
@@ -142,10 +144,6 @@ def run(config: str, overrides: Sequence[str] = (), workdir: str = "runs/bench_a
 
 
 def _decompose(cfg, sync_dp: int, threads: dict, cores: int, records: Dict[str, list]) -> dict:
-    from megarl.model_source import prepare_model
-    from megarl.models.spec import LlamaSpec
-    from megarl.plan.measured_ratio import decompose, layouts_from_config
-
     layouts = layouts_from_config(cfg, sync_dp, threads, cores)
     spec = LlamaSpec.from_dict(prepare_model(cfg.model).spec)
     p = decompose(

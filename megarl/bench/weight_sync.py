@@ -28,16 +28,30 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
+from megarl.checkpointing.megatron_checkpoint import read_spec, resolve_checkpoint_dir
+from megarl.config import load_config
 from megarl.errors import ConfigError, MegarlError
+from megarl.models.hf_checkpoint import SafetensorsCheckpoint, gguf_spec, smollm2_gguf_path
+from megarl.models.megatron_llama import build_model_chunks, transformer_config
 from megarl.models.presets import PRESETS, preset_spec
 from megarl.models.spec import LlamaSpec
 from megarl.parallel_dims import GeneratorDims, ParallelDims
+from megarl.plan.config_plan import model_preset, plan_section, section_hardware
+from megarl.runtime.distributed import free_port, init_distributed, init_megatron, shutdown
+from megarl.runtime.launch import run_worlds
+from megarl.runtime.rendezvous import init_sync_group
+from megarl.weight_sync import fp8 as fp8_format
+from megarl.weight_sync.baseline import fp8_supported, gather_broadcast_receive, gather_broadcast_send
+from megarl.weight_sync.endpoints import GeneratorSync, TrainerSync, allocate_generator_params, megatron_params
+from megarl.weight_sync.planner import build_plan
+from megarl.weight_sync.predict import Links, predict, rank_bytes, transfer_bytes
 
 
 @dataclass(frozen=True)
@@ -90,13 +104,8 @@ DEFAULTS = dict(model="llama-mini", src_tp=4, src_pp=1, src_dp=1, src_vpp=1, dst
 
 def resolved(b: WeightSyncBench) -> WeightSyncBench:
     """Unset layout fields from the config (--config), else the defaults."""
-    from dataclasses import replace
-
     values = dict(DEFAULTS)
     if b.config is not None:
-        from megarl.config import load_config
-        from megarl.plan.config_plan import model_preset, plan_section
-
         cfg = load_config(b.config)
         section = plan_section(cfg)
         values.update(
@@ -117,12 +126,8 @@ def model_spec(model: str) -> LlamaSpec:
     if model in PRESETS:
         return preset_spec(model)
     if model == "smollm2":
-        from megarl.models.hf_checkpoint import gguf_spec, smollm2_gguf_path
-
         path = smollm2_gguf_path()
         return gguf_spec(path.parent, path.name)
-    from megarl.checkpointing.megatron_checkpoint import read_spec, resolve_checkpoint_dir
-    from megarl.models.hf_checkpoint import SafetensorsCheckpoint
 
     path = Path(model)
     if (path / "config.json").exists():
@@ -132,13 +137,8 @@ def model_spec(model: str) -> LlamaSpec:
 
 def links_of(b: WeightSyncBench):
     """Link model: command-line values, else the config's plan section (hardware), else predict.py's defaults."""
-    from megarl.weight_sync.predict import Links
-
     values = {}
     if b.config is not None:
-        from megarl.config import load_config
-        from megarl.plan.config_plan import plan_section, section_hardware
-
         section = plan_section(load_config(b.config))
         hw = section_hardware(section)
         values.update(gpus_per_node=hw.gpus_per_node, nvlink_gb_s=hw.nvlink_gb_s, network_gb_s=hw.network_gb_s)
@@ -149,9 +149,6 @@ def links_of(b: WeightSyncBench):
 
 
 def plan_only(b: WeightSyncBench) -> dict:
-    from megarl.weight_sync.planner import build_plan
-    from megarl.weight_sync.predict import predict, rank_bytes
-
     b = resolved(b)
     spec = model_spec(b.model)
     dims, gdims = b.trainer_dims(), b.generator_dims()
@@ -234,10 +231,6 @@ def plan_only(b: WeightSyncBench) -> dict:
 def _groups(b: WeightSyncBench, port: int, sync_rank: int, stage_member):
     """The sync group, and the baseline's per-stage broadcast groups this rank belongs to
     ({stage: group}), all over one TCP store hosted by sync rank 0."""
-    import torch.distributed as dist
-
-    from megarl.runtime.rendezvous import init_sync_group
-
     dims, generators = b.trainer_dims(), b.generator_dims().world_size
     world = dims.world_size + generators
     store = dist.TCPStore("127.0.0.1", port, world, is_master=sync_rank == 0, timeout=datetime.timedelta(seconds=300))
@@ -255,20 +248,13 @@ def _groups(b: WeightSyncBench, port: int, sync_rank: int, stage_member):
 def _baseline_fp8(b: WeightSyncBench, spec: LlamaSpec) -> bool:
     """The baseline quantises like SGLang's block-fp8 checkpoints, per HF weight: only for shapes
     whose shards are whole 128x128 blocks (real Llamas, llama-mini); else it sends bf16."""
-    from megarl.weight_sync.baseline import fp8_supported
-
     return b.fp8 and fp8_supported(spec, b.generator_dims().tp)
 
 
 def _trainer_rank(b: WeightSyncBench, port: int, out_dir: str) -> None:
-    import torch.distributed as dist
+    # Megatron-Core costs ~4 s over torch's import (and prints TE/Apex warnings): only the trainer
+    # ranks build a Megatron model; --plan-only and the generator ranks need none of it
     from megatron.core import parallel_state
-
-    from megarl.models.megatron_llama import build_model_chunks, transformer_config
-    from megarl.runtime.distributed import init_distributed, init_megatron, shutdown
-    from megarl.weight_sync.baseline import gather_broadcast_send
-    from megarl.weight_sync.endpoints import TrainerSync, megatron_params
-    from megarl.weight_sync.planner import build_plan
 
     rank = init_distributed()
     spec = model_spec(b.model)
@@ -347,13 +333,6 @@ def _trainer_rank(b: WeightSyncBench, port: int, out_dir: str) -> None:
 
 
 def _generator_rank(b: WeightSyncBench, port: int, out_dir: str) -> None:
-    import torch.distributed as dist
-
-    from megarl.runtime.distributed import init_distributed, shutdown
-    from megarl.weight_sync.baseline import gather_broadcast_receive
-    from megarl.weight_sync.endpoints import GeneratorSync, allocate_generator_params
-    from megarl.weight_sync.planner import build_plan
-
     rank = init_distributed()
     spec = model_spec(b.model)
     dims, gdims = b.trainer_dims(), b.generator_dims()
@@ -414,7 +393,6 @@ def different_weights(ours: dict, baseline: dict) -> list:
     Where megarl holds fp8 and the baseline bf16 (it cannot cut block-fp8 tensors at these
     shapes), the baseline's bf16 shard is quantised first, as SGLang's loader quantises a bf16
     update and megarl's receiver quantises what arrives as bf16; the scales must match too."""
-    from megarl.weight_sync import fp8 as fp8_format
 
     def raw(t):
         return t.view(torch.uint8) if t.dtype == fp8_format.FP8_DTYPE else t
@@ -449,10 +427,6 @@ def run(b: WeightSyncBench) -> dict:
             f"--src-vpp {dims.vpp}: the measured run builds one model chunk per PP rank; "
             "virtual stages go with --plan-only"
         )
-    from megarl.runtime.distributed import free_port
-    from megarl.runtime.launch import run_worlds
-    from megarl.weight_sync.planner import build_plan
-    from megarl.weight_sync.predict import transfer_bytes
 
     spec = model_spec(b.model)
     trainer_size, generators = dims.world_size, gdims.world_size

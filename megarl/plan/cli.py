@@ -21,7 +21,11 @@ import sys
 from dataclasses import replace
 from typing import List, Optional
 
+from megarl.cli_common import run_tool
+from megarl.config import load_config
 from megarl.errors import ConfigError
+from megarl.plan.config_plan import plan_config
+from megarl.plan.dry_run import dry_run, dry_run_text
 from megarl.plan.hardware import H100, Hardware
 from megarl.plan.inputs import FixedLayout, LengthDistribution, PlanInputs, generator_dims, replica_layout
 from megarl.plan.llamarl_model import plan_from_inputs, theorem_setting
@@ -33,7 +37,17 @@ from megarl.plan.pipeline_appendix import (
     speedup_curve,
     table_utilisation,
 )
-from megarl.plan.report import appendix_json, appendix_text, compare_text, dumps, plan_json, plan_text
+from megarl.plan.report import (
+    appendix_json,
+    appendix_text,
+    compare_text,
+    config_plan_json,
+    config_plan_text,
+    dumps,
+    plan_json,
+    plan_text,
+)
+from megarl.plan.scenarios import LLAMARL_GPUS, LLAMARL_SPEEDUP, SCENARIOS, scenarios_json, scenarios_text
 
 
 def add_plan_args(parser: argparse.ArgumentParser) -> None:
@@ -241,8 +255,6 @@ def run_plan(args) -> dict:
         what = "--dry-run-topology" if args.dry_run_topology else f"override {args.overrides[0]!r}"
         raise ConfigError(f"{what}: needs --config FILE")
     if args.scenario is not None:
-        from megarl.plan.scenarios import SCENARIOS, scenarios_json, scenarios_text
-
         names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
         result = scenarios_json(names)
         if not args.json:
@@ -298,11 +310,6 @@ CONFIG_REPLACES = {
 
 
 def run_config_plan(args) -> dict:
-    from megarl.config import load_config
-    from megarl.plan.config_plan import plan_config
-    from megarl.plan.dry_run import dry_run, dry_run_text
-    from megarl.plan.report import config_plan_json, config_plan_text
-
     defaults = argparse.ArgumentParser()
     add_plan_args(defaults)
     default = vars(defaults.parse_args([]))
@@ -335,8 +342,6 @@ def run_config_plan(args) -> dict:
 def compare_paper(args) -> dict:
     """The papers' scenarios (their settings, ``scenarios``) and, for contrast, the planner's defaults
     (megarl's trainer, the best synchronous layout, uniform [512, 4096] responses) on the same clusters."""
-    from megarl.plan.scenarios import LLAMARL_GPUS, LLAMARL_SPEEDUP, scenarios_json, scenarios_text
-
     scenarios = scenarios_json()
     rows, plans = [], {}
     for model, paper in LLAMARL_SPEEDUP.items():
@@ -364,8 +369,6 @@ def compare_paper(args) -> dict:
 
 
 def main(argv=None) -> int:
-    from megarl.cli_common import run_tool
-
     parser = argparse.ArgumentParser(prog="megarl plan", description=__doc__.splitlines()[0])
     add_plan_args(parser)
     args = parser.parse_args(argv)

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Union
 
 from megarl.errors import ConfigError
+from megarl.models.presets import PRESETS
 from megarl.plan.costs import MemoryBreakdown
 from megarl.plan.hardware import GB, H100, Hardware
 from megarl.plan.inputs import (
@@ -56,6 +57,7 @@ from megarl.plan.llamarl_model import (
     evaluate_layout,
     plan_from_inputs,
 )
+from megarl.plan.scenarios import scenario_for_model, scenario_json
 
 
 @dataclass(frozen=True)
@@ -143,8 +145,6 @@ def section_hardware(section: PlanSection) -> Hardware:
 
 def model_preset(cfg, section: Optional[PlanSection] = None) -> str:
     """The shapes to plan with: plan.model, or the preset of a ``random:<preset>`` model.source."""
-    from megarl.models.presets import PRESETS
-
     section = section or plan_section(cfg)
     name = section.model
     if name is None and cfg.model.source.startswith("random:"):
@@ -408,8 +408,6 @@ def plan_config(cfg, path: str = "config") -> ConfigPlan:
     balanced = balanced_split(on_used, fixed.trainer, fixed.generator, None, notes)
     searched = plan_from_inputs(inputs)
     notes.extend(searched.notes)
-    from megarl.plan.scenarios import scenario_for_model, scenario_json
-
     name = scenario_for_model(inputs.model)
     scenario = scenario_json(name) if name else None
     return ConfigPlan(path, inputs, used, configured, balanced, searched, notes, scenario)

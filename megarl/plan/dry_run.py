@@ -29,6 +29,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from megarl.errors import ConfigError
 from megarl.loop.topology import Topology, _ranges
 from megarl.loop.wiring import topology
+from megarl.models.presets import preset_spec
 from megarl.plan.config_plan import gpus_used, model_preset, plan_section, section_hardware
 
 
@@ -62,8 +63,6 @@ class DryRun:
 
 
 def dry_run(cfg, path: str = "config") -> DryRun:
-    from megarl.models.presets import preset_spec
-
     start = time.perf_counter()
     section = plan_section(cfg)
     gpn = section.gpus_per_node
@@ -105,6 +104,7 @@ def dry_run(cfg, path: str = "config") -> DryRun:
 
 
 def check_model_shards(cfg, spec, topo: Topology) -> str:
+    # megarl.weight_sync imports torch (~2 s): importing the dry run (and `megarl plan`) needs none
     from megarl.weight_sync.layouts import check_sglang_tp
 
     t, g = cfg.trainer, cfg.generator
@@ -181,6 +181,7 @@ def check_weight_sync(
     cfg, spec, topo: Topology, gpus_per_node: int, nvlink_gb_s: float, network_gb_s: float
 ) -> Tuple[dict, object]:
     """Build the sync plan of the config's layout, check it (raises ConfigError), return (stats, plan)."""
+    # torch-free import of the dry run: as in check_model_shards
     from megarl.weight_sync.planner import build_plan
     from megarl.weight_sync.predict import Links, predict_seconds, rank_bytes
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence, Tuple
 
 from megarl.errors import ConfigError
+from megarl.models.presets import preset_spec
 from megarl.models.spec import LlamaSpec
 from megarl.parallel_dims import GeneratorDims, ParallelDims
 from megarl.plan.hardware import H100, WEIGHT_BYTES, Hardware
@@ -364,8 +365,6 @@ class PlanInputs:
     def model_spec(self) -> LlamaSpec:
         if self.spec is not None:
             return self.spec
-        from megarl.models.presets import preset_spec
-
         return preset_spec(self.model)
 
     def validate(self) -> "PlanInputs":

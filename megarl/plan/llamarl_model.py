@@ -50,6 +50,7 @@ from megarl.plan.inputs import (
     generator_text,
     replica_layout,
 )
+from megarl.plan.measured import load_measured
 
 MICRO_BATCHES = (1, 2, 4, 8)
 
@@ -372,8 +373,6 @@ def build_costs(inputs: PlanInputs):
     )
     costs.batch = inputs.batch
     if inputs.measured:
-        from megarl.plan.measured import load_measured
-
         costs = load_measured(inputs.measured, costs)
     return costs
 

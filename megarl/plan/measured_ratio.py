@@ -71,11 +71,13 @@ GPU memory model never binds.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence
 
 from megarl.errors import ConfigError
 from megarl.parallel_dims import GeneratorDims, ParallelDims
+from megarl.plan.inputs import LengthDistribution, PlanInputs, TrainerLayout, planned_generator
+from megarl.plan.llamarl_model import build_costs, evaluate_async, evaluate_sync
 from megarl.plan.measured import MeasuredCostModel
 
 # capacity given to the planner's (GPU) memory model so that it never limits a measured layout
@@ -195,8 +197,6 @@ def layouts_from_config(
     cfg, sync_dp: int, threads: Optional[Dict[str, int]] = None, cores: Optional[int] = None
 ) -> BenchLayouts:
     """The bench's layouts from its async run's config (the sync run: the same TP x PP on every rank)."""
-    from dataclasses import replace
-
     t, g, r = cfg.trainer, cfg.generator, cfg.rollout
     longest = cfg.data.max_prompt_tokens + r.max_new_tokens
     trainer = cfg.trainer_dims()
@@ -384,8 +384,6 @@ class Decomposition:
 
 def plan_inputs(layouts: BenchLayouts, spec, prompt_tokens: int, max_new_tokens: int):
     """PlanInputs for the bench's machine: N = its ranks, the run's batch; times come from tables."""
-    from megarl.plan.inputs import LengthDistribution, PlanInputs
-
     L = layouts
     return PlanInputs(
         spec=spec,
@@ -411,11 +409,6 @@ def decompose(
     max_new_tokens: int,
 ) -> Decomposition:
     """The planner's async and sync step times for the layouts that ran, composed from their own steady steps."""
-    from dataclasses import replace
-
-    from megarl.plan.inputs import TrainerLayout, planned_generator
-    from megarl.plan.llamarl_model import build_costs, evaluate_async, evaluate_sync
-
     L = layouts.check()
     measured_async = PhaseTimes.from_records(steady_records(async_records, "async"))
     measured_sync = PhaseTimes.from_records(steady_records(sync_records, "sync"))

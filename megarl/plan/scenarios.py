@@ -46,6 +46,9 @@ from typing import Dict, List, Optional, Tuple
 from megarl.errors import ConfigError
 from megarl.plan.hardware import H100
 from megarl.plan.inputs import LengthDistribution, PlanInputs, TrainerOptions, generator_dims, replica_layout
+from megarl.plan.llamarl_model import balanced_split, build_costs, evaluate_sync, plan_from_inputs
+from megarl.plan.pipeline_appendix import AppendixInputs, conventional, pipeline, table_utilisation
+from megarl.plan.report import _table, async_json, sync_json
 
 TOLERANCE = 0.15  # the issue's bar: a scenario reproduces the paper's figure within 15%
 
@@ -136,8 +139,6 @@ def llamarl_inputs(model: str) -> PlanInputs:
 
 def llamarl_plan(model: str):
     """The PlanResult of LlamaRL's setting (405B: the paper's layouts, the split balanced)."""
-    from megarl.plan.llamarl_model import balanced_split, build_costs, evaluate_sync, plan_from_inputs
-
     if model not in LLAMARL_SPEEDUP:
         raise ConfigError(f"scenario: no LlamaRL setting for {model!r}; choose one of {sorted(LLAMARL_SPEEDUP)}")
     inputs = llamarl_inputs(model)
@@ -186,8 +187,6 @@ def _assumptions_llamarl(model: str) -> List[Tuple[str, str]]:
 
 
 def llamarl_json(model: str) -> dict:
-    from megarl.plan.report import async_json, sync_json
-
     r = llamarl_plan(model)
     paper = LLAMARL_SPEEDUP[model]
     speedup = r.speedup
@@ -219,8 +218,6 @@ def llamarl_json(model: str) -> dict:
 
 def pipelinerl_inputs():
     """AppendixInputs in the paper's units, converted to tokens/s of an H100 (the ratio is unit-free)."""
-    from megarl.plan.pipeline_appendix import AppendixInputs, table_utilisation
-
     p = PIPELINERL
     params = 7.6e9
     flash = 2 * params / H100.peak_flops("bf16")  # seconds: one token's forward at the peak
@@ -241,8 +238,6 @@ def pipelinerl_inputs():
 
 
 def pipelinerl_json() -> dict:
-    from megarl.plan.pipeline_appendix import conventional, pipeline
-
     p = PIPELINERL
     a = pipelinerl_inputs()
     flash = 2 * a.params / H100.peak_flops("bf16")
@@ -299,8 +294,6 @@ def scenarios_json(names: Optional[List[str]] = None) -> Dict[str, dict]:
 
 
 def scenarios_text(results: Dict[str, dict]) -> str:
-    from megarl.plan.report import _table
-
     rows = [["scenario", "T_sync (s)", "T_async (s)", "speed-up", "paper", "ours / paper", "within 15%"]]
     for name, r in results.items():
         steps = r.get("step_seconds", {})

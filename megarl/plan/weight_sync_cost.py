@@ -15,7 +15,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from megarl.models.spec import LlamaSpec
-from megarl.parallel_dims import ParallelDims
+from megarl.parallel_dims import GeneratorDims, ParallelDims
 from megarl.plan.costs import H100CostModel
 from megarl.plan.hardware import GB, Hardware, weight_bytes
 from megarl.plan.inputs import TrainerLayout, runtime_generator
@@ -46,7 +46,8 @@ def predict_seconds(
 
 @lru_cache(maxsize=64)
 def _predict(spec, gpus_per_node, nvlink_gb_s, network_gb_s, tp, pp, dp, gen_tp, replicas, fp8) -> float:
-    from megarl.parallel_dims import GeneratorDims, ParallelDims
+    # megarl.weight_sync imports torch (~2 s): megarl.plan imports without it (`megarl plan`'s search,
+    # `megarl train`'s launcher, the dry run) and only a priced layout pays for it
     from megarl.weight_sync.planner import build_plan
     from megarl.weight_sync.predict import Links
     from megarl.weight_sync.predict import predict_seconds as plan_seconds

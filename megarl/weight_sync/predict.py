@@ -43,8 +43,12 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
 
+import torch
+
 from megarl.weight_sync.fp8 import BLOCK, is_fp8_param
 from megarl.weight_sync.planner import SyncPlan
+from megarl.weight_sync.schedule import pair_messages, receiver_quantised_params, sender_quantised_boxes
+from megarl.weight_sync.transport import DEFAULT_BUCKET_BYTES, PACK_BELOW_BYTES, wire_rounds
 
 DEFAULT_MESSAGE_LATENCY_US = 20.0
 DEFAULT_FP8_QUANT_GB_S = 90.0
@@ -76,8 +80,6 @@ def rank_bytes(plan: SyncPlan, fp8: bool, links: Links, wire_bytes: int = 2) -> 
 
 
 def _wire_dtype(wire_bytes: int):
-    import torch
-
     return {2: torch.bfloat16, 4: torch.float32}[wire_bytes]
 
 
@@ -102,9 +104,6 @@ def rank_messages(
 
 
 def _rank_messages(plan, fp8, wire_bytes, bucket_bytes, pack_below_bytes):
-    from megarl.weight_sync.schedule import pair_messages, receiver_quantised_params, sender_quantised_boxes
-    from megarl.weight_sync.transport import DEFAULT_BUCKET_BYTES, PACK_BELOW_BYTES, wire_rounds
-
     bucket_bytes = DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes
     pack_below_bytes = PACK_BELOW_BYTES if pack_below_bytes is None else pack_below_bytes
     wire_dtype = _wire_dtype(wire_bytes)
