@@ -6,11 +6,12 @@ import argparse
 import sys
 
 from megarl.cli_common import run_tool
+from megarl.convert.cli import add_hf_to_megatron_args, add_megatron_to_hf_args
+from megarl.data.arithmetic import add_data_args
+from megarl.plan.cli import add_plan_args
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from megarl.convert.cli import add_hf_to_megatron_args, add_megatron_to_hf_args
-
     parser = argparse.ArgumentParser(prog="megarl", description="Megatron-Core backend for RL of LLMs")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -83,8 +84,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     data = sub.add_parser("data", help="prompt datasets")
     data_sub = data.add_subparsers(dest="dataset", required=True)
-    from megarl.data.arithmetic import add_data_args
-
     add_data_args(data_sub.add_parser("arithmetic", help="multi-digit arithmetic word problems (jsonl)"))
 
     bench = sub.add_parser("bench", help="benchmarks: ratios measured side by side in one run")
@@ -186,8 +185,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="bf16 bytes per second one GPU quantises to block fp8 (default 90: megarl's eager quantiser on an H100)",
     )
 
-    from megarl.plan.cli import add_plan_args
-
     add_plan_args(
         sub.add_parser(
             "plan",
@@ -204,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def dispatch(args: argparse.Namespace) -> None:
+    # Each command imports what it runs: the parser stays torch-free (0.2 s), `megarl train`'s
+    # launching process imports no torch (its ranks do: tests/multiprocess/test_launch.py), and
+    # `megarl plan` / `megarl data` never pay torch's 2-3 s.
     if args.command == "train":
         from megarl.train import train
 
@@ -306,12 +306,12 @@ def dispatch(args: argparse.Namespace) -> None:
 
         run_plan(args)
     elif args.command == "convert":
-        from megarl.convert import cli, hf_to_megatron, megatron_to_hf
+        from megarl.convert import hf_to_megatron, megatron_to_hf
 
         if args.direction == "hf-to-megatron":
-            hf_to_megatron.convert(cli.hf_to_megatron_from_args(args))
+            hf_to_megatron.convert(hf_to_megatron.from_args(args))
         else:
-            megatron_to_hf.convert(cli.megatron_to_hf_from_args(args))
+            megatron_to_hf.convert(megatron_to_hf.from_args(args))
 
 
 def main(argv=None) -> int:

@@ -16,13 +16,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from megarl.cli_common import run_tool  # noqa: E402
 from megarl.convert import hf_to_megatron  # noqa: E402
-from megarl.convert.cli import add_hf_to_megatron_args, hf_to_megatron_from_args  # noqa: E402
+from megarl.convert.cli import add_hf_to_megatron_args  # noqa: E402
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_hf_to_megatron_args(p)
-    hf_to_megatron.convert(hf_to_megatron_from_args(p.parse_args()))
+    hf_to_megatron.convert(hf_to_megatron.from_args(p.parse_args()))
 
 
 # The guard matters: ranks are spawned processes that re-import this file.

@@ -15,13 +15,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from megarl.cli_common import run_tool  # noqa: E402
 from megarl.convert import megatron_to_hf  # noqa: E402
-from megarl.convert.cli import add_megatron_to_hf_args, megatron_to_hf_from_args  # noqa: E402
+from megarl.convert.cli import add_megatron_to_hf_args  # noqa: E402
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_megatron_to_hf_args(p)
-    megatron_to_hf.convert(megatron_to_hf_from_args(p.parse_args()))
+    megatron_to_hf.convert(megatron_to_hf.from_args(p.parse_args()))
 
 
 if __name__ == "__main__":

@@ -1,20 +1,8 @@
-"""Checkpoint conversion between Hugging Face and Megatron layouts."""
+"""Checkpoint conversion between Hugging Face and Megatron layouts.
 
-from __future__ import annotations
+Kept torch-free (as is convert/cli.py): `megarl`'s argument parser adds the conversion
+arguments for every command, `megarl train`'s launching process included, which imports
+no torch (tests/multiprocess/test_launch.py)."""
 
-from typing import Optional
-
-import torch
-
-from megarl.errors import ConfigError
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def parse_dtype(name: str) -> Optional[torch.dtype]:
-    """--dtype value -> torch dtype; None for 'auto' (keep what is stored)."""
-    if name == "auto":
-        return None
-    if name not in DTYPES:
-        raise ConfigError(f"--dtype {name!r}: choose one of auto, {', '.join(DTYPES)}")
-    return DTYPES[name]
+# --dtype choices; megarl.convert.dtypes maps them to torch dtypes
+DTYPE_NAMES = ("fp32", "bf16", "fp16")

@@ -1,12 +1,13 @@
-"""Argument parsers for the conversion tools (tools/*.py and `megarl convert ...`)."""
+"""Argument parsers for the conversion tools (tools/*.py and `megarl convert ...`).
+
+Torch-free, as megarl/convert/__init__.py says why; each converter builds its settings from
+these arguments (``from_args`` in hf_to_megatron.py and megatron_to_hf.py)."""
 
 from __future__ import annotations
 
 import argparse
 
-from megarl.convert import DTYPES
-from megarl.convert.hf_to_megatron import HfToMegatron
-from megarl.convert.megatron_to_hf import MegatronToHf
+from megarl.convert import DTYPE_NAMES
 
 
 def add_hf_to_megatron_args(p: argparse.ArgumentParser) -> None:
@@ -15,12 +16,8 @@ def add_hf_to_megatron_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size to build the checkpoint at")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to build the checkpoint at")
     p.add_argument("--gguf-file", default=None, help="name of a GGUF file inside --hf-model")
-    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="parameter dtype (auto: as stored)")
+    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPE_NAMES], help="parameter dtype (auto: as stored)")
     p.add_argument("--vocab-divisible-by", type=int, default=128, help="pad the vocabulary to a multiple of this x TP")
-
-
-def hf_to_megatron_from_args(a: argparse.Namespace) -> HfToMegatron:
-    return HfToMegatron(a.hf_model, a.output, a.tp, a.pp, a.gguf_file, a.dtype, a.vocab_divisible_by)
 
 
 def add_megatron_to_hf_args(p: argparse.ArgumentParser) -> None:
@@ -28,14 +25,10 @@ def add_megatron_to_hf_args(p: argparse.ArgumentParser) -> None:
         "--megatron", required=True, help="checkpoint root (with latest_checkpointed_iteration.txt) or iteration dir"
     )
     p.add_argument("--output", required=True, help="output HF directory (must be empty or absent)")
-    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="output dtype (auto: as stored)")
+    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPE_NAMES], help="output dtype (auto: as stored)")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file to write")
     p.add_argument(
         "--fp8",
         action="store_true",
         help="block-fp8 linear layers with 128x128 weight_scale_inv (SGLang's format; others bf16)",
     )
-
-
-def megatron_to_hf_from_args(a: argparse.Namespace) -> MegatronToHf:
-    return MegatronToHf(a.megatron, a.output, a.dtype, a.max_shard_gb, fp8=a.fp8)

@@ -14,6 +14,7 @@ full fp32 copy on rank 0, released before the Megatron model is built).
 
 from __future__ import annotations
 
+import argparse
 import os
 import resource
 import shutil
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.checkpointing.megatron_checkpoint import iter_sharded_tensors, model_sharded_state_dict, save_model
-from megarl.convert import parse_dtype
+from megarl.convert.dtypes import parse_dtype
 from megarl.errors import CheckpointError, ConfigError
 from megarl.models.hf_checkpoint import SafetensorsCheckpoint, gguf_spec, materialize_gguf
 from megarl.models.hf_mapping import mapping_by_key, to_megatron
@@ -48,6 +49,11 @@ class HfToMegatron:
     gguf_file: Optional[str] = None
     dtype: str = "auto"  # auto: the HF checkpoint's dtype
     vocab_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY
+
+
+def from_args(a: argparse.Namespace) -> HfToMegatron:
+    """The settings from convert/cli.py's arguments."""
+    return HfToMegatron(a.hf_model, a.output, a.tp, a.pp, a.gguf_file, a.dtype, a.vocab_divisible_by)
 
 
 def convert(args: HfToMegatron) -> None:

@@ -16,6 +16,7 @@ megarl's SGLang servers start from.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import resource
@@ -29,7 +30,7 @@ import torch
 
 from megarl.checkpointing.dist_checkpoint_reader import DistCheckpointReader
 from megarl.checkpointing.megatron_checkpoint import TOKENIZER_DIR, read_spec, resolve_checkpoint_dir
-from megarl.convert import parse_dtype
+from megarl.convert.dtypes import parse_dtype
 from megarl.errors import CheckpointError
 from megarl.models.hf_checkpoint import write_config
 from megarl.models.hf_mapping import tensor_mappings, to_hf
@@ -116,6 +117,11 @@ class ShardedSafetensorsWriter:
             weight_map.update({name: final for name in names})
         index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
         (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def from_args(a: argparse.Namespace) -> MegatronToHf:
+    """The settings from convert/cli.py's arguments."""
+    return MegatronToHf(a.megatron, a.output, a.dtype, a.max_shard_gb, fp8=a.fp8)
 
 
 def convert(args: MegatronToHf) -> None:

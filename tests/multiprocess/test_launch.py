@@ -61,8 +61,8 @@ def test_megarl_trains_launcher_imports_neither_torch_nor_the_controller(tmp_pat
         "'megatron.core', 'megarl.loop.controller') if m in sys.modules)}))\n"
         "    raise SystemExit(0)\n"
         "launch.run_world = record\n"
-        "from megarl.train import train\n"
-        f"train('configs/tiny_cpu.yaml', ['run.output_dir={tmp_path / 'run'}'])\n"
+        "from megarl.cli import main\n"  # the `megarl` command's own entry point, its parser included
+        f"main(['train', '--config', 'configs/tiny_cpu.yaml', 'run.output_dir={tmp_path / 'run'}'])\n"
     )
     from megarl.model_source import _smollm2_tokenizer
     from tests.conftest import _env
