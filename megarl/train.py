@@ -13,23 +13,28 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from megarl import (
+    model_source,
+)  # by module, as config_plan: looked up per call (tests/unit/test_plan_config.py replaces them)
+from megarl.checkpointing.recorded import recorded_dtypes
+from megarl.config import load_config
+from megarl.data.datasets import check_data_source
+from megarl.errors import ConfigError
+from megarl.plan import config_plan
+from megarl.runtime.cpu_dtype import resolve_auto_dtypes
+from megarl.runtime.launch import run_world, running_under_torchrun
+from megarl.trainer.bound_loss import bind_loss
+from megarl.trainer.features import check_trainer_runs_here
+
 
 def train(
     config_path: str, overrides: Sequence[str] = (), prepare_only: bool = False, replay: Optional[str] = None
 ) -> dict:
-    from megarl.config import load_config
-    from megarl.model_source import prepare_model
-    from megarl.runtime.launch import run_world, running_under_torchrun
-
     cfg = load_config(config_path, overrides)
     check_loss(cfg, config_path)
     _resolve_dtypes(cfg, replay)
-    from megarl.trainer.features import check_trainer_runs_here
-
     check_trainer_runs_here(cfg)
     if replay and Path(cfg.run.output_dir).resolve() == Path(replay).resolve().parent:
-        from megarl.errors import ConfigError
-
         raise ConfigError(
             f"run.output_dir: {cfg.run.output_dir} is the run being replayed; give the replay its own "
             f"(e.g. run.output_dir={cfg.run.output_dir.rstrip('/')}_replay)"
@@ -37,10 +42,13 @@ def train(
     if running_under_torchrun():
         # every rank resolves the model; converting is a job of its own, done before the launch
         # (scripts/launch.sh runs `megarl train --prepare-only` first)
-        prepared = prepare_model(cfg.model, convert=False)
+        prepared = model_source.prepare_model(cfg.model, convert=False)
+        # imported here: this module is `megarl train`'s launcher and stays torch-free (runtime/launch.py);
+        # the controller and the replay pull in torch and the trainer (~1.3 s), needed only on a rank
         from megarl.loop.controller import run_rank
 
         if replay:
+            # imported here: as run_rank above (~1.45 s, torch and the trainer), and only a replay needs it
             from megarl.loop.replay import replay_rank
 
             replay_rank(cfg.to_dict(), prepared, replay)
@@ -50,12 +58,10 @@ def train(
     if prepare_only and cfg.plan:
         # A GPU config (one with a plan: section) whose layout cannot fit in GPU memory with its own
         # settings is refused before a checkpoint is converted for it, naming the part that overflows.
-        from megarl.plan.config_plan import check_config_fits
-
-        check_config_fits(cfg)
+        config_plan.check_config_fits(cfg)
     if not replay:  # (torchrun's ranks are checked by the --prepare-only that precedes them: scripts/launch.sh)
         _check_data(cfg)  # a replay trains on recorded token ids: it reads no data source
-    prepared = prepare_model(cfg.model)
+    prepared = model_source.prepare_model(cfg.model)
     if prepare_only:
         print(
             json.dumps(
@@ -88,9 +94,6 @@ def train(
 def check_loss(cfg, config_path: Optional[str] = None) -> None:
     """The trainer's loss bound as its ranks will bind it (megarl.trainer.bound_loss), before any rank
     starts: a bad trainer.loss / loss_params / loss_agg is refused here, naming the field."""
-    from megarl.errors import ConfigError
-    from megarl.trainer.bound_loss import bind_loss
-
     try:
         bind_loss(cfg.trainer, cfg.rollout, lag_bound=0)  # the lag bound changes nothing that is checked
     except ConfigError as e:
@@ -100,8 +103,6 @@ def check_loss(cfg, config_path: Optional[str] = None) -> None:
 def _check_data(cfg) -> None:
     """data.train and data.eval parsed here, before a conversion or any rank: a missing file or a malformed
     line is named by the field and the file:line at once, not later by the first rank to read it."""
-    from megarl.data.datasets import check_data_source
-
     for name in ("train", "eval"):
         spec = getattr(cfg.data, name)
         if spec is not None:
@@ -112,9 +113,6 @@ def _resolve_dtypes(cfg, replay: Optional[str]) -> None:
     """model.dtype / generator.dtype ``auto`` -> the concrete dtype for this machine (runtime/cpu_dtype.py),
     once, before any rank starts: the ranks and RUN_DIR/config.json see only fp32 or bf16. A run being
     resumed keeps the dtype its earlier launch recorded."""
-    from megarl.checkpointing.recorded import recorded_dtypes
-    from megarl.runtime.cpu_dtype import resolve_auto_dtypes
-
     recorded = {} if replay else recorded_dtypes(Path(cfg.run.output_dir))
     for line in resolve_auto_dtypes(cfg, recorded=recorded):
         if os.environ.get("RANK", "0") == "0":  # under torchrun every rank resolves; one says so
