@@ -27,19 +27,31 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from megarl.checkpointing.manifest import MANIFEST_FILE
+from megarl.checkpointing.megatron_checkpoint import TOKENIZER_DIR, TRACKER_FILE, resolve_checkpoint_dir
+from megarl.config import ModelConfig
+from megarl.data.datasets import load_records, tokenize_prompts
+from megarl.errors import CheckpointError, ConfigError
+from megarl.generator.interface import GenerationRequest, SamplingParams
+from megarl.generator.tokenizer import load_tokenizer, stop_ids
+from megarl.generator.torch_engine.engine import TorchEngine
+from megarl.model_source import prepare_model
+from megarl.rewards.registry import FIELD, reward_spec
+from megarl.rewards.scoring import score_batch
+from megarl.runtime.cpu_dtype import resolve_dtype
+from megarl.runtime.distributed import init_distributed, init_megatron, shutdown, world_dims
+from megarl.runtime.launch import run_world
+from megarl.weight_sync.colocated import copy_colocated
+from megarl.weight_sync.endpoints import allocate_generator_params
+
 
 def _checkpoint_dir(checkpoint: str, cache_dir: str) -> Path:
-    from megarl.checkpointing.manifest import MANIFEST_FILE
-    from megarl.checkpointing.megatron_checkpoint import TRACKER_FILE, resolve_checkpoint_dir
-    from megarl.config import ModelConfig
-    from megarl.errors import CheckpointError, ConfigError
-    from megarl.model_source import prepare_model
-
     path = Path(checkpoint)
     if checkpoint.startswith("random:"):  # model.source's random initialisation has no weights to evaluate
         raise ConfigError(
@@ -75,9 +87,6 @@ CHECKPOINT_KINDS = (
 
 def check_reward(reward: str) -> None:
     """--reward resolved before the model loads, its errors naming the flag (not the config's reward.function)."""
-    from megarl.errors import ConfigError
-    from megarl.rewards.registry import FIELD, reward_spec
-
     try:
         reward_spec(reward)
     except ConfigError as err:
@@ -86,9 +95,6 @@ def check_reward(reward: str) -> None:
 
 def check_data(data: str) -> int:
     """Every --data record parsed before the model loads (a bad line costs no load); the prompt count."""
-    from megarl.data.datasets import load_records
-    from megarl.errors import ConfigError
-
     if data.startswith("random:"):
         raise ConfigError(
             f"--data: {data}: random token prompts have no answers to grade; give a .jsonl/.parquet prompt "
@@ -113,8 +119,6 @@ def _run_config(ckpt_dir: Path) -> dict:
 
 def dtype_rule(requested: str | None, run_config: dict) -> tuple[str, str]:
     """(dtype, where it came from) of `megarl eval`'s engine (the module docstring's rule)."""
-    from megarl.runtime.cpu_dtype import resolve_dtype
-
     if requested is not None:
         if requested == "auto":
             return resolve_dtype("--dtype", "auto", torch.cuda.is_available())[0], "--dtype auto"
@@ -133,8 +137,6 @@ def sampling_rule(
     samples: int, temperature: float | None, top_p: float | None, seed: int | None, run_config: dict
 ) -> dict:
     """The sampled answers' settings (the module docstring's rule); refuses what cannot work, naming the flag."""
-    from megarl.errors import ConfigError
-
     if samples < 1:
         raise ConfigError(f"--samples: must be >= 1, got {samples}")
     rollout, run = run_config.get("rollout") or {}, run_config.get("run") or {}
@@ -166,15 +168,9 @@ def _eval_rank(
     dtype: str = "fp32",
     sampling: dict | None = None,
 ) -> None:
+    # imported here: its torch.distributed.checkpoint costs ~0.77 s, paid by the eval rank that loads the
+    # model and not by `megarl eval`'s launcher, which refuses a bad --data/--reward before any load
     from megarl.checkpointing.model_loading import load_llama
-    from megarl.data.datasets import load_records, tokenize_prompts
-    from megarl.generator.interface import GenerationRequest, SamplingParams
-    from megarl.generator.tokenizer import load_tokenizer, stop_ids
-    from megarl.generator.torch_engine.engine import TorchEngine
-    from megarl.rewards.scoring import score_batch
-    from megarl.runtime.distributed import init_distributed, init_megatron, shutdown, world_dims
-    from megarl.weight_sync.colocated import copy_colocated
-    from megarl.weight_sync.endpoints import allocate_generator_params
 
     init_distributed()
     init_megatron(world_dims(1, 1))
@@ -270,11 +266,6 @@ def evaluate(
     top_p: float | None = None,
     seed: int | None = None,
 ) -> dict:
-    import tempfile
-
-    from megarl.checkpointing.megatron_checkpoint import TOKENIZER_DIR
-    from megarl.runtime.launch import run_world
-
     sampling_rule(samples, 1.0 if temperature is None else temperature, top_p, seed, {})  # before any loading
     check_data(data)
     check_reward(reward)
