@@ -20,7 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from tokenizers import Tokenizer
+
+from megarl.checkpointing.megatron_checkpoint import TOKENIZER_DIR, read_spec, resolve_checkpoint_dir
 from megarl.errors import CheckpointError, ConfigError
+from megarl.generator.tokenizer import NO_TOKENIZER
+from megarl.models.presets import preset_config
+from megarl.models.spec import LlamaSpec
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -35,6 +41,8 @@ class PreparedModel:
 def _smollm2_tokenizer(cache: Path) -> Path:
     out = cache / "smollm2-tokenizer"
     if not (out / "tokenizer_config.json").exists():
+        # imported here: transformers' AutoTokenizer (~2.4 s) and hf_checkpoint bring in torch, which
+        # `megarl train`'s launcher (this module's caller) never otherwise imports; only a first smollm2 use does
         from transformers import AutoTokenizer
 
         from megarl.models.hf_checkpoint import smollm2_gguf_path
@@ -50,9 +58,8 @@ def tokenizer_vocab_size(tokenizer_dir: Path) -> int:
     because transformers' import brings in torch, which `megarl train`'s launcher otherwise never needs."""
     path = Path(tokenizer_dir) / "tokenizer.json"
     if path.exists():
-        from tokenizers import Tokenizer
-
         return Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)
+    # imported here: transformers' AutoTokenizer costs ~2.4 s and brings torch (the docstring above)
     from transformers import AutoTokenizer
 
     return len(AutoTokenizer.from_pretrained(tokenizer_dir))
@@ -61,6 +68,8 @@ def tokenizer_vocab_size(tokenizer_dir: Path) -> int:
 def _converted(
     source: str, cache: Path, gguf_file: Optional[str] = None, convert_now: bool = True, what: str = "model.source"
 ) -> Path:
+    # imported here: the converter imports torch (~1.5 s), needed only for a first conversion, and this
+    # module runs in `megarl train`'s torch-free launcher
     from megarl.convert.hf_to_megatron import HfToMegatron, convert
 
     name = "smollm2" if gguf_file else Path(source).resolve().name
@@ -88,15 +97,9 @@ def _converted(
 
 def prepare_model(model_cfg, convert: bool = True, what: str = "model.source") -> PreparedModel:
     """``what``: the field or flag the source came from, as errors name it (`megarl eval`: --checkpoint)."""
-    from megarl.checkpointing.megatron_checkpoint import TOKENIZER_DIR, read_spec, resolve_checkpoint_dir
-    from megarl.models.spec import LlamaSpec
-
     source, cache = model_cfg.source, Path(model_cfg.cache_dir)
     cache.mkdir(parents=True, exist_ok=True)
     if source.startswith("random:"):
-        from megarl.generator.tokenizer import NO_TOKENIZER
-        from megarl.models.presets import preset_config
-
         if model_cfg.tokenizer == NO_TOKENIZER:
             hf = preset_config(source.split(":", 1)[1])
             return PreparedModel(
@@ -106,6 +109,7 @@ def prepare_model(model_cfg, convert: bool = True, what: str = "model.source") -
         hf = dict(preset_config(source.split(":", 1)[1]), vocab_size=tokenizer_vocab_size(tok))
         return PreparedModel(None, str(tok), LlamaSpec.from_hf_config(hf, source=f"model.source={source}").to_dict())
     if source == "smollm2":
+        # imported here: hf_checkpoint imports torch (~1.3 s); the launcher stays torch-free for other sources
         from megarl.models.hf_checkpoint import smollm2_gguf_path
 
         gguf = smollm2_gguf_path()
