@@ -27,8 +27,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Dict, Iterator, List, Optional, Sequence
 
 from megarl.checkpointing import manifest
+from megarl.checkpointing.resume import prune_checkpoints
 from megarl.errors import CheckpointError
 from megarl.models.spec import LlamaSpec
+from megarl.runtime.cpu_memory import release_freed_memory
 
 if TYPE_CHECKING:  # torch is imported where a checkpoint is saved or loaded: `megarl train`'s launcher
     import torch  # reads only the names and the spec (model_source.prepare_model)
@@ -51,6 +53,8 @@ def resolve_checkpoint_dir(path: os.PathLike, what: str = "--megatron", verify: 
     ``group``'s ranks if given), ``checksums_once`` (the same unless this process already
     verified these very files) or ``none``. A mismatch raises CheckpointError naming the file.
     """
+    # imported here: Megatron-Core's dist_checkpointing costs ~2.4 s (torch with it); `megarl train`'s
+    # launcher imports this module for its names and read_spec, and stays torch-free (model_source.py)
     from megatron.core import dist_checkpointing
 
     path = Path(path)
@@ -108,6 +112,7 @@ def model_sharded_state_dict(chunks: List[torch.nn.Module]) -> Dict[str, dict]:
 
 def iter_sharded_tensors(sharded_state_dict) -> Iterator:
     """Every ShardedTensor of a sharded state dict, with factories (fc1's swiglu) built."""
+    # imported here: Megatron-Core, kept out of this module's import (resolve_checkpoint_dir's note)
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
@@ -145,6 +150,8 @@ def save_state(
     ``tokenizer_files`` (rank 0's list counts) are copied into ``tokenizer/``. ``keep`` > 0:
     then delete all but the ``keep`` newest complete iteration checkpoints (resume.prune_checkpoints).
     """
+    # imported here: torch and Megatron-Core (~2.4 s), kept out of this module's import
+    # (resolve_checkpoint_dir's note); checkpoint_writer patches Megatron-Core, so it imports it too
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
@@ -176,8 +183,6 @@ def save_state(
         summary = manifest.finish_manifest(staging, world, iteration)
         _publish(staging, final, root, iteration)
         if iteration is not None:
-            from megarl.checkpointing.resume import prune_checkpoints
-
             for path in prune_checkpoints(root, keep, iteration):
                 print(f"megarl: deleted checkpoint {path} (run.keep_checkpoints={keep})", file=sys.stderr, flush=True)
         print(
@@ -187,8 +192,6 @@ def save_state(
             flush=True,
         )
     dist.barrier()
-    from megarl.runtime.cpu_memory import release_freed_memory
-
     release_freed_memory()  # the save's buffers, kept by a CPU run's allocator, go back to the kernel
     return final
 
@@ -209,6 +212,7 @@ def _publish(staging: Path, final: Path, root: Path, iteration: Optional[int]) -
 
 def load_model(chunks: List[torch.nn.Module], path: os.PathLike) -> Path:
     """Load weights into this rank's chunks from a checkpoint saved at any layout."""
+    # imported here: Megatron-Core, kept out of this module's import (resolve_checkpoint_dir's note)
     from megatron.core import dist_checkpointing
 
     ckpt_dir = resolve_checkpoint_dir(path)

@@ -134,6 +134,8 @@ def _broadcast(value, group):
     """The first rank's listing for all: every rank must check the same candidates in step."""
     if group is None or group.size() == 1:
         return value
+    # imported here: torch.distributed costs ~1.4 s and only ranks of a group broadcast; `megarl train`'s
+    # torch-free launcher imports this module (via megatron_checkpoint and checkpointing.recorded)
     import torch.distributed as dist
 
     box = [value]
