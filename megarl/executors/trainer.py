@@ -15,7 +15,13 @@ from typing import List, Optional, Sequence
 import torch
 
 from megarl.errors import MegarlError
+from megarl.generator.tokenizer import NO_TOKENIZER
+from megarl.models.megatron_llama import build_model_chunks, transformer_config, transformer_engine_usable
+from megarl.models.spec import LlamaSpec
 from megarl.rollout import Sample
+from megarl.runtime.distributed import init_megatron
+from megarl.trainer.bound_loss import bind_loss
+from megarl.trainer.features import gradient_accumulation_fusion
 
 
 class StaleSampleError(MegarlError):
@@ -61,21 +67,24 @@ class TrainerExecutor:
         """``lag_bound``: the largest lag (trainer version - token version) trained on: a token beyond it
         is refused (check_lag), and the mismatch metrics are bucketed 0..lag_bound (rollout.max_lag; 0
         where generation and training alternate); ``on_gpu``: this rank's device is a GPU."""
+        # imported here: these import Megatron-Core (~1.0 s on top of torch), and every rank imports this
+        # module (loop/schedule.py) while only trainer ranks build a TrainerExecutor
         from megarl.checkpointing.model_loading import load_llama
-        from megarl.models.megatron_llama import build_model_chunks, transformer_config
-        from megarl.models.spec import LlamaSpec
-        from megarl.runtime.distributed import init_megatron
-        from megarl.trainer.bound_loss import bind_loss
-        from megarl.trainer.features import gradient_accumulation_fusion
+        from megarl.checkpointing.training_checkpoint import load_training_state
         from megarl.trainer.policy_trainer import PolicyTrainer
-        from megarl.trainer.setup import OptimizerSettings, build_lr_scheduler, build_optimizer, wrap_ddp
+        from megarl.trainer.setup import (
+            OptimizerSettings,
+            build_lr_scheduler,
+            build_optimizer,
+            fuse_torch_adam_on_cpu,
+            unwrap,
+            wrap_ddp,
+        )
 
         t = cfg.trainer
         self.cfg, self.lag_bound = cfg, lag_bound
         loss = bind_loss(t, cfg.rollout, lag_bound)  # before the model loads: a bad loss fails at once
         # saved with every checkpoint, so `megarl eval` and exports find the tokenizer beside the weights
-        from megarl.generator.tokenizer import NO_TOKENIZER
-
         self.tokenizer_files = (
             []
             if prepared.tokenizer == NO_TOKENIZER
@@ -109,9 +118,6 @@ class TrainerExecutor:
         self.version = 0
         self.loop_state: dict = {}
         if resume_dir is not None:
-            from megarl.checkpointing.training_checkpoint import load_training_state
-            from megarl.trainer.setup import fuse_torch_adam_on_cpu, unwrap
-
             self.loop_state = load_training_state(unwrap(self.ddp), self.optimizer, resume_dir)
             fuse_torch_adam_on_cpu(self.optimizer)  # the loaded param groups carry the saving run's setting
             self.version = int(self.loop_state.get("version", self.loop_state["iteration"]))
@@ -127,13 +133,12 @@ class TrainerExecutor:
             ref_chunks=ref,
             lr_scheduler=self.lr_scheduler,
         )
-        from megarl.models.megatron_llama import transformer_engine_usable
-
         # Transformer Engine's layer spec fuses the norms into the linears: other parameter names
         self.norm_names = "te" if transformer_engine_usable() else "local"
 
     @property
     def chunks(self):
+        # imported here: Megatron-Core, trainer ranks only (__init__'s note; loaded by then, a lookup)
         from megarl.trainer.setup import unwrap
 
         return unwrap(self.ddp)
@@ -152,6 +157,7 @@ class TrainerExecutor:
         return metrics
 
     def save_checkpoint(self, root: Path, step: int, loop_state: dict) -> Path:
+        # imported here: Megatron-Core, trainer ranks only (__init__'s note; loaded by then, a lookup)
         from megarl.checkpointing.training_checkpoint import save_training_state
 
         return save_training_state(

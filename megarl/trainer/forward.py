@@ -10,6 +10,10 @@ from __future__ import annotations
 from typing import List, Optional
 
 import torch
+from megatron.core import parallel_state as mpu
+from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+from megarl.trainer.setup import run_schedule
 
 
 def position_ids_for(tokens: torch.Tensor) -> torch.Tensor:
@@ -21,11 +25,6 @@ def full_logits(chunks: List[torch.nn.Module], tokens: torch.Tensor, vocab_size:
 
     Every rank must pass the same ``tokens`` (one micro-batch).
     """
-    from megatron.core import parallel_state as mpu
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
-    from megarl.trainer.setup import run_schedule
-
     positions = position_ids_for(tokens)
 
     def forward_step(data_iterator, model):

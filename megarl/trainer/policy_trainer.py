@@ -30,7 +30,9 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as mpu
 
+from megarl.models.megatron_llama import transformer_engine_usable
 from megarl.rollout import Sample, validate_samples
 from megarl.trainer.advantages import compute_advantages
 from megarl.trainer.aggregation import overlong_penalty
@@ -114,8 +116,6 @@ class PolicyTrainer:
         thd: Optional[bool] = None,
         lr_scheduler=None,
     ):
-        from megarl.models.megatron_llama import transformer_engine_usable
-
         if loss.kl_coef and ref_chunks is None:
             raise ValueError("loss.kl_coef > 0 needs a reference model (ref_chunks)")
         self.ddp_chunks = ddp_chunks
@@ -136,8 +136,6 @@ class PolicyTrainer:
         return self._pack(kept, advantages, version)
 
     def _pack(self, samples: Sequence[Sample], advantages: Sequence[float], version: Optional[int]) -> PackingPlan:
-        from megatron.core import parallel_state as mpu
-
         pp = mpu.get_pipeline_model_parallel_world_size()
         config = self.ddp_chunks[0].config
         vp = config.virtual_pipeline_model_parallel_size
@@ -218,8 +216,6 @@ class PolicyTrainer:
     @staticmethod
     def _owner() -> bool:
         """Only TP rank 0 of the last stage of each DP replica owns the loss's numbers."""
-        from megatron.core import parallel_state as mpu
-
         return mpu.is_pipeline_last_stage(ignore_virtual=True) and mpu.get_tensor_model_parallel_rank() == 0
 
     @staticmethod

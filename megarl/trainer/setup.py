@@ -14,8 +14,14 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
 
+import megatron_patches
 from megatron_patches import cpu_wgrad_accumulation
+from megatron_patches.optimizer_state import inner_torch_optimizers
 
 
 @dataclass(frozen=True)
@@ -49,8 +55,6 @@ def wrap_ddp(
 ) -> list:
     """Megatron DDP over the chunks; ``wgrad_fusion`` (CPU: megarl's accumulation into main_grad;
     GPUs read TransformerConfig.gradient_accumulation_fusion instead, see trainer/features.py)."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
     for chunk in chunks:
         # Losses return (sum, token count) and Megatron divides the gradients by
         # the global token count, so how a batch is split over micro-batches and
@@ -76,8 +80,6 @@ def wrap_ddp(
 
 
 def build_optimizer(ddp_chunks: list, settings: OptimizerSettings):
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
     model_config = ddp_chunks[0].config
     constant = settings.lr_decay_style == "constant"
     config = OptimizerConfig(
@@ -111,9 +113,6 @@ def fuse_torch_adam_on_cpu(optimizer) -> int:
     2.4e-7). Megatron itself passes fused=True to the torch Adam of its CPU-offload optimizer.
     Also called after a checkpoint load, whose param groups replace these. Returns the groups changed.
     """
-    import megatron_patches
-    from megatron_patches.optimizer_state import inner_torch_optimizers
-
     if not megatron_patches.is_active():
         return 0
     changed = 0
@@ -135,8 +134,6 @@ def build_lr_scheduler(optimizer, settings: OptimizerSettings, steps: int):
     count (Megatron-LM's --override-opt_param-scheduler), so a run whose schedule
     was edited continues under the new one from where it stopped.
     """
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
     decay_iters = settings.lr_decay_iters if settings.lr_decay_iters is not None else steps
     return OptimizerParamScheduler(
         optimizer,
@@ -157,8 +154,6 @@ def build_lr_scheduler(optimizer, settings: OptimizerSettings, steps: int):
 
 def configure_schedule(ddp_chunks: list, optimizer, settings: OptimizerSettings = OptimizerSettings()) -> None:
     """Set the TransformerConfig hooks Megatron's schedules call (as Megatron-LM's training.py does)."""
-    from megatron.core.distributed import finalize_model_grads
-
     for chunk in ddp_chunks:
         config = chunk.config
         config.grad_scale_func = optimizer.scale_loss
@@ -185,8 +180,6 @@ def run_schedule(
     **kwargs,
 ):
     """Megatron's forward_backward_func over ``micro_batches`` (each model chunk reads its own iterator)."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     iterators = [iter(micro_batches) for _ in chunks]
     single = len(chunks) == 1
     return get_forward_backward_func()(
