@@ -84,6 +84,8 @@ def aggregation_weights(
 ) -> Optional[torch.Tensor]:
     """Per-token weights w_t in float64 (None for token_mean: the plain sum, bitwise as before).
     ``sample_index``: each trained token's sample; ``response_lengths``: each sample's trained tokens."""
+    # imported here: torch (~1.5 s) stays out of `megarl train`'s launcher, which checks the loss through
+    # bound_loss -> resolve_agg in this module (train.py check_loss); only the trainer's hook needs weights
     import torch
 
     if agg == "token_mean":
