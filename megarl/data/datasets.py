@@ -19,6 +19,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
+from megarl.data.arithmetic import arithmetic_records
 from megarl.errors import ConfigError
 from megarl.generator.tokenizer import encode_prompt
 
@@ -54,8 +55,6 @@ def load_records(spec: str) -> List[PromptRecord]:
     """The records a data spec names: ``arithmetic:...`` (built in, megarl/data/arithmetic.py)
     or a .jsonl / .parquet file. ``random:...`` specs are token ids, not records: the caller's."""
     if spec.startswith("arithmetic:"):
-        from megarl.data.arithmetic import arithmetic_records
-
         return [parse_record(r, f"{spec}#{i}") for i, r in enumerate(arithmetic_records(spec))]
     return load_prompts(spec)
 
@@ -65,6 +64,7 @@ def check_data_source(field: str, spec: str, max_prompt_tokens: int) -> int:
     tokenizer nor torch: every record of a file, an arithmetic spec's problems, a random spec's numbers.
     Returns the number of prompts; a ConfigError names ``field`` (data.train, data.eval), then the file:line."""
     if spec.startswith("random:"):
+        # imported here: an import cycle (random_tokens imports PromptRecord and TokenizedPrompt from here)
         from megarl.data.random_tokens import parse_spec
 
         return parse_spec(spec, max_prompt_tokens, field)[0]
@@ -106,6 +106,8 @@ def _read_jsonl(path: str) -> Iterator[PromptRecord]:
 
 
 def _read_parquet(path: str) -> Iterator[PromptRecord]:
+    # imported here: optional in practice (a machine without pyarrow gets the message below, test_data.py),
+    # and pyarrow.parquet costs ~0.13 s that megarl's CLI (which imports this module) pays only for .parquet
     try:
         import pyarrow.parquet as pq
     except ImportError as exc:
