@@ -192,8 +192,6 @@ def test_layouts_must_add_up():
 def test_bench_prints_both_ratios_and_the_decomposition(tmp_path, monkeypatch, capsys):
     """The bench's own logic around two (stand-in) runs: workdir replaced, each run's thread split
     its own, one JSON line with the measured ratios and the planner's composition of their phases."""
-    import megarl.model_source
-    import megarl.train
     from megarl.bench import async_vs_sync
     from megarl.model_source import PreparedModel
 
@@ -210,9 +208,10 @@ def test_bench_prints_both_ratios_and_the_decomposition(tmp_path, monkeypatch, c
         wall = sum(r["time_step"] for r in records) + (1.0 if mode == "async" else 0.0)
         return {"samples": 32, "wall_s": wall, "samples_per_s": 32 / wall}
 
-    monkeypatch.setattr(megarl.train, "train", fake_train)
+    # the names as the bench module bound them at its import
+    monkeypatch.setattr(async_vs_sync, "train", fake_train)
     monkeypatch.setattr(
-        megarl.model_source,
+        async_vs_sync,
         "prepare_model",
         lambda model_cfg: PreparedModel(None, "none", preset_spec("tiny").to_dict()),
     )

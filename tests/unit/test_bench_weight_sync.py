@@ -32,7 +32,7 @@ def test_different_weights_quantises_a_bf16_baseline_and_names_what_differs():
 
 def test_the_run_fails_without_a_speedup_when_the_weights_differ(monkeypatch, capsys):
     """The benchmark's own logic around the two worlds (stand-ins writing what the ranks write)."""
-    import megarl.runtime.launch
+    import megarl.bench.weight_sync as weight_sync_bench
 
     def fake_worlds(worlds):
         out = Path(worlds[0][2][2])
@@ -44,7 +44,7 @@ def test_the_run_fails_without_a_speedup_when_the_weights_differ(monkeypatch, ca
             gen["different_weights"] = ["model.layers.0.mlp.down_proj.weight"] if r == 1 else []
             (out / f"generator{r}.json").write_text(json.dumps(gen))
 
-    monkeypatch.setattr(megarl.runtime.launch, "run_worlds", fake_worlds)
+    monkeypatch.setattr(weight_sync_bench, "run_worlds", fake_worlds)  # as the bench bound it
     with pytest.raises(MegarlError, match=r"generator rank\(s\) \[1\].*down_proj.*no speed-up"):
         run(WeightSyncBench(model="tiny", src_tp=1, dst_tp=1, dst_replicas=2, iters=1))
     assert "speedup" not in capsys.readouterr().out

@@ -92,6 +92,7 @@ def test_plan_only_reads_a_run_config(capsys):
 def test_plan_only_plans_the_configs_virtual_stages(tmp_path, monkeypatch):
     # trainer.vpp interleaves layers over the PP ranks (rank 0 of PP2 x VPP2 holds layers 0 and 2
     # of the tiny model's 4), so the plan must be built with it, not with one chunk per rank.
+    import megarl.bench.weight_sync as weight_sync_bench
     import megarl.weight_sync.planner as planner
     from megarl.bench.weight_sync import WeightSyncBench, run
     from megarl.errors import ConfigError
@@ -102,7 +103,7 @@ def test_plan_only_plans_the_configs_virtual_stages(tmp_path, monkeypatch):
     config.write_text(text)
     seen = []
     real = planner.build_plan
-    monkeypatch.setattr(planner, "build_plan", lambda spec, t, g, *a: seen.append(t) or real(spec, t, g, *a))
+    monkeypatch.setattr(weight_sync_bench, "build_plan", lambda spec, t, g, *a: seen.append(t) or real(spec, t, g, *a))
     result = run(WeightSyncBench(plan_only=True, config=str(config)))
     assert result["trainer"] == "TP1 x PP2 (VPP2) x DP1 = 2 GPUs"
     assert [(t.pp, t.vpp) for t in seen] == [(2, 2)]
