@@ -13,9 +13,8 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from megarl import (
-    model_source,
-)  # by module, as config_plan: looked up per call (tests/unit/test_plan_config.py replaces them)
+# model_source and config_plan by module: looked up per call (tests/unit/test_plan_config.py replaces them)
+from megarl import model_source
 from megarl.checkpointing.recorded import recorded_dtypes
 from megarl.config import load_config
 from megarl.data.datasets import check_data_source
