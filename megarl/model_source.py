@@ -20,8 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from tokenizers import Tokenizer
-
 from megarl.checkpointing.megatron_checkpoint import TOKENIZER_DIR, read_spec, resolve_checkpoint_dir
 from megarl.errors import CheckpointError, ConfigError
 from megarl.generator.tokenizer import NO_TOKENIZER
@@ -58,6 +56,10 @@ def tokenizer_vocab_size(tokenizer_dir: Path) -> int:
     because transformers' import brings in torch, which `megarl train`'s launcher otherwise never needs."""
     path = Path(tokenizer_dir) / "tokenizer.json"
     if path.exists():
+        # imported here: `tokenizers` is not installed where the GPU check runs on token ids alone
+        # (model.tokenizer: none; tests/multiprocess/test_gpu_check.py), and this module is loaded there
+        from tokenizers import Tokenizer
+
         return Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)
     # imported here: transformers' AutoTokenizer costs ~2.4 s and brings torch (the docstring above)
     from transformers import AutoTokenizer
