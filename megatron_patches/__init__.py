@@ -12,6 +12,9 @@ never change a value that is right.
     cpu_wgrad_accumulation  on CPU, weight gradients (linear layers and the word
                       embedding) accumulate into main_grad, as Megatron's
                       gradient_accumulation_fusion does on GPUs (trainer.setup.wrap_ddp)
+    moe_cpu           (installed by cpu_backend) Megatron's MoE layers run without
+                      Transformer Engine (the router's te_general_gemm name) and the
+                      alltoall dispatcher's split sizes reach gloo as numbers
     tp_attributes     mark TP-sharded weights of models built without
                       initialisation (else grad-norm clipping is wrong at TP>1)
     optimizer_state   give each parameter its own Adam 'step' after a

@@ -45,7 +45,7 @@ import warnings
 import torch
 from torch.overrides import TorchFunctionMode
 
-from megatron_patches import single_rank_grad_sync
+from megatron_patches import moe_cpu, single_rank_grad_sync
 
 # Megatron-Core is imported inside the functions that patch it, which run after _check_megatron_version:
 # a missing Megatron-Core is named there with the version to install, and another version is warned
@@ -288,6 +288,7 @@ def _install_patches() -> None:
             _patch_autograd_entry()
             _patch_megatron_rng()
             single_rank_grad_sync.apply()
+            moe_cpu.apply()
             _applied = True
 
 
