@@ -131,8 +131,8 @@ def fill_from_hf(chunks, spec: LlamaSpec, read_hf: Callable[[str], torch.Tensor]
                 param.fill_(float("nan"))
         order = sorted(groups, key=lambda kl: (-1 if kl[1] is None else kl[1], kl[0]))
         if show_progress:
-            # lazily: every `megarl` command imports this module (cli.py -> convert/cli.py), the GPU
-            # check's launcher included, which runs where tqdm is not installed (tests/multiprocess/test_gpu_check.py)
+            # lazily: the GPU check converts its random model through this module (model_source.py)
+            # where tqdm is not installed (tests/multiprocess/test_gpu_check.py)
             from tqdm import tqdm
 
             order = tqdm(order, desc="convert", unit="tensor")

@@ -37,9 +37,8 @@ from megarl.models.hf_mapping import tensor_mappings, to_hf
 from megarl.weight_sync import fp8 as fp8_format
 from megarl.weight_sync.fp8 import BLOCK_FP8_QUANT_CONFIG
 
-# safetensors and tqdm are imported where they are used: every `megarl` command imports this module
-# (cli.py -> convert/cli.py), the GPU check's launcher included, which runs where neither is
-# installed (tests/multiprocess/test_gpu_check.py).
+# safetensors and tqdm are imported where they are used: only an export needs them, and the GPU
+# check's torch-and-Megatron-only machine has neither (tests/multiprocess/test_gpu_check.py).
 
 
 @dataclass(frozen=True)
