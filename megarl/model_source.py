@@ -24,7 +24,7 @@ from megarl.checkpointing.megatron_checkpoint import TOKENIZER_DIR, read_spec, r
 from megarl.errors import CheckpointError, ConfigError
 from megarl.generator.tokenizer import NO_TOKENIZER
 from megarl.models.presets import preset_config
-from megarl.models.spec import LlamaSpec
+from megarl.models.spec import ModelSpec
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -33,7 +33,7 @@ TRACKER = "latest_checkpointed_iteration.txt"
 class PreparedModel:
     checkpoint: Optional[str]  # None: random initialisation
     tokenizer: str
-    spec: dict  # LlamaSpec.to_dict()
+    spec: dict  # ModelSpec.to_dict()
 
 
 def _smollm2_tokenizer(cache: Path) -> Path:
@@ -105,11 +105,11 @@ def prepare_model(model_cfg, convert: bool = True, what: str = "model.source") -
         if model_cfg.tokenizer == NO_TOKENIZER:
             hf = preset_config(source.split(":", 1)[1])
             return PreparedModel(
-                None, NO_TOKENIZER, LlamaSpec.from_hf_config(hf, source=f"model.source={source}").to_dict()
+                None, NO_TOKENIZER, ModelSpec.from_hf_config(hf, source=f"model.source={source}").to_dict()
             )
         tok = Path(model_cfg.tokenizer) if model_cfg.tokenizer not in (None, "smollm2") else _smollm2_tokenizer(cache)
         hf = dict(preset_config(source.split(":", 1)[1]), vocab_size=tokenizer_vocab_size(tok))
-        return PreparedModel(None, str(tok), LlamaSpec.from_hf_config(hf, source=f"model.source={source}").to_dict())
+        return PreparedModel(None, str(tok), ModelSpec.from_hf_config(hf, source=f"model.source={source}").to_dict())
     if source == "smollm2":
         # imported here: hf_checkpoint imports torch (~1.3 s); the launcher stays torch-free for other sources
         from megarl.models.hf_checkpoint import smollm2_gguf_path

@@ -10,7 +10,7 @@ test suite or demo starts hundreds of them.
 
 What it changes: nothing that runs. On CPU megarl turns every fusion off
 (``bias_activation_fusion``, ``bias_dropout_fusion``, ``masked_softmax_fusion`` are
-``on_gpu`` in megarl/models/megatron_llama.py), so no decorated function is called;
+``on_gpu`` in megarl/models/megatron_model.py), so no decorated function is called;
 were one called, it would run eagerly -- the same ops, unfused. Where CUDA is usable
 the hook leaves ``jit_fuser`` alone: GPU runs keep Megatron's fused kernels.
 

@@ -25,7 +25,7 @@ import torch
 
 def mark_tensor_parallel_weights(model: torch.nn.Module) -> int:
     """Set missing TP attributes on ``model``'s parallel weights; return how many were set."""
-    # Megatron-Core here, not at the top: models/megatron_llama.py imports this module at its top and
+    # Megatron-Core here, not at the top: models/megatron_model.py imports this module at its top and
     # stays without Megatron-Core until it builds a model (see the comment there)
     from megatron.core.tensor_parallel.layers import (
         ColumnParallelLinear,

@@ -42,7 +42,7 @@ PRELOAD = [
     "megatron.core.dist_checkpointing",
     "megarl.runtime.distributed",
     "megarl.checkpointing.model_loading",
-    "megarl.models.megatron_llama",
+    "megarl.models.megatron_model",
     "megarl.checkpointing.megatron_checkpoint",
     "megarl.checkpointing.training_checkpoint",
     "megarl.trainer.setup",

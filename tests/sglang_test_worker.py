@@ -85,10 +85,10 @@ def present_tp_rank(rank: int) -> None:
 class TPWorker:
     def __init__(self, model_dir: str, tp: int, rank: int, group, version: int, max_running: int, allowed_globals: set):
         from megarl.generator.torch_engine.engine import TorchEngine
-        from megarl.models.spec import LlamaSpec
+        from megarl.models.spec import ModelSpec
 
         config, self.params, self.fp8 = load_served_params(Path(model_dir), tp, rank)
-        spec = LlamaSpec.from_hf_config(config, source="sglang_test_server")
+        spec = ModelSpec.from_hf_config(config, source="sglang_test_server")
         self.rank = rank
         self.model = ServedModel(self.params)
         self.allowed = allowed_globals

@@ -42,7 +42,7 @@ from megarl.config import load_config
 from megarl.errors import ConfigError
 from megarl.metrics import read_metrics
 from megarl.model_source import prepare_model
-from megarl.models.spec import LlamaSpec
+from megarl.models.spec import ModelSpec
 from megarl.plan.measured_ratio import decompose, layouts_from_config
 from megarl.train import train
 
@@ -145,7 +145,7 @@ def run(config: str, overrides: Sequence[str] = (), workdir: str = "runs/bench_a
 
 def _decompose(cfg, sync_dp: int, threads: dict, cores: int, records: Dict[str, list]) -> dict:
     layouts = layouts_from_config(cfg, sync_dp, threads, cores)
-    spec = LlamaSpec.from_dict(prepare_model(cfg.model).spec)
+    spec = ModelSpec.from_dict(prepare_model(cfg.model).spec)
     p = decompose(
         layouts, records["async"], records["sync"], spec, cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens
     )

@@ -21,7 +21,7 @@ import torch
 
 from megarl.bench import roofline as rl
 from megarl.models.hf_checkpoint import gguf_spec, smollm2_gguf_path
-from megarl.models.spec import LlamaSpec
+from megarl.models.spec import ModelSpec
 from megarl.runtime.cpu_dtype import read_cpu_flags
 
 FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
@@ -43,7 +43,7 @@ def demo_spec():
         gguf = smollm2_gguf_path()
         return gguf_spec(gguf.parent, gguf.name)
     except Exception:  # noqa: BLE001 -- the package is optional here; its config.json, hard-coded:
-        return LlamaSpec.from_hf_config(
+        return ModelSpec.from_hf_config(
             dict(
                 model_type="llama",
                 hidden_size=576,

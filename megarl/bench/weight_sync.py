@@ -39,9 +39,9 @@ from megarl.checkpointing.megatron_checkpoint import read_spec, resolve_checkpoi
 from megarl.config import load_config
 from megarl.errors import ConfigError, MegarlError
 from megarl.models.hf_checkpoint import SafetensorsCheckpoint, gguf_spec, smollm2_gguf_path
-from megarl.models.megatron_llama import build_model_chunks, transformer_config
+from megarl.models.megatron_model import build_model_chunks, transformer_config
 from megarl.models.presets import PRESETS, preset_spec
-from megarl.models.spec import LlamaSpec
+from megarl.models.spec import ModelSpec
 from megarl.parallel_dims import GeneratorDims, ParallelDims
 from megarl.plan.config_plan import model_preset, plan_section, section_hardware
 from megarl.runtime.distributed import free_port, init_distributed, init_megatron, shutdown
@@ -122,7 +122,7 @@ def resolved(b: WeightSyncBench) -> WeightSyncBench:
     return replace(b, **{k: getattr(b, k) if getattr(b, k) is not None else v for k, v in values.items()})
 
 
-def model_spec(model: str) -> LlamaSpec:
+def model_spec(model: str) -> ModelSpec:
     if model in PRESETS:
         return preset_spec(model)
     if model == "smollm2":
@@ -245,7 +245,7 @@ def _groups(b: WeightSyncBench, port: int, sync_rank: int, stage_member):
     return sync, stages
 
 
-def _baseline_fp8(b: WeightSyncBench, spec: LlamaSpec) -> bool:
+def _baseline_fp8(b: WeightSyncBench, spec: ModelSpec) -> bool:
     """The baseline quantises like SGLang's block-fp8 checkpoints, per HF weight: only for shapes
     whose shards are whole 128x128 blocks (real Llamas, llama-mini); else it sends bf16."""
     return b.fp8 and fp8_supported(spec, b.generator_dims().tp)

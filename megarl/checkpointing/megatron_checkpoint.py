@@ -3,7 +3,7 @@
     ROOT/latest_checkpointed_iteration.txt   "release" or the last iteration
     ROOT/release/ or ROOT/iter_0000100/      one dist checkpoint:
         metadata.json, .metadata, *.distcp, common.pt   (Megatron-Core)
-        megarl_model.json                                (the LlamaSpec)
+        megarl_model.json                                (the ModelSpec)
         tokenizer/                                       (HF tokenizer files)
         megarl_manifest.json                             (every file's size and CRC-32)
 
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Dict, Iterator, List, Optional, Sequence
 from megarl.checkpointing import manifest
 from megarl.checkpointing.resume import prune_checkpoints
 from megarl.errors import CheckpointError
-from megarl.models.spec import LlamaSpec
+from megarl.models.spec import ModelSpec
 from megarl.runtime.cpu_memory import release_freed_memory
 
 if TYPE_CHECKING:  # torch is imported where a checkpoint is saved or loaded: `megarl train`'s launcher
@@ -85,11 +85,11 @@ def resolve_checkpoint_dir(path: os.PathLike, what: str = "--megatron", verify: 
     return path
 
 
-def read_spec(ckpt_dir: os.PathLike) -> LlamaSpec:
+def read_spec(ckpt_dir: os.PathLike) -> ModelSpec:
     spec_file = Path(ckpt_dir) / SPEC_FILE
     if not spec_file.exists():
         raise CheckpointError(f"{ckpt_dir}: no {SPEC_FILE}; this Megatron checkpoint was not written by megarl")
-    return LlamaSpec.load(spec_file)
+    return ModelSpec.load(spec_file)
 
 
 # -- sharded state dicts --------------------------------------------------------------------
@@ -129,7 +129,7 @@ def iter_sharded_tensors(sharded_state_dict) -> Iterator:
 def save_model(
     chunks: List[torch.nn.Module],
     root: os.PathLike,
-    spec: LlamaSpec,
+    spec: ModelSpec,
     iteration: Optional[int] = None,
     tokenizer_files: Sequence[Path] = (),
 ) -> Path:
@@ -140,7 +140,7 @@ def save_model(
 def save_state(
     state: dict,
     root: os.PathLike,
-    spec: LlamaSpec,
+    spec: ModelSpec,
     iteration: Optional[int] = None,
     tokenizer_files: Sequence[Path] = (),
     keep: int = 0,

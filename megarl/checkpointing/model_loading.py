@@ -9,14 +9,14 @@ import torch
 
 from megarl.checkpointing.dist_checkpoint_reader import DistCheckpointReader
 from megarl.checkpointing.megatron_checkpoint import load_model, read_spec, resolve_checkpoint_dir
-from megarl.models.megatron_llama import build_model_chunks, transformer_config
-from megarl.models.spec import LlamaSpec
+from megarl.models.megatron_model import build_model_chunks, transformer_config
+from megarl.models.spec import ModelSpec
 from megarl.parallel_dims import ParallelDims
 
 
 def load_llama(
     path: os.PathLike, dims: ParallelDims, params_dtype: Optional[torch.dtype] = None, **config_overrides
-) -> Tuple[LlamaSpec, List[torch.nn.Module]]:
+) -> Tuple[ModelSpec, List[torch.nn.Module]]:
     """Megatron parallel state must already be initialised for ``dims`` (runtime.distributed.init_megatron)."""
     ckpt_dir = resolve_checkpoint_dir(path)
     spec = read_spec(ckpt_dir)

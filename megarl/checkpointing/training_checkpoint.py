@@ -27,7 +27,7 @@ from megarl.checkpointing.megatron_checkpoint import (
     resolve_checkpoint_dir,
     save_state,
 )
-from megarl.models.spec import LlamaSpec
+from megarl.models.spec import ModelSpec
 from megatron_patches import optimizer_state
 
 OPTIMIZER_SHARDING = "fully_reshardable"
@@ -43,7 +43,7 @@ def save_training_state(
     chunks: List[torch.nn.Module],
     optimizer,
     root: os.PathLike,
-    spec: LlamaSpec,
+    spec: ModelSpec,
     iteration: int,
     loop_state: Optional[Dict[str, Any]] = None,
     tokenizer_files: Sequence[Path] = (),

@@ -32,8 +32,8 @@ from megarl.convert.dtypes import parse_dtype
 from megarl.errors import CheckpointError, ConfigError
 from megarl.models.hf_checkpoint import SafetensorsCheckpoint, gguf_spec, materialize_gguf
 from megarl.models.hf_mapping import mapping_by_key, to_megatron
-from megarl.models.megatron_llama import DEFAULT_VOCAB_DIVISIBLE_BY, build_model_chunks, transformer_config
-from megarl.models.spec import LlamaSpec
+from megarl.models.megatron_model import DEFAULT_VOCAB_DIVISIBLE_BY, build_model_chunks, transformer_config
+from megarl.models.spec import ModelSpec
 from megarl.runtime.distributed import init_distributed, init_megatron, shutdown, world_dims
 from megarl.runtime.launch import run_world, running_under_torchrun
 
@@ -115,7 +115,7 @@ def convert_rank(args: HfToMegatron) -> None:
     shutdown()
 
 
-def fill_from_hf(chunks, spec: LlamaSpec, read_hf: Callable[[str], torch.Tensor], show_progress: bool = False) -> None:
+def fill_from_hf(chunks, spec: ModelSpec, read_hf: Callable[[str], torch.Tensor], show_progress: bool = False) -> None:
     """Copy each rank's slice of every Megatron global tensor from the HF weights."""
     by_key = mapping_by_key(spec)
     groups = defaultdict(list)

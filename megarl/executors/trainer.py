@@ -16,8 +16,8 @@ import torch
 
 from megarl.errors import MegarlError
 from megarl.generator.tokenizer import NO_TOKENIZER
-from megarl.models.megatron_llama import build_model_chunks, transformer_config, transformer_engine_usable
-from megarl.models.spec import LlamaSpec
+from megarl.models.megatron_model import build_model_chunks, transformer_config, transformer_engine_usable
+from megarl.models.spec import ModelSpec
 from megarl.rollout import Sample
 from megarl.runtime.distributed import init_megatron
 from megarl.trainer.bound_loss import bind_loss
@@ -100,7 +100,7 @@ class TrainerExecutor:
         if prepared.checkpoint:
             self.spec, chunks = load_llama(prepared.checkpoint, dims, params_dtype=dtype, **model_settings)
         else:  # random:<preset>: Megatron's own initialisation, seeded
-            self.spec = LlamaSpec.from_dict(prepared.spec)
+            self.spec = ModelSpec.from_dict(prepared.spec)
             config = transformer_config(
                 self.spec,
                 dims.tp,

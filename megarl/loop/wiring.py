@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from megarl.loop.channels import Channel
     from megarl.loop.loop_state import ResumePoint
     from megarl.loop.schedule import Schedule
-    from megarl.models.spec import LlamaSpec
+    from megarl.models.spec import ModelSpec
     from megarl.runtime.heartbeat import Heartbeat
     from megarl.runtime.job import Job
     from megarl.weight_sync.synchronizer import WeightSynchronizer
@@ -129,7 +129,7 @@ class Rank:
     topo: Topology
     job: "Job"
     heartbeat: "Heartbeat"
-    spec: "LlamaSpec"
+    spec: "ModelSpec"
     schedule: "Schedule"
     resume: "ResumePoint"
     channels: Dict[str, "Channel"]
@@ -169,7 +169,7 @@ def wire_rank(cfg: Config, prepared) -> Rank:
     from megarl.executors.trainer import TrainerExecutor
     from megarl.loop.channels import Channel
     from megarl.loop.loop_state import resume_point
-    from megarl.models.spec import LlamaSpec
+    from megarl.models.spec import ModelSpec
     from megarl.runtime.heartbeat import Heartbeat
     from megarl.runtime.job import init_job
     from megarl.weight_sync.synchronizer import NoWeights
@@ -188,7 +188,7 @@ def wire_rank(cfg: Config, prepared) -> Rank:
     )
     heartbeat = Heartbeat(job.store, job.rank, job.world_size, _role(topo, job.rank), cfg.run.hang_timeout_s)
     _set_cpu_threads(cfg, job, executor)
-    spec = LlamaSpec.from_dict(prepared.spec)
+    spec = ModelSpec.from_dict(prepared.spec)
     # the newest checkpoint whose files match its manifest (all ranks share the checksums);
     # each newer, damaged one is named in a warning
     resume_dir = resumable_checkpoint_dir(Path(cfg.run.output_dir) / CHECKPOINTS, group=job.control)

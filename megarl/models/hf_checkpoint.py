@@ -17,7 +17,7 @@ from typing import Dict, Iterable, List, Optional
 import torch
 
 from megarl.errors import CheckpointError
-from megarl.models.spec import LlamaSpec
+from megarl.models.spec import ModelSpec
 
 # safetensors and transformers are imported where they are used: every `megarl` command imports this
 # module (cli.py -> convert/cli.py -> the converters), the GPU check's launcher included, which runs
@@ -49,7 +49,7 @@ class SafetensorsCheckpoint:
         if not config_path.exists():
             raise CheckpointError(f"--hf-model {self.path}: no config.json (not a Hugging Face model directory)")
         self.config = json.loads(config_path.read_text())
-        self.spec = LlamaSpec.from_hf_config(self.config, source=str(config_path))
+        self.spec = ModelSpec.from_hf_config(self.config, source=str(config_path))
         self.weight_map = self._weight_map()
         self._handles: Dict[str, object] = {}
 
@@ -101,12 +101,12 @@ def _gguf_location(path: os.PathLike, gguf_file: Optional[str]):
     return path, gguf_file
 
 
-def gguf_spec(path: os.PathLike, gguf_file: Optional[str]) -> LlamaSpec:
-    """The LlamaSpec of a GGUF model, from its metadata only (no tensors read)."""
+def gguf_spec(path: os.PathLike, gguf_file: Optional[str]) -> ModelSpec:
+    """The ModelSpec of a GGUF model, from its metadata only (no tensors read)."""
     from transformers import AutoConfig
 
     path, gguf_file = _gguf_location(path, gguf_file)
-    return LlamaSpec.from_hf_config(AutoConfig.from_pretrained(path, gguf_file=gguf_file), source=str(path / gguf_file))
+    return ModelSpec.from_hf_config(AutoConfig.from_pretrained(path, gguf_file=gguf_file), source=str(path / gguf_file))
 
 
 def materialize_gguf(path: os.PathLike, gguf_file: Optional[str], out_dir: os.PathLike) -> Path:
@@ -119,7 +119,7 @@ def materialize_gguf(path: os.PathLike, gguf_file: Optional[str], out_dir: os.Pa
 
     path, gguf_file = _gguf_location(path, gguf_file)
     config = AutoConfig.from_pretrained(path, gguf_file=gguf_file)
-    LlamaSpec.from_hf_config(config, source=str(path / gguf_file))  # fail before the slow load
+    ModelSpec.from_hf_config(config, source=str(path / gguf_file))  # fail before the slow load
     from safetensors.torch import save_file
 
     model = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, dtype=torch.float32)
@@ -154,7 +154,7 @@ def smollm2_gguf_path() -> Path:
     return files[0]
 
 
-def write_config(spec: LlamaSpec, dest: Path, dtype: torch.dtype, quantization_config: Optional[dict] = None) -> None:
+def write_config(spec: ModelSpec, dest: Path, dtype: torch.dtype, quantization_config: Optional[dict] = None) -> None:
     """config.json for an exported model: the original config with this export's dtype
     (and ``quantization_config`` for a block-fp8 export)."""
     config = dict(spec.hf_config)

@@ -28,7 +28,7 @@ from typing import Callable, Dict, List, Sequence
 
 import torch
 
-from megarl.models.spec import LlamaSpec
+from megarl.models.spec import ModelSpec
 
 LAYERS_PREFIX = "decoder.layers."
 
@@ -47,7 +47,7 @@ class TensorMapping:
         return [name.format(layer=layer) for name in self.hf_names]
 
 
-def tensor_mappings(spec: LlamaSpec) -> List[TensorMapping]:
+def tensor_mappings(spec: ModelSpec) -> List[TensorMapping]:
     layer = "model.layers.{layer}."
     mappings = [
         TensorMapping("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"),
@@ -76,21 +76,21 @@ def tensor_mappings(spec: LlamaSpec) -> List[TensorMapping]:
     return mappings
 
 
-def mapping_by_key(spec: LlamaSpec) -> Dict[str, TensorMapping]:
+def mapping_by_key(spec: ModelSpec) -> Dict[str, TensorMapping]:
     return {m.megatron_key: m for m in tensor_mappings(spec)}
 
 
 # -- layout transforms ----------------------------------------------------------------------
 
 
-def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: LlamaSpec) -> torch.Tensor:
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
     """HF q/k/v projections -> Megatron's fused QKV, grouped per KV group."""
     g, d, h = spec.num_kv_heads, spec.head_dim, q.shape[-1]
     grouped = torch.cat([q.reshape(g, spec.q_per_kv, d, h), k.reshape(g, 1, d, h), v.reshape(g, 1, d, h)], dim=1)
     return grouped.reshape(spec.qkv_rows, h)
 
 
-def split_qkv(qkv: torch.Tensor, spec: LlamaSpec):
+def split_qkv(qkv: torch.Tensor, spec: ModelSpec):
     """Inverse of fuse_qkv."""
     g, d, h = spec.num_kv_heads, spec.head_dim, qkv.shape[-1]
     grouped = qkv.reshape(g, spec.q_per_kv + 2, d, h)
@@ -112,7 +112,7 @@ def pad_vocab(weight: torch.Tensor, padded_rows: int) -> torch.Tensor:
 
 def to_megatron(
     mapping: TensorMapping,
-    spec: LlamaSpec,
+    spec: ModelSpec,
     read_hf: Callable[[str], torch.Tensor],
     layer: int | None,
     global_rows: int | None = None,
@@ -133,7 +133,7 @@ def to_megatron(
     raise AssertionError(mapping.kind)
 
 
-def to_hf(mapping: TensorMapping, spec: LlamaSpec, tensor: torch.Tensor, layer: int | None) -> Dict[str, torch.Tensor]:
+def to_hf(mapping: TensorMapping, spec: ModelSpec, tensor: torch.Tensor, layer: int | None) -> Dict[str, torch.Tensor]:
     """HF tensors (name -> tensor) from one Megatron global tensor (one layer of it)."""
     names = mapping.hf_names_for(layer)
     if mapping.kind == "copy":

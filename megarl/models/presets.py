@@ -8,7 +8,7 @@ for CPU benchmarks; ``tiny`` matches the test suite's model.
 from __future__ import annotations
 
 from megarl.errors import ConfigError
-from megarl.models.spec import LlamaSpec
+from megarl.models.spec import ModelSpec
 
 _LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -90,5 +90,5 @@ def preset_config(name: str) -> dict:
     return config
 
 
-def preset_spec(name: str) -> LlamaSpec:
-    return LlamaSpec.from_hf_config(preset_config(name), source=f"preset {name}")
+def preset_spec(name: str) -> ModelSpec:
+    return ModelSpec.from_hf_config(preset_config(name), source=f"preset {name}")

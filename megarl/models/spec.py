@@ -1,9 +1,15 @@
-"""LlamaSpec: the shape of a Llama-family model, read from a Hugging Face config.
+"""ModelSpec: the shape of a decoder-only model, read from a Hugging Face config.
 
 One small frozen record that every other part (Megatron model builder, name
-mapping, weight-sync layouts, capacity planner) derives its shapes from. It is
-stored as ``megarl_model.json`` beside every Megatron checkpoint megarl writes,
-so a checkpoint can be exported or served without the original HF directory.
+mapping, weight-sync layouts, capacity planner, reference engine) derives its
+shapes from. It is stored as ``megarl_model.json`` beside every Megatron
+checkpoint megarl writes, so a checkpoint can be exported or served without
+the original HF directory.
+
+The family (``model_type``) decides which architecture fields are read and how
+(models/families.py): Llama, Qwen2/2.5 (QKV bias), Qwen3 (per-head q/k RMSNorm)
+and Qwen3-MoE (routed experts). Every setting comes from the HF config's own
+fields; nothing is guessed from a model's name.
 """
 
 from __future__ import annotations
@@ -16,10 +22,8 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from megarl.errors import ConfigError, UnsupportedModelError
-
-SUPPORTED_MODEL_TYPES = ("llama",)
-# Fields whose presence (with a truthy value) means a non-Llama architecture.
-_MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
+from megarl.models.families import family_of
+from megarl.models.moe_spec import MoeSpec
 
 
 @dataclass(frozen=True)
@@ -33,7 +37,7 @@ class Llama3RopeScaling:
 
 
 @dataclass(frozen=True)
-class LlamaSpec:
+class ModelSpec:
     num_layers: int
     hidden_size: int
     ffn_hidden_size: int
@@ -46,6 +50,10 @@ class LlamaSpec:
     max_position_embeddings: int
     tie_embeddings: bool
     rope_scaling: Optional[Llama3RopeScaling] = None
+    model_type: str = "llama"  # the HF config's; selects the family (models/families.py)
+    qkv_bias: bool = False  # biases on q/k/v (Qwen2): Megatron's add_qkv_bias
+    qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (Qwen3): qk_layernorm
+    moe: Optional[MoeSpec] = None  # routed experts (Qwen3-MoE); None: every layer dense
     # Kept so an export can write back the config the model came with.
     hf_config: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False)
 
@@ -58,22 +66,78 @@ class LlamaSpec:
         """Rows of the fused QKV weight: q heads plus one k and one v head per KV group."""
         return (self.num_attention_heads + 2 * self.num_kv_heads) * self.head_dim
 
-    def num_parameters(self) -> int:
-        h, f, layers = self.hidden_size, self.ffn_hidden_size, self.num_layers
-        per_layer = self.qkv_rows * h + self.num_attention_heads * self.head_dim * h + 3 * h * f + 2 * h
-        embeddings = self.vocab_size * h * (1 if self.tie_embeddings else 2)
-        return layers * per_layer + embeddings + h
+    @property
+    def num_moe_layers(self) -> int:
+        return len(self.moe.layers) if self.moe else 0
 
-    def check_parallelism(self, tp: int, pp: int = 1, vp: Optional[int] = None) -> None:
-        """Raise ConfigError naming both numbers when a layout cannot shard this model."""
-        for name, value in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp)):
+    @property
+    def num_dense_layers(self) -> int:
+        return self.num_layers - self.num_moe_layers
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and self.moe.is_moe_layer(layer)
+
+    def _attention_parameters(self) -> int:
+        h = self.hidden_size
+        biases = self.qkv_rows if self.qkv_bias else 0
+        norms = 2 * self.head_dim if self.qk_norm else 0
+        return self.qkv_rows * h + self.num_attention_heads * self.head_dim * h + biases + norms + 2 * h
+
+    def _moe_layer_parameters(self, experts: int) -> int:
+        m, h = self.moe, self.hidden_size
+        shared = 3 * h * m.shared_expert_ffn_hidden_size
+        bias = m.num_experts if m.router_expert_bias else 0
+        return experts * 3 * h * m.ffn_hidden_size + m.num_experts * h + bias + shared
+
+    def num_parameters(self) -> int:
+        h = self.hidden_size
+        total = self.num_layers * self._attention_parameters() + self.num_dense_layers * 3 * h * self.ffn_hidden_size
+        if self.moe:
+            total += self.num_moe_layers * self._moe_layer_parameters(self.moe.num_experts)
+        embeddings = self.vocab_size * h * (1 if self.tie_embeddings else 2)
+        return total + embeddings + h
+
+    def num_active_parameters(self) -> int:
+        """Parameters one token goes through: the top-k experts of each MoE layer, not all."""
+        if not self.moe:
+            return self.num_parameters()
+        every, active = self.moe.num_experts, self.moe.top_k
+        return self.num_parameters() - self.num_moe_layers * (
+            self._moe_layer_parameters(every) - self._moe_layer_parameters(active)
+        )
+
+    def check_parallelism(
+        self, tp: int, pp: int = 1, vp: Optional[int] = None, ep: int = 1, etp: Optional[int] = None
+    ) -> None:
+        """Raise ConfigError naming both numbers when a layout cannot shard this model.
+
+        ``etp`` (expert_tensor_parallel_size) defaults to ``tp``, as in Megatron-Core."""
+        etp = tp if etp is None else etp
+        sizes = (
+            ("tensor_model_parallel_size", tp),
+            ("pipeline_model_parallel_size", pp),
+            ("expert_model_parallel_size", ep),
+            ("expert_tensor_parallel_size", etp),
+        )
+        for name, value in sizes:
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if not self.moe and (ep, etp) != (1, tp):
+            raise ConfigError(
+                f"expert_model_parallel_size={ep} / expert_tensor_parallel_size={etp}: the model "
+                f"(model_type {self.model_type!r}) has no experts; leave them at 1 / the TP size"
+            )
         checks = [
             ("num_attention_heads", self.num_attention_heads, "tensor_model_parallel_size", tp),
-            ("intermediate_size", self.ffn_hidden_size, "tensor_model_parallel_size", tp),
             ("num_hidden_layers", self.num_layers, "pipeline_model_parallel_size", pp),
         ]
+        if self.num_dense_layers:
+            checks.insert(1, ("intermediate_size", self.ffn_hidden_size, "tensor_model_parallel_size", tp))
+        if self.moe:
+            checks += [
+                ("num_experts", self.moe.num_experts, "expert_model_parallel_size", ep),
+                ("moe_intermediate_size", self.moe.ffn_hidden_size, "expert_tensor_parallel_size", etp),
+            ]
         if tp <= self.num_kv_heads:
             checks.insert(1, ("num_key_value_heads", self.num_kv_heads, "tensor_model_parallel_size", tp))
         for field, count, par_name, par in checks:
@@ -103,45 +167,35 @@ class LlamaSpec:
         return d
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "LlamaSpec":
+    def from_dict(cls, d: Mapping[str, Any]) -> "ModelSpec":
         d = dict(d)
         if d.get("rope_scaling"):
             d["rope_scaling"] = Llama3RopeScaling(**d["rope_scaling"])
+        if d.get("moe"):
+            moe = dict(d["moe"])
+            d["moe"] = MoeSpec(**{**moe, "layers": tuple(moe["layers"])})
         return cls(**d)
 
     def save(self, path: Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
 
     @classmethod
-    def load(cls, path: Path) -> "LlamaSpec":
+    def load(cls, path: Path) -> "ModelSpec":
         return cls.from_dict(json.loads(Path(path).read_text()))
 
     @classmethod
-    def from_hf_config(cls, config: Any, source: str = "config") -> "LlamaSpec":
+    def from_hf_config(cls, config: Any, source: str = "config") -> "ModelSpec":
         """Build from a transformers PretrainedConfig or a config.json dict.
 
-        Raises UnsupportedModelError naming the field for anything that is not a
-        plain Llama (biases, MoE, other activations or RoPE variants).
+        Raises UnsupportedModelError naming the field for anything the model's family
+        (models/families.py) does not run: an unknown model_type, biases it lacks, sliding
+        windows, other activations or RoPE variants.
         """
         cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-        model_type = cfg.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise UnsupportedModelError(
-                f"{source}: unsupported architecture model_type={model_type!r} "
-                f"(architectures={cfg.get('architectures')}); megarl runs Llama-family models "
-                f"(model_type {', '.join(SUPPORTED_MODEL_TYPES)})"
-            )
-        for field in ("attention_bias", "mlp_bias"):
-            if cfg.get(field):
-                raise UnsupportedModelError(f"{source}: {field}={cfg[field]} is not supported (Llama has no biases)")
-        for field in _MOE_FIELDS:
-            if cfg.get(field):
-                raise UnsupportedModelError(
-                    f"{source}: {field}={cfg[field]}: mixture-of-experts models are not supported"
-                )
+        family = family_of(cfg, source)
         if cfg.get("hidden_act", "silu") != "silu":
             raise UnsupportedModelError(
-                f"{source}: hidden_act={cfg['hidden_act']!r} is not supported (Llama uses 'silu')"
+                f"{source}: hidden_act={cfg['hidden_act']!r} is not supported ({family.model_type} uses 'silu')"
             )
         if cfg.get("pretraining_tp", 1) not in (1, None):
             raise UnsupportedModelError(f"{source}: pretraining_tp={cfg['pretraining_tp']} is not supported")
@@ -170,6 +224,10 @@ class LlamaSpec:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             rope_scaling=rope_scaling,
+            model_type=family.model_type,
+            qkv_bias=family.qkv_bias(cfg, source),
+            qk_norm=family.qk_norm,
+            moe=family.moe(cfg, source),
             hf_config=_jsonable(cfg),
         )
 

@@ -36,7 +36,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
-from megarl.models.spec import LlamaSpec
+from megarl.models.spec import ModelSpec
 from megarl.parallel_dims import ParallelDims
 from megarl.plan import activations as act
 from megarl.plan.engines import GeneratorEngine
@@ -63,7 +63,7 @@ class ModelShape:
     ffn: int = 0  # the MLP's width (SwiGLU's f)
 
     @classmethod
-    def from_spec(cls, spec: LlamaSpec) -> "ModelShape":
+    def from_spec(cls, spec: ModelSpec) -> "ModelShape":
         h = spec.hidden_size
         per_layer = spec.qkv_rows * h + spec.num_attention_heads * spec.head_dim * h + 3 * h * spec.ffn_hidden_size
         return cls(
@@ -169,7 +169,7 @@ class H100CostModel:
 
     def __init__(
         self,
-        spec: LlamaSpec,
+        spec: ModelSpec,
         hw: Hardware,
         workload: Workload,
         grad_bytes: float = 4.0,

@@ -10,7 +10,7 @@ per decode step (``Hardware.decode_step_overhead_ms``).
 torch -- megarl's reference engine (megarl/generator/torch_engine), eager PyTorch:
   - the KV cache is ``max_running`` slots x ``max_seq_len`` tokens, allocated at start;
   - fp8 weights are dequantised into the engine dtype inside every matmul
-    (``SglangLayoutLlama._weight``): a step reads the fp8 weight (1 B), writes and
+    (``SglangLayoutModel._weight``): a step reads the fp8 weight (1 B), writes and
     reads its bf16 copy (2 + 2 B), and multiplies at bf16 peak; the largest
     matrix's bf16 copy is a workspace;
   - decode attention runs the running slots as one batch padded to the longest

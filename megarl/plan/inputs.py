@@ -13,7 +13,7 @@ from typing import Optional, Sequence, Tuple
 
 from megarl.errors import ConfigError
 from megarl.models.presets import preset_spec
-from megarl.models.spec import LlamaSpec
+from megarl.models.spec import ModelSpec
 from megarl.parallel_dims import GeneratorDims, ParallelDims
 from megarl.plan.hardware import H100, WEIGHT_BYTES, Hardware
 
@@ -293,7 +293,7 @@ class FixedLayout:
 @dataclass(frozen=True)
 class PlanInputs:
     model: str = "llama3-8b"  # a megarl.models.presets name; ignored when spec is given
-    spec: Optional[LlamaSpec] = None
+    spec: Optional[ModelSpec] = None
     gpus: int = 256
     gpus_per_node: int = 8
     prompts: int = 512
@@ -362,7 +362,7 @@ class PlanInputs:
     def sync_precision(self) -> str:
         return self.sync_generator_precision or self.trainer_precision
 
-    def model_spec(self) -> LlamaSpec:
+    def model_spec(self) -> ModelSpec:
         if self.spec is not None:
             return self.spec
         return preset_spec(self.model)

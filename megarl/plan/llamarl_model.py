@@ -159,7 +159,7 @@ def _powers_of_two(limit: int) -> List[int]:
 
 
 def pipeline_sizes(layers: int, max_pp: int, uneven: bool = False) -> List[int]:
-    """PP sizes up to max_pp that divide the layers: megarl's ``LlamaSpec.check_parallelism`` (and
+    """PP sizes up to max_pp that divide the layers: megarl's ``ModelSpec.check_parallelism`` (and
     the weight-sync planner) refuse uneven stages, so by default the planner never recommends one.
     ``uneven``: also powers of two (Megatron's num_layers_in_first/last_pipeline_stage), opt-in."""
     sizes = {pp for pp in range(1, max_pp + 1) if layers % pp == 0}

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from megarl.models.spec import LlamaSpec
+from megarl.models.spec import ModelSpec
 from megarl.parallel_dims import GeneratorDims, ParallelDims
 from megarl.plan.costs import H100CostModel
 from megarl.plan.hardware import GB, Hardware, weight_bytes
@@ -35,7 +35,7 @@ def estimate_seconds(costs: H100CostModel, trainer: TrainerLayout, generator: Pa
 
 
 def predict_seconds(
-    spec: LlamaSpec, hw: Hardware, trainer: TrainerLayout, generator: ParallelDims, precision: str
+    spec: ModelSpec, hw: Hardware, trainer: TrainerLayout, generator: ParallelDims, precision: str
 ) -> float:
     """megarl's transfer plan for these dims, priced (refused for a pipelined generator)."""
     t, g = trainer.dims, runtime_generator(generator)

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
-from megarl.models.megatron_llama import transformer_engine_usable
+from megarl.models.megatron_model import transformer_engine_usable
 from megarl.rollout import Sample, validate_samples
 from megarl.trainer.advantages import compute_advantages
 from megarl.trainer.aggregation import overlong_penalty

@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 
 from megarl.errors import MegarlError
-from megarl.models.megatron_llama import DEFAULT_VOCAB_DIVISIBLE_BY
-from megarl.models.spec import LlamaSpec
+from megarl.models.megatron_model import DEFAULT_VOCAB_DIVISIBLE_BY
+from megarl.models.spec import ModelSpec
 from megarl.parallel_dims import ParallelDims
 from megarl.weight_sync import fp8 as fp8_format
 from megarl.weight_sync.layouts import LocalTensor, logical_shapes, megatron_rank_layout, sglang_rank_layout
@@ -86,7 +86,7 @@ def _hf_names(t: LocalTensor) -> List[str]:
 
 
 def stage_buckets(
-    spec: LlamaSpec,
+    spec: ModelSpec,
     pp: int,
     pp_rank: int,
     wire_dtype: torch.dtype,
@@ -140,7 +140,7 @@ def _flat_numel(entries: Sequence[Entry]) -> int:
 
 
 def gather_broadcast_send(
-    spec: LlamaSpec,
+    spec: ModelSpec,
     trainer: ParallelDims,
     sync_rank: int,
     params: Dict[str, torch.Tensor],
@@ -231,7 +231,7 @@ def _device(params: Dict[str, torch.Tensor]):
     return next(iter(params.values())).device
 
 
-def _cut_index(spec: LlamaSpec, tp: int, tp_rank: int):
+def _cut_index(spec: ModelSpec, tp: int, tp_rank: int):
     """HF tensor -> [(SGLang parameter, block)] of this TP rank."""
     index: Dict[str, List] = {}
     for t in sglang_rank_layout(spec, tp, tp_rank):
@@ -240,7 +240,7 @@ def _cut_index(spec: LlamaSpec, tp: int, tp_rank: int):
     return index
 
 
-def fp8_supported(spec: LlamaSpec, tp: int) -> bool:
+def fp8_supported(spec: ModelSpec, tp: int) -> bool:
     """Whether every SGLang TP shard of every fp8 weight is whole 128x128 blocks of the HF
     weights (head_dim and shard sizes multiples of 128, as in real Llamas): what cutting
     block-fp8 tensors and their scales needs."""
@@ -270,7 +270,7 @@ def _block_range(lo: int, hi: int, size: int, what: str) -> Tuple[int, int]:
 
 
 def gather_broadcast_receive(
-    spec: LlamaSpec,
+    spec: ModelSpec,
     trainer: ParallelDims,
     tp: int,
     tp_rank: int,

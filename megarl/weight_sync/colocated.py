@@ -43,8 +43,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megarl.models.megatron_llama import DEFAULT_VOCAB_DIVISIBLE_BY
-from megarl.models.spec import LlamaSpec
+from megarl.models.megatron_model import DEFAULT_VOCAB_DIVISIBLE_BY
+from megarl.models.spec import ModelSpec
 from megarl.weight_sync import fp8 as fp8_format
 from megarl.weight_sync.endpoints import megatron_params
 from megarl.weight_sync.layouts import (
@@ -112,7 +112,7 @@ def _overlap(a: Range, b: Range) -> Optional[Range]:
 
 @functools.lru_cache(maxsize=8)
 def build_copy_program(
-    spec: LlamaSpec, tp: int, pp: int, norm_names: str = "local", vocab_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY
+    spec: ModelSpec, tp: int, pp: int, norm_names: str = "local", vocab_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY
 ) -> CopyProgram:
     """The steps of a colocated copy from Megatron TP x PP into SGLang's TP-1 layout (shapes only)."""
     spec.check_parallelism(tp, pp)
@@ -292,7 +292,7 @@ def _shards_of(
 
 @torch.no_grad()
 def copy_colocated(
-    spec: LlamaSpec,
+    spec: ModelSpec,
     chunks: List[torch.nn.Module],
     engine_params: Dict[str, torch.Tensor],
     norm_names: Optional[str] = None,

@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Set
 
 import torch
 
-from megarl.models.spec import LlamaSpec
+from megarl.models.spec import ModelSpec
 from megarl.parallel_dims import GeneratorDims, ParallelDims, generator_rank
 from megarl.weight_sync import fp8 as fp8_format
 from megarl.weight_sync.layouts import sglang_rank_layout
@@ -39,7 +39,7 @@ def megatron_params(chunks: List[torch.nn.Module]) -> Dict[str, torch.Tensor]:
 
 
 def allocate_generator_params(
-    spec: LlamaSpec,
+    spec: ModelSpec,
     tp: int,
     tp_rank: int,
     dtype: torch.dtype = torch.bfloat16,
@@ -62,7 +62,7 @@ def allocate_generator_params(
 class TrainerSync:
     def __init__(
         self,
-        spec: LlamaSpec,
+        spec: ModelSpec,
         trainer: ParallelDims,
         generator: GeneratorDims,
         chunks: List[torch.nn.Module],
@@ -89,7 +89,7 @@ class TrainerSync:
 class GeneratorSync:
     def __init__(
         self,
-        spec: LlamaSpec,
+        spec: ModelSpec,
         trainer: ParallelDims,
         generator: GeneratorDims,
         replica: int,

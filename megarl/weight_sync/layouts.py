@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from megarl.errors import ConfigError
-from megarl.models.megatron_llama import DEFAULT_VOCAB_DIVISIBLE_BY, padded_vocab_size
-from megarl.models.spec import LlamaSpec
+from megarl.models.megatron_model import DEFAULT_VOCAB_DIVISIBLE_BY, padded_vocab_size
+from megarl.models.spec import ModelSpec
 
 Range = Tuple[int, int]
 
@@ -68,7 +68,7 @@ class LocalTensor:
         return sum(b.num_rows * (b.cols[1] - b.cols[0]) for b in self.blocks)
 
 
-def logical_shapes(spec: LlamaSpec) -> Dict[str, Tuple[int, ...]]:
+def logical_shapes(spec: ModelSpec) -> Dict[str, Tuple[int, ...]]:
     h, f, d = spec.hidden_size, spec.ffn_hidden_size, spec.head_dim
     shapes = {"model.embed_tokens.weight": (spec.vocab_size, h), "model.norm.weight": (h,)}
     if not spec.tie_embeddings:
@@ -117,7 +117,7 @@ def _cut(parts: List[Tuple[str, Range, Range]], start: int, end: int) -> List[Tu
     return out
 
 
-def _vocab_shard(name: str, logical: str, spec: LlamaSpec, padded: int, tp: int, rank: int) -> LocalTensor:
+def _vocab_shard(name: str, logical: str, spec: ModelSpec, padded: int, tp: int, rank: int) -> LocalTensor:
     per_rank = padded // tp
     start = rank * per_rank
     real = (start, min(start + per_rank, spec.vocab_size))
@@ -144,7 +144,7 @@ MEGATRON_NORM_NAMES = {
 
 
 def megatron_rank_layout(
-    spec: LlamaSpec,
+    spec: ModelSpec,
     tp: int,
     pp: int,
     tp_rank: int,
@@ -184,7 +184,7 @@ def megatron_rank_layout(
 
 
 def _stage_layout(
-    spec: LlamaSpec,
+    spec: ModelSpec,
     tp: int,
     pp: int,
     tp_rank: int,
@@ -266,7 +266,7 @@ def sglang_padded_vocab(vocab_size: int, tp: int) -> int:
     return -(-vocab_size // padding) * padding
 
 
-def sglang_kv_head_of(spec: LlamaSpec, tp: int, rank: int) -> Tuple[int, int]:
+def sglang_kv_head_of(spec: ModelSpec, tp: int, rank: int) -> Tuple[int, int]:
     """[first, last) KV heads held by SGLang TP rank ``rank`` (replicated when tp > n_kv)."""
     if tp >= spec.num_kv_heads:
         head = rank // (tp // spec.num_kv_heads)
@@ -275,7 +275,7 @@ def sglang_kv_head_of(spec: LlamaSpec, tp: int, rank: int) -> Tuple[int, int]:
     return rank * per, (rank + 1) * per
 
 
-def check_sglang_tp(spec: LlamaSpec, tp: int) -> None:
+def check_sglang_tp(spec: ModelSpec, tp: int) -> None:
     if spec.num_attention_heads % tp:
         raise ConfigError(
             f"generator tensor_parallel={tp} does not divide num_attention_heads={spec.num_attention_heads}"
@@ -290,7 +290,7 @@ def check_sglang_tp(spec: LlamaSpec, tp: int) -> None:
         raise ConfigError(f"generator tensor_parallel={tp} does not divide intermediate_size={spec.ffn_hidden_size}")
 
 
-def sglang_rank_layout(spec: LlamaSpec, tp: int, rank: int) -> List[LocalTensor]:
+def sglang_rank_layout(spec: ModelSpec, tp: int, rank: int) -> List[LocalTensor]:
     """The parameters of SGLang TP rank ``rank`` of one generator replica, by SGLang's names."""
     check_sglang_tp(spec, tp)
     h, f, d = spec.hidden_size, spec.ffn_hidden_size, spec.head_dim

@@ -25,8 +25,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from megarl.models.megatron_llama import DEFAULT_VOCAB_DIVISIBLE_BY
-from megarl.models.spec import LlamaSpec
+from megarl.models.megatron_model import DEFAULT_VOCAB_DIVISIBLE_BY
+from megarl.models.spec import ModelSpec
 from megarl.parallel_dims import GeneratorDims, ParallelDims, generator_rank
 from megarl.weight_sync.layouts import Block, LocalTensor, Range, megatron_rank_layout, sglang_rank_layout
 
@@ -78,7 +78,7 @@ def _overlap(a: Range, b: Range) -> Optional[Range]:
 
 
 def build_plan(
-    spec: LlamaSpec,
+    spec: ModelSpec,
     trainer: ParallelDims,
     generator: GeneratorDims,
     norm_names: str = "local",

@@ -34,7 +34,7 @@ def tiny_matmul_params_by_hand():
 
 def test_parameter_counts_by_hand():
     assert rl.matmul_params(TINY) == tiny_matmul_params_by_hand()
-    # the same from LlamaSpec's full count: less the norms (2 per layer + final) and the input embedding
+    # the same from ModelSpec's full count: less the norms (2 per layer + final) and the input embedding
     assert rl.matmul_params(TINY) == TINY.num_parameters() - (2 * 4 + 1) * 64 - 300 * 64
     smol = machine.demo_spec()
     # SmolLM2-135M: 30 x (576 x 960 + 576 x 576 + 576 x 3072 + 1536 x 576) + 49152 x 576 (tied head)

@@ -10,15 +10,15 @@ way (tests/sglang_reference.py).
 import pytest
 import torch
 
-from megarl.models.spec import LlamaSpec
+from megarl.models.spec import ModelSpec
 from megarl.weight_sync import fp8 as fp8_format
 from megarl.weight_sync.colocated import _quantise_band, build_copy_program
 from tests.conftest import TINY_CONFIG
 from tests.sglang_reference import block_fp8
 
 
-def tiny_spec(**overrides) -> LlamaSpec:
-    return LlamaSpec.from_hf_config({**TINY_CONFIG, "model_type": "llama", **overrides})
+def tiny_spec(**overrides) -> ModelSpec:
+    return ModelSpec.from_hf_config({**TINY_CONFIG, "model_type": "llama", **overrides})
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from megarl.generator.torch_engine import native
-from megarl.generator.torch_engine.model import KVCache, Segment, SglangLayoutLlama, _apply_rope
+from megarl.generator.torch_engine.model import KVCache, Segment, SglangLayoutModel, _apply_rope
 from megarl.generator.weights import load_generator_params
 from megarl.models.hf_checkpoint import SafetensorsCheckpoint
 from tests.conftest import CHAT_PROMPTS
@@ -155,7 +155,7 @@ def test_engine_bf16_logits_with_the_kernels_are_as_close_to_fp32_as_with_torch_
         ("native", torch.bfloat16, "auto"),
         ("torch", torch.bfloat16, "torch"),
     ):
-        model = SglangLayoutLlama(hf.spec, load_generator_params(hf, 1, 0, dtype), cpu_kernels=kernels)
+        model = SglangLayoutModel(hf.spec, load_generator_params(hf, 1, 0, dtype), cpu_kernels=kernels)
         assert model.native_ops == (kernels == "auto")
         cache = KVCache(hf.spec.num_layers, len(prompts), model.kv_heads, 256, hf.spec.head_dim, dtype)
         logits[name] = torch.log_softmax(model.forward(tokens, positions, segments, cache), -1)

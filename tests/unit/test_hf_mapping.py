@@ -3,7 +3,7 @@
 import torch
 
 from megarl.models.hf_mapping import fuse_qkv, pad_vocab, split_qkv
-from megarl.models.spec import LlamaSpec
+from megarl.models.spec import ModelSpec
 from tests.unit.test_spec import llama_config
 
 
@@ -16,7 +16,7 @@ def labelled(rows_per_head: int, heads: int, tag: float, cols: int = 3) -> torch
 def test_qkv_grouped_per_kv_group():
     # 4 q heads, 2 KV heads, head_dim 16: Megatron's rows are, per KV group g,
     # [q heads of g (2 of them); k_g; v_g].
-    spec = LlamaSpec.from_hf_config(llama_config())
+    spec = ModelSpec.from_hf_config(llama_config())
     d = spec.head_dim
     q, k, v = labelled(d, 4, 100.0), labelled(d, 2, 200.0), labelled(d, 2, 300.0)
     fused = fuse_qkv(q, k, v, spec)
@@ -30,7 +30,7 @@ def test_qkv_grouped_per_kv_group():
 def test_qkv_matches_megatrons_own_split():
     # Megatron's SelfAttention views the fused projection as
     # [groups, (q_per_group + 2) * head_dim] and splits q | k | v inside each group.
-    spec = LlamaSpec.from_hf_config(llama_config())
+    spec = ModelSpec.from_hf_config(llama_config())
     d, g, qpg = spec.head_dim, spec.num_kv_heads, spec.q_per_kv
     q, k, v = torch.randn(4 * d, 8), torch.randn(2 * d, 8), torch.randn(2 * d, 8)
     x = torch.randn(8)

@@ -1,10 +1,10 @@
-"""LlamaSpec: reading Hugging Face configs, and the errors for what megarl cannot run."""
+"""ModelSpec: reading Hugging Face configs, and the errors for what megarl cannot run."""
 
 import pytest
 
 from megarl.errors import ConfigError, UnsupportedModelError
-from megarl.models.megatron_llama import padded_vocab_size
-from megarl.models.spec import LlamaSpec
+from megarl.models.megatron_model import padded_vocab_size
+from megarl.models.spec import ModelSpec
 from tests.conftest import TINY_CONFIG
 
 
@@ -15,33 +15,42 @@ def llama_config(**overrides):
 
 
 def test_reads_gqa_untied_llama3_rope():
-    spec = LlamaSpec.from_hf_config(llama_config())
+    spec = ModelSpec.from_hf_config(llama_config())
     assert (spec.num_layers, spec.hidden_size, spec.ffn_hidden_size) == (4, 64, 96)
     assert (spec.num_attention_heads, spec.num_kv_heads, spec.head_dim, spec.q_per_kv) == (4, 2, 16, 2)
     assert spec.qkv_rows == (4 + 2 * 2) * 16
     assert spec.rope_theta == 500000.0 and not spec.tie_embeddings
     assert spec.rope_scaling.original_max_position_embeddings == 64
-    assert LlamaSpec.from_dict(spec.to_dict()) == spec
+    assert ModelSpec.from_dict(spec.to_dict()) == spec
 
 
 def test_reads_legacy_rope_fields_of_older_config_json():
     legacy = {k: v for k, v in llama_config().items() if k != "rope_parameters"}
     legacy.update(rope_theta=500000.0, rope_scaling=dict(TINY_CONFIG["rope_scaling"]))
-    assert LlamaSpec.from_hf_config(legacy) == LlamaSpec.from_hf_config(llama_config())
+    assert ModelSpec.from_hf_config(legacy) == ModelSpec.from_hf_config(llama_config())
 
 
 def test_parameter_count_matches_transformers(tiny_hf):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_hf)
-    spec = LlamaSpec.from_hf_config(model.config)
+    spec = ModelSpec.from_hf_config(model.config)
     assert spec.num_parameters() == sum(p.numel() for p in model.parameters())
 
 
 @pytest.mark.parametrize(
     "overrides, field",
     [
-        ({"model_type": "qwen2"}, "model_type='qwen2'"),
+        ({"model_type": "mistral"}, "model_type='mistral'"),
+        ({"model_type": "deepseek_v3"}, "not built yet: multi-head latent attention"),
+        ({"model_type": "qwen3", "use_sliding_window": True}, "use_sliding_window"),
+        ({"model_type": "qwen3", "attention_bias": True}, "attention_bias"),
+        ({"model_type": "qwen3_moe", "num_experts": 4, "moe_intermediate_size": 8}, "num_experts_per_tok"),
+        (
+            {"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8}
+            | {"mlp_only_layers": [0, 1, 2, 3]},
+            "no layer is a mixture-of-experts layer",
+        ),
         ({"attention_bias": True}, "attention_bias"),
         ({"mlp_bias": True}, "mlp_bias"),
         ({"num_local_experts": 8}, "num_local_experts"),
@@ -52,18 +61,56 @@ def test_parameter_count_matches_transformers(tiny_hf):
 def test_unsupported_architectures_name_the_field(overrides, field):
     config = {**llama_config(), **overrides}
     with pytest.raises(UnsupportedModelError, match=field.replace("(", r"\(").replace("[", r"\[")):
-        LlamaSpec.from_hf_config(config, source="some/config.json")
+        ModelSpec.from_hf_config(config, source="some/config.json")
+
+
+def test_qwen3_moe_layers_follow_decoder_sparse_step_and_mlp_only_layers():
+    # transformers' rule: sparse where the layer is not in mlp_only_layers and (i + 1) % step == 0
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeDecoderLayer, Qwen3MoeSparseMoeBlock
+
+    cfg = Qwen3MoeConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=24, moe_intermediate_size=8, num_hidden_layers=6,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_experts=4, num_experts_per_tok=2,
+        decoder_sparse_step=2, mlp_only_layers=[3], norm_topk_prob=True,
+    )  # fmt: skip
+    spec = ModelSpec.from_hf_config(cfg)
+    sparse = tuple(i for i in range(6) if isinstance(Qwen3MoeDecoderLayer(cfg, i).mlp, Qwen3MoeSparseMoeBlock))
+    assert spec.moe.layers == sparse == (1, 5)
+    assert (spec.moe.num_experts, spec.moe.top_k, spec.moe.ffn_hidden_size, spec.moe.norm_topk_prob) == (4, 2, 8, True)
+    assert spec.qk_norm and not spec.qkv_bias
+    assert ModelSpec.from_dict(spec.to_dict()) == spec
+    with pytest.raises(ConfigError, match=r"expert_model_parallel_size=3 does not divide num_experts=4"):
+        spec.check_parallelism(1, 1, ep=3)
+    with pytest.raises(ConfigError, match=r"expert_tensor_parallel_size=3 does not divide moe_intermediate_size=8"):
+        spec.check_parallelism(2, 1, ep=2, etp=3)
+    spec.check_parallelism(2, 1, ep=4, etp=1)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "qwen3_moe"])
+def test_family_parameter_counts_match_transformers(family):
+    import transformers
+
+    shape = dict(vocab_size=96, hidden_size=32, intermediate_size=40, num_hidden_layers=3, num_attention_heads=4)
+    shape.update(num_key_value_heads=2, head_dim=16, tie_word_embeddings=family == "qwen2")
+    if family == "qwen3_moe":
+        shape.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=12, mlp_only_layers=[1])
+    config = transformers.AutoConfig.for_model(family, **shape)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    spec = ModelSpec.from_hf_config(config)
+    assert spec.model_type == family and spec.qkv_bias == (family == "qwen2")
+    assert spec.num_parameters() == sum(p.numel() for p in model.parameters())
 
 
 def test_tp_that_does_not_divide_heads_names_both_numbers():
-    spec = LlamaSpec.from_hf_config(llama_config())
+    spec = ModelSpec.from_hf_config(llama_config())
     with pytest.raises(ConfigError, match=r"tensor_model_parallel_size=3 does not divide num_attention_heads=4"):
         spec.check_parallelism(3, 1)
     spec.check_parallelism(4, 1)  # tp > n_kv: Megatron all-gathers QKV
-    wide = LlamaSpec.from_hf_config(llama_config(num_attention_heads=6, num_key_value_heads=2, hidden_size=96))
+    wide = ModelSpec.from_hf_config(llama_config(num_attention_heads=6, num_key_value_heads=2, hidden_size=96))
     with pytest.raises(ConfigError, match=r"tensor_model_parallel_size=4 does not divide num_attention_heads=6"):
         wide.check_parallelism(4, 1)
-    odd = LlamaSpec.from_hf_config(llama_config(num_attention_heads=6, num_key_value_heads=2, hidden_size=96))
+    odd = ModelSpec.from_hf_config(llama_config(num_attention_heads=6, num_key_value_heads=2, hidden_size=96))
     with pytest.raises(ConfigError, match=r"tensor_model_parallel_size=3 is larger than num_key_value_heads=2"):
         odd.check_parallelism(3, 1)
     with pytest.raises(ConfigError, match=r"pipeline_model_parallel_size=3 does not divide num_hidden_layers=4"):

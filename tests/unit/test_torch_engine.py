@@ -7,7 +7,7 @@ import torch
 from megarl.generator.interface import ABORTED, GenerationRequest, SamplingParams
 from megarl.generator.tokenizer import encode_prompt, load_tokenizer, stop_ids
 from megarl.generator.torch_engine.engine import TorchEngine
-from megarl.generator.torch_engine.model import KVCache, Segment, SglangLayoutLlama
+from megarl.generator.torch_engine.model import KVCache, Segment, SglangLayoutModel
 from megarl.generator.weights import load_generator_params
 from megarl.models.hf_checkpoint import SafetensorsCheckpoint
 from megarl.weight_sync.transport import SyncStats
@@ -110,7 +110,7 @@ def test_seeded_sampling_is_independent_of_the_batch_and_logprobs_are_of_the_use
         assert together[("1", c.sample_index)].output_ids == c.output_ids
     assert together[("1", 0)].output_ids != together[("1", 1)].output_ids  # samples differ
     # the recorded log-prob is the drawn token's under temperature -> top-k -> top-p, renormalised
-    model = SglangLayoutLlama(hf.spec, load_generator_params(hf, 1, 0, torch.float32))
+    model = SglangLayoutModel(hf.spec, load_generator_params(hf, 1, 0, torch.float32))
     c = together[("2", 0)]
     ids = c.prompt_ids + c.output_ids
     cache = KVCache(hf.spec.num_layers, 1, model.kv_heads, 384, hf.spec.head_dim, torch.float32)
@@ -186,7 +186,7 @@ def test_block_fp8_logits_stay_close_to_bf16(smol):
     ids = prompts[4]
     out = {}
     for fp8 in (False, True):
-        model = SglangLayoutLlama(hf.spec, load_generator_params(hf, 1, 0, torch.bfloat16, fp8))
+        model = SglangLayoutModel(hf.spec, load_generator_params(hf, 1, 0, torch.bfloat16, fp8))
         cache = KVCache(hf.spec.num_layers, 1, model.kv_heads, 128, hf.spec.head_dim, torch.bfloat16)
         out[fp8] = model.forward(torch.tensor(ids), torch.arange(len(ids)), [Segment(0, 0, len(ids), 0)], cache)
     log_bf16, log_fp8 = torch.log_softmax(out[False], -1), torch.log_softmax(out[True], -1)

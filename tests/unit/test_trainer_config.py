@@ -170,7 +170,7 @@ def test_sequence_and_context_parallel_are_refused_where_transformer_engine_cann
 
 
 def test_recompute_settings_reach_megatron():
-    from megarl.models.megatron_llama import transformer_config
+    from megarl.models.megatron_model import transformer_config
     from megarl.models.presets import preset_spec
 
     cfg = load_config(

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megarl.models.presets import preset_spec
-from megarl.models.spec import LlamaSpec
+from megarl.models.spec import ModelSpec
 from megarl.parallel_dims import GeneratorDims, ParallelDims, generator_rank
 from megarl.weight_sync.fp8 import FP8_LINEARS
 from megarl.weight_sync.layouts import sglang_padded_vocab
@@ -17,7 +17,7 @@ from tests.conftest import TINY_CONFIG
 
 
 def tiny(**overrides):
-    return LlamaSpec.from_hf_config({**TINY_CONFIG, "model_type": "llama", **overrides})
+    return ModelSpec.from_hf_config({**TINY_CONFIG, "model_type": "llama", **overrides})
 
 
 @pytest.mark.parametrize(
@@ -43,7 +43,7 @@ def test_every_destination_element_is_written_exactly_once(tp, pp, dp, dst_tp, r
         assert plan.elements_received()[dst] == sum(t.covered_numel for t in layout)
 
 
-def expected_sglang_elements(spec: LlamaSpec, tp: int, rank: int) -> int:
+def expected_sglang_elements(spec: ModelSpec, tp: int, rank: int) -> int:
     """Elements SGLang's loaders write on TP rank ``rank`` (computed from the config alone)."""
     h, f, d = spec.hidden_size, spec.ffn_hidden_size, spec.head_dim
     kv_per_rank = max(1, spec.num_kv_heads // tp)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from megarl.models.spec import LlamaSpec
+from megarl.models.spec import ModelSpec
 from megarl.parallel_dims import GeneratorDims, ParallelDims
 from megarl.weight_sync.planner import build_plan
 from megarl.weight_sync.predict import Links, predict
@@ -14,7 +14,7 @@ from tests.conftest import TINY_CONFIG
 
 
 def tiny():
-    return LlamaSpec.from_hf_config({**TINY_CONFIG, "model_type": "llama"})
+    return ModelSpec.from_hf_config({**TINY_CONFIG, "model_type": "llama"})
 
 
 def one_to_one(spec):
@@ -49,7 +49,7 @@ def test_per_message_latency_by_hand():
 def test_sender_fp8_quantisation_by_hand():
     # One layer, head_dim 128, every linear one 128 x 128 block: q, k, v, o, gate, up, down = 7
     # blocks the sender quantises (7 x 16384 elements = 229376 bf16 bytes: 229.376 us at 1 GB/s).
-    spec = LlamaSpec.from_hf_config(
+    spec = ModelSpec.from_hf_config(
         {
             **TINY_CONFIG,
             "model_type": "llama",

@@ -19,7 +19,7 @@ def main() -> None:
 
     import megarl.models.sdpa_attention as sdpa_module
     from megarl.bench.attention import core_attention_pair
-    from megarl.models.megatron_llama import layer_spec
+    from megarl.models.megatron_model import layer_spec
     from megarl.models.sdpa_attention import SdpaDotProductAttention
     from megarl.runtime.distributed import init_distributed, init_megatron, shutdown, world_dims
     from megarl.trainer.packing import _segments_mask

@@ -23,11 +23,11 @@ def build(tied: bool, dtype: torch.dtype):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from transformers import LlamaConfig
 
-    from megarl.models.megatron_llama import build_model_chunks, transformer_config
-    from megarl.models.spec import LlamaSpec
+    from megarl.models.megatron_model import build_model_chunks, transformer_config
+    from megarl.models.spec import ModelSpec
     from tests.conftest import TINY_CONFIG
 
-    spec = LlamaSpec.from_hf_config(LlamaConfig(**{**TINY_CONFIG, "tie_word_embeddings": tied}))
+    spec = ModelSpec.from_hf_config(LlamaConfig(**{**TINY_CONFIG, "tie_word_embeddings": tied}))
     torch.manual_seed(0)
     model_parallel_cuda_manual_seed(0)
     (model,) = build_model_chunks(spec, transformer_config(spec, params_dtype=dtype))

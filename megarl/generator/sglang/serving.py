@@ -25,7 +25,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Dict, List
 
-from megarl.models.spec import LlamaSpec
+from megarl.models.spec import ModelSpec
 from megarl.parallel_dims import GeneratorDims, ParallelDims
 from megarl.weight_sync.fp8 import BLOCK_FP8_QUANT_CONFIG
 
@@ -49,7 +49,7 @@ def block_fp8_hf_config(hf_config: Dict) -> Dict:
 
 def write_sync_config(
     path,
-    spec: LlamaSpec,
+    spec: ModelSpec,
     trainer: ParallelDims,
     generator: GeneratorDims,
     host: str,

@@ -34,7 +34,7 @@ import torch
 from megarl.errors import ConfigError
 from megarl.generator.sglang.protocol import parse_sync_trigger_name
 from megarl.generator.sglang.serving import SYNC_CONFIG_ENV
-from megarl.models.spec import LlamaSpec
+from megarl.models.spec import ModelSpec
 from megarl.parallel_dims import GeneratorDims, ParallelDims, generator_rank
 from megarl.runtime.rendezvous import init_sync_group
 from megarl.weight_sync.endpoints import GeneratorSync
@@ -73,7 +73,7 @@ def _receiver(model: torch.nn.Module, replica: int):
     if "sync" in _STATE:
         return _STATE["sync"]
     cfg = _config()
-    spec = LlamaSpec.from_dict(cfg["spec"])
+    spec = ModelSpec.from_dict(cfg["spec"])
     trainer = ParallelDims(**cfg["trainer"])
     generator = GeneratorDims(**cfg["generator"])
     tp_rank = _tp_rank()

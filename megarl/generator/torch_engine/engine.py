@@ -32,8 +32,8 @@ import torch
 from megarl.errors import ConfigError
 from megarl.generator.interface import ABORTED, Completion, GenerationRequest, GeneratorBackend
 from megarl.generator.sampling import sample
-from megarl.generator.torch_engine.model import KVCache, Segment, SglangLayoutLlama
-from megarl.models.spec import LlamaSpec
+from megarl.generator.torch_engine.model import KVCache, Segment, SglangLayoutModel
+from megarl.models.spec import ModelSpec
 from megarl.runtime.cpu_memory import keep_freed_memory
 
 
@@ -53,7 +53,7 @@ class _Sequence:
 class TorchEngine(GeneratorBackend):
     def __init__(
         self,
-        spec: LlamaSpec,
+        spec: ModelSpec,
         params: Dict[str, torch.Tensor],
         max_running: int = 64,
         max_seq_len: int = 2048,
@@ -68,7 +68,7 @@ class TorchEngine(GeneratorBackend):
         self.spec = spec
         if params["model.norm.weight"].device.type == "cpu":
             keep_freed_memory()  # a CPU engine's per-step logits reuse the heap (runtime/cpu_memory.py)
-        self.model = SglangLayoutLlama(
+        self.model = SglangLayoutModel(
             spec, params, tp, tp_rank, group, decode_rows=max_running, linear_path=linear_path, cpu_kernels=cpu_kernels
         )
         self.params = params

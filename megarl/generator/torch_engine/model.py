@@ -27,12 +27,12 @@ import torch.nn.functional as F
 
 from megarl.generator.torch_engine import native
 from megarl.generator.torch_engine.kernels import LinearKernels
-from megarl.models.spec import LlamaSpec
+from megarl.models.spec import ModelSpec
 from megarl.weight_sync import fp8 as fp8_format
 from megarl.weight_sync.layouts import sglang_kv_head_of, sglang_padded_vocab
 
 
-def rope_inv_freq(spec: LlamaSpec) -> torch.Tensor:
+def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
     """transformers' inverse frequencies, with Llama-3 frequency-dependent scaling."""
     d = spec.head_dim
     inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
@@ -83,10 +83,10 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
 
-class SglangLayoutLlama:
+class SglangLayoutModel:
     def __init__(
         self,
-        spec: LlamaSpec,
+        spec: ModelSpec,
         params: Dict[str, torch.Tensor],
         tp: int = 1,
         tp_rank: int = 0,

@@ -1,4 +1,4 @@
-"""LlamaSpec -> Megatron-Core TransformerConfig and GPTModel.
+"""ModelSpec -> Megatron-Core TransformerConfig and GPTModel.
 
 The model is Megatron's own GPTModel. With Transformer Engine and CUDA present
 it uses the TE layer spec (fused layernorm-linear, TE attention); otherwise
@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from megarl.models.spec import LlamaSpec
+from megarl.models.spec import ModelSpec
 from megatron_patches.tp_attributes import mark_tensor_parallel_weights
 
 # Megatron-Core (and sdpa_attention, which imports it) only inside the functions that build a model:
@@ -43,7 +43,7 @@ def transformer_engine_usable() -> bool:
 
 
 def transformer_config(
-    spec: LlamaSpec,
+    spec: ModelSpec,
     tp: int = 1,
     pp: int = 1,
     vp: Optional[int] = None,
@@ -116,7 +116,7 @@ def layer_spec(use_transformer_engine: Optional[bool] = None):
 
 
 def build_model_chunks(
-    spec: LlamaSpec,
+    spec: ModelSpec,
     config,
     vocab_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY,
     use_transformer_engine: Optional[bool] = None,
@@ -161,7 +161,7 @@ def build_model_chunks(
     return chunks
 
 
-def _apply_llama3_rope_parameters(model, spec: LlamaSpec) -> None:
+def _apply_llama3_rope_parameters(model, spec: ModelSpec) -> None:
     # GPTModel passes only the scaling factor to RotaryEmbedding; the other three
     # Llama-3 parameters are fixed at Llama 3.1's values (1, 4, 8192). Recompute
     # the frequencies with Megatron's own _apply_scaling and the model's values.
