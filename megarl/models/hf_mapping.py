@@ -24,7 +24,7 @@ checkpoint conversion and weight sync both use it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 
@@ -78,6 +78,48 @@ def tensor_mappings(spec: ModelSpec) -> List[TensorMapping]:
 
 def mapping_by_key(spec: ModelSpec) -> Dict[str, TensorMapping]:
     return {m.megatron_key: m for m in tensor_mappings(spec)}
+
+
+def hf_tensor_shapes(spec: ModelSpec) -> Dict[str, Tuple[int, ...]]:
+    """Every tensor of the model by its Hugging Face checkpoint name (the hub layout: one tensor
+    per expert), with its shape. The logical tensors of weight sync's layouts
+    (weight_sync/layouts.py) and of checkpoint conversion are these names."""
+    h, f, d = spec.hidden_size, spec.ffn_hidden_size, spec.head_dim
+    q_rows, kv_rows = spec.num_attention_heads * d, spec.num_kv_heads * d
+    shapes = {"model.embed_tokens.weight": (spec.vocab_size, h), "model.norm.weight": (h,)}
+    if not spec.tie_embeddings:
+        shapes["lm_head.weight"] = (spec.vocab_size, h)
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (q_rows, h),
+                p + "self_attn.k_proj.weight": (kv_rows, h),
+                p + "self_attn.v_proj.weight": (kv_rows, h),
+                p + "self_attn.o_proj.weight": (h, q_rows),
+                p + "post_attention_layernorm.weight": (h,),
+            }
+        )
+        if spec.qkv_bias:
+            shapes.update(
+                {p + "self_attn.q_proj.bias": (q_rows,), p + "self_attn.k_proj.bias": (kv_rows,)}
+                | {p + "self_attn.v_proj.bias": (kv_rows,)}
+            )
+        if spec.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
+        if spec.is_moe_layer(i):
+            moe = spec.moe
+            shapes[p + "mlp.gate.weight"] = (moe.num_experts, h)  # the router
+            for e in range(moe.num_experts):
+                x = f"{p}mlp.experts.{e}."
+                fe = moe.ffn_hidden_size
+                shapes.update({x + "gate_proj.weight": (fe, h), x + "up_proj.weight": (fe, h)})
+                shapes[x + "down_proj.weight"] = (h, fe)
+        else:
+            shapes.update({p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h)})
+            shapes[p + "mlp.down_proj.weight"] = (h, f)
+    return shapes
 
 
 # -- layout transforms ----------------------------------------------------------------------

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from megarl.errors import ConfigError
+from megarl.models.hf_mapping import hf_tensor_shapes
 from megarl.models.megatron_model import DEFAULT_VOCAB_DIVISIBLE_BY, padded_vocab_size
 from megarl.models.spec import ModelSpec
 
@@ -69,26 +70,9 @@ class LocalTensor:
 
 
 def logical_shapes(spec: ModelSpec) -> Dict[str, Tuple[int, ...]]:
-    h, f, d = spec.hidden_size, spec.ffn_hidden_size, spec.head_dim
-    shapes = {"model.embed_tokens.weight": (spec.vocab_size, h), "model.norm.weight": (h,)}
-    if not spec.tie_embeddings:
-        shapes["lm_head.weight"] = (spec.vocab_size, h)
-    for i in range(spec.num_layers):
-        p = f"model.layers.{i}."
-        shapes.update(
-            {
-                p + "self_attn.q_proj.weight": (spec.num_attention_heads * d, h),
-                p + "self_attn.k_proj.weight": (spec.num_kv_heads * d, h),
-                p + "self_attn.v_proj.weight": (spec.num_kv_heads * d, h),
-                p + "self_attn.o_proj.weight": (h, spec.num_attention_heads * d),
-                p + "mlp.gate_proj.weight": (f, h),
-                p + "mlp.up_proj.weight": (f, h),
-                p + "mlp.down_proj.weight": (h, f),
-                p + "input_layernorm.weight": (h,),
-                p + "post_attention_layernorm.weight": (h,),
-            }
-        )
-    return shapes
+    """The logical tensors: the model's Hugging Face tensors (models/hf_mapping.py, the one
+    mapping per family that checkpoint conversion uses too)."""
+    return hf_tensor_shapes(spec)
 
 
 def _full(logical: str, shape: Tuple[int, ...], local_row: int = 0, rows: Range = None) -> Block:

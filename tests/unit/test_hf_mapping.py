@@ -1,5 +1,6 @@
 """The HF <-> Megatron tensor layouts, on labelled rows (independent of any model)."""
 
+import pytest
 import torch
 
 from megarl.models.hf_mapping import fuse_qkv, pad_vocab, split_qkv
@@ -44,3 +45,22 @@ def test_vocab_padding_appends_zero_rows():
     w = torch.randn(300, 4)
     padded = pad_vocab(w, 384)
     assert padded.shape == (384, 4) and torch.equal(padded[:300], w) and not padded[300:].any()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe"])
+def test_hf_tensor_shapes_are_the_checkpoint_files_tensors(family, tmp_path):
+    # the names and shapes save_pretrained writes (hub layout: one tensor per expert)
+    import transformers
+    from safetensors import safe_open
+
+    from megarl.models.hf_mapping import hf_tensor_shapes
+
+    shape = dict(vocab_size=96, hidden_size=32, intermediate_size=40, num_hidden_layers=3, num_attention_heads=4)
+    shape.update(num_key_value_heads=2, head_dim=16)
+    if family == "qwen3_moe":
+        shape.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=12, mlp_only_layers=[1])
+    config = transformers.AutoConfig.for_model(family, **shape)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        saved = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    assert saved == hf_tensor_shapes(ModelSpec.from_hf_config(config))
