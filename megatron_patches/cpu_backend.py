@@ -14,7 +14,8 @@ requests to CPU at the torch boundary:
 * ``torch.cuda`` streams, events, synchronisation, NVTX and RNG functions are
   replaced by CPU stand-ins. The "CUDA" RNG *is* the CPU default generator: on a
   CPU build every "cuda" random op runs on the CPU generator anyway, so
-  Megatron's RNG tracker forks and restores that one.
+  Megatron's RNG tracker forks and restores that one. Its fork() warning that
+  the CPU state changed inside a fork is true by construction here and dropped.
 * DDP's collectives over a one-rank data-parallel group, identities that gloo
   would run as a full copy of the grad buffer, are skipped
   (``single_rank_grad_sync``).
@@ -38,6 +39,7 @@ re-import the main module.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 import warnings
@@ -253,6 +255,16 @@ def _patch_megatron_rng():
 
     mcore_random._get_cuda_rng_state = _stand_in("_get_cuda_rng_state", _get_rng_state)
     mcore_random._set_cuda_rng_state = _stand_in("_set_cuda_rng_state", _set_rng_state)
+    logging.getLogger(mcore_random.__name__).addFilter(_drop_cpu_rng_changed_warning)
+
+
+def _drop_cpu_rng_changed_warning(record: logging.LogRecord) -> bool:
+    # CudaRNGStatesTracker.fork() warns when the CPU generator's state changed inside the fork,
+    # because on a GPU that means CPU randomness ran where only CUDA randomness should. Here the
+    # "CUDA" generator IS the CPU one, so every draw inside a fork (expert weights' init under the
+    # expert-parallel tracker, dropout) changes it by construction, and fork() restores the state
+    # it saved on exit (tests/unit/test_cpu_rng_fork.py). True on a GPU, noise here: dropped.
+    return record.getMessage() != "CPU RNG state changed within GPU RNG context"
 
 
 def _check_megatron_version():
