@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from megarl.checkpointing.megatron_checkpoint import TOKENIZER_DIR, TRACKER_FILE, resolve_checkpoint_dir
-from megarl.checkpointing.model_loading import load_llama
+from megarl.checkpointing.model_loading import load_megatron_model
 from megarl.convert.hf_to_megatron import HfToMegatron, convert
 from megarl.models.hf_checkpoint import smollm2_gguf_path
 from megarl.runtime.distributed import init_distributed, init_megatron, shutdown, world_dims
@@ -32,7 +32,7 @@ def _greedy_rank(ckpt: str, tokens: list, max_new_tokens: int, tp: int, out: str
     rank = init_distributed()
     layout = world_dims(tp, 1)
     init_megatron(layout)
-    spec, chunks = load_llama(ckpt, layout)
+    spec, chunks = load_megatron_model(ckpt, layout)
     seq = torch.tensor([tokens])
     first_logits = None
     for _ in range(max_new_tokens):

@@ -170,11 +170,11 @@ def _eval_rank(
 ) -> None:
     # imported here: its torch.distributed.checkpoint costs ~0.77 s, paid by the eval rank that loads the
     # model and not by `megarl eval`'s launcher, which refuses a bad --data/--reward before any load
-    from megarl.checkpointing.model_loading import load_llama
+    from megarl.checkpointing.model_loading import load_megatron_model
 
     init_distributed()
     init_megatron(world_dims(1, 1))
-    spec, chunks = load_llama(ckpt_dir, world_dims(1, 1))  # in the dtype it was saved in
+    spec, chunks = load_megatron_model(ckpt_dir, world_dims(1, 1))  # in the dtype it was saved in
     # decoded in the dtype of dtype_rule: the checkpoint's weights are cast into it by the copy
     params = allocate_generator_params(spec, 1, 0, torch.bfloat16 if dtype == "bf16" else torch.float32)
     copy_colocated(spec, chunks, params)

@@ -116,6 +116,43 @@ def make_tiny_llama(path: Path, seed: int = 0, **overrides) -> Path:
     return path
 
 
+# Tiny random models of the other families, transformers' own classes. Qwen2 ties its embeddings
+# (as Qwen2.5-0.5B does); the Qwen3-MoE has a dense first layer (mlp_only_layers) then three MoE
+# layers of 4 experts, top-2 without renormalisation (Qwen3-MoE's default).
+FAMILY_CONFIGS = {
+    "qwen2": dict(tie_word_embeddings=True),
+    "qwen3": dict(tie_word_embeddings=False),
+    "qwen3_moe": dict(
+        tie_word_embeddings=False,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        mlp_only_layers=[0],
+        norm_topk_prob=False,
+    ),
+}
+
+
+def make_tiny_family(family: str, path: Path, seed: int = 0, **overrides) -> Path:
+    import transformers
+
+    classes = {"qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe"}[family]
+    config_class = getattr(transformers, f"{classes}Config")
+    model_class = getattr(transformers, f"{classes}ForCausalLM")
+    shape = {k: TINY_CONFIG[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")}
+    shape.update(num_attention_heads=4, num_key_value_heads=2, head_dim=16, initializer_range=0.2)
+    torch.manual_seed(seed)
+    model = model_class(config_class(**{**shape, **FAMILY_CONFIGS[family], **overrides}))
+    with torch.no_grad():  # norms and biases start at 1.0 / 0.0: values a wrong mapping would show
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                param.uniform_(-0.5, 0.5)
+    model.save_pretrained(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_hf(tmp_path_factory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny_hf") / "model")

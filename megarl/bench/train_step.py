@@ -33,7 +33,7 @@ from transformers import AutoModelForCausalLM
 
 from megarl.bench.roofline import train_roofline
 from megarl.checkpointing.megatron_checkpoint import TRACKER_FILE
-from megarl.checkpointing.model_loading import load_llama
+from megarl.checkpointing.model_loading import load_megatron_model
 from megarl.config import RolloutConfig, TrainerConfig
 from megarl.convert.hf_to_megatron import HfToMegatron, convert
 from megarl.models.hf_checkpoint import gguf_spec, smollm2_gguf_path
@@ -176,7 +176,9 @@ def _megatron_step_time(ckpt: Path, batch, s: BenchSettings):
     init_distributed()
     layout = world_dims(1, 1)
     init_megatron(layout)
-    spec, chunks = load_llama(ckpt, layout, params_dtype=torch.bfloat16 if s.dtype == "bf16" else torch.float32)
+    spec, chunks = load_megatron_model(
+        ckpt, layout, params_dtype=torch.bfloat16 if s.dtype == "bf16" else torch.float32
+    )
     ddp = wrap_ddp(chunks)
     optimizer = build_optimizer(ddp, OptimizerSettings(lr=s.lr, clip_grad=1.0))
     loss = bind_loss(TrainerConfig(loss_params={"rho": s.rho}), RolloutConfig(temperature=s.temperature), lag_bound=0)

@@ -69,6 +69,9 @@ class DistCheckpointReader:
             raise CheckpointError(f"{self.path}: tensor {key!r} is not in the checkpoint")
         return md
 
+    def has(self, key: str) -> bool:
+        return isinstance(self.metadata.state_dict_metadata.get(key), TensorStorageMetadata)
+
     def shape(self, key: str) -> Tuple[int, ...]:
         return tuple(self._tensor_metadata(key).size)
 
@@ -98,8 +101,9 @@ class DistCheckpointReader:
 
     @staticmethod
     def _is_layer_stacked(key: str) -> bool:
-        # Only layer-stacked chunks are worth keeping: the next layers reuse them.
-        return key.startswith("decoder.layers.")
+        # Only layer-stacked chunks are worth keeping: the next layers reuse them. A model keyed
+        # per layer (one with experts: decoder.layers.<i>.<rest>) reads each chunk for one layer.
+        return key.startswith("decoder.layers.") and not key.split(".")[2].isdigit()
 
     def _chunk(self, key: str, offsets: Tuple[int, ...], sizes: Tuple[int, ...]) -> torch.Tensor:
         cached = self._chunks.get((key, offsets))

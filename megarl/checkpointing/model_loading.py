@@ -1,4 +1,4 @@
-"""Build this rank's Megatron Llama at a layout and load a megarl checkpoint into it."""
+"""Build this rank's Megatron model at a layout and load a megarl checkpoint into it."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from megarl.models.spec import ModelSpec
 from megarl.parallel_dims import ParallelDims
 
 
-def load_llama(
+def load_megatron_model(
     path: os.PathLike, dims: ParallelDims, params_dtype: Optional[torch.dtype] = None, **config_overrides
 ) -> Tuple[ModelSpec, List[torch.nn.Module]]:
     """Megatron parallel state must already be initialised for ``dims`` (runtime.distributed.init_megatron)."""
@@ -28,6 +28,8 @@ def load_llama(
         dims.pp,
         dims.virtual_pipeline_model_parallel_size,
         params_dtype=params_dtype,
+        ep=dims.ep,
+        etp=dims.etp,
         perform_initialization=False,
         **config_overrides,
     )

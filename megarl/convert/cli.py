@@ -15,6 +15,13 @@ def add_hf_to_megatron_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", required=True, help="output directory (must be empty or absent)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size to build the checkpoint at")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to build the checkpoint at")
+    p.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel size (models with experts; carved out of data-parallel ranks)",
+    )
+    p.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default: --tp, as Megatron)")
     p.add_argument("--gguf-file", default=None, help="name of a GGUF file inside --hf-model")
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPE_NAMES], help="parameter dtype (auto: as stored)")
     p.add_argument("--vocab-divisible-by", type=int, default=128, help="pad the vocabulary to a multiple of this x TP")

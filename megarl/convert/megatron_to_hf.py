@@ -24,7 +24,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 
@@ -33,7 +33,8 @@ from megarl.checkpointing.megatron_checkpoint import TOKENIZER_DIR, read_spec, r
 from megarl.convert.dtypes import parse_dtype
 from megarl.errors import CheckpointError
 from megarl.models.hf_checkpoint import write_config
-from megarl.models.hf_mapping import tensor_mappings, to_hf
+from megarl.models.hf_mapping import TensorMapping, layer_key, tensor_mappings, to_hf
+from megarl.models.spec import ModelSpec
 from megarl.weight_sync import fp8 as fp8_format
 from megarl.weight_sync.fp8 import BLOCK_FP8_QUANT_CONFIG
 
@@ -118,6 +119,23 @@ class ShardedSafetensorsWriter:
         (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
+def hf_tensors(
+    reader: DistCheckpointReader, spec: ModelSpec, layer: Optional[int], mappings: Optional[List[TensorMapping]] = None
+) -> Dict[str, torch.Tensor]:
+    """The Hugging Face tensors of one layer (``None``: the tensors outside the layers), read from
+    a checkpoint whose layer tensors are stacked (dense models) or keyed per layer (with experts)."""
+    out: Dict[str, torch.Tensor] = {}
+    for m in mappings or tensor_mappings(spec):
+        if (layer is None) == m.per_layer or (layer is not None and not m.on_layer(spec, layer)):
+            continue
+        if layer is None or reader.has(m.megatron_key):
+            tensor = reader.read(m.megatron_key, layer)
+        else:
+            tensor = reader.read(layer_key(m.megatron_key, layer))
+        out.update(to_hf(m, spec, tensor, layer))
+    return out
+
+
 def from_args(a: argparse.Namespace) -> MegatronToHf:
     """The settings from convert/cli.py's arguments."""
     return MegatronToHf(a.megatron, a.output, a.dtype, a.max_shard_gb, fp8=a.fp8)
@@ -139,18 +157,15 @@ def convert(args: MegatronToHf) -> None:
     reader = DistCheckpointReader(ckpt_dir)
     writer = ShardedSafetensorsWriter(staging, int(args.max_shard_gb * 2**30))
     mappings = tensor_mappings(spec)
-    global_maps = [m for m in mappings if not m.per_layer]
-    layer_maps = [m for m in mappings if m.per_layer]
     steps = [None] + list(range(spec.num_layers))
     if args.progress:
         from tqdm import tqdm
 
         steps = tqdm(steps, desc="export", unit="layer")
     for layer in steps:
-        for m in global_maps if layer is None else layer_maps:
-            for name, tensor in to_hf(m, spec, reader.read(m.megatron_key, layer), layer).items():
-                dtype = dtype or tensor.dtype
-                _add_tensor(writer, name, tensor, dtype, args.fp8)
+        for name, tensor in hf_tensors(reader, spec, layer, mappings).items():
+            dtype = dtype or tensor.dtype
+            _add_tensor(writer, name, tensor, dtype, args.fp8)
         if layer is not None:
             reader.release_layers_before(layer + 1)
     writer.close()

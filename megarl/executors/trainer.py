@@ -69,7 +69,7 @@ class TrainerExecutor:
         where generation and training alternate); ``on_gpu``: this rank's device is a GPU."""
         # imported here: these import Megatron-Core (~1.0 s on top of torch), and every rank imports this
         # module (loop/schedule.py) while only trainer ranks build a TrainerExecutor
-        from megarl.checkpointing.model_loading import load_llama
+        from megarl.checkpointing.model_loading import load_megatron_model
         from megarl.checkpointing.training_checkpoint import load_training_state
         from megarl.trainer.policy_trainer import PolicyTrainer
         from megarl.trainer.setup import (
@@ -98,7 +98,7 @@ class TrainerExecutor:
         # GPUs: Megatron's own switch; CPU: megarl's patch, turned on by wrap_ddp
         model_settings["gradient_accumulation_fusion"] = wgrad_fusion and on_gpu
         if prepared.checkpoint:
-            self.spec, chunks = load_llama(prepared.checkpoint, dims, params_dtype=dtype, **model_settings)
+            self.spec, chunks = load_megatron_model(prepared.checkpoint, dims, params_dtype=dtype, **model_settings)
         else:  # random:<preset>: Megatron's own initialisation, seeded
             self.spec = ModelSpec.from_dict(prepared.spec)
             config = transformer_config(
@@ -123,7 +123,11 @@ class TrainerExecutor:
             self.version = int(self.loop_state.get("version", self.loop_state["iteration"]))
             if "opt_param_scheduler" in self.loop_state:  # Megatron-LM's key
                 self.lr_scheduler.load_state_dict(self.loop_state["opt_param_scheduler"])
-        ref = load_llama(prepared.checkpoint, dims, params_dtype=dtype, **model_settings)[1] if t.kl_coef else None
+        ref = (
+            load_megatron_model(prepared.checkpoint, dims, params_dtype=dtype, **model_settings)[1]
+            if t.kl_coef
+            else None
+        )
         self.trainer = PolicyTrainer(
             self.ddp,
             self.optimizer,

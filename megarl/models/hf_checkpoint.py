@@ -17,6 +17,7 @@ from typing import Dict, Iterable, List, Optional
 import torch
 
 from megarl.errors import CheckpointError
+from megarl.models.hf_mapping import hf_tensor_shapes
 from megarl.models.spec import ModelSpec
 
 # safetensors and transformers are imported where they are used: every `megarl` command imports this
@@ -52,6 +53,25 @@ class SafetensorsCheckpoint:
         self.spec = ModelSpec.from_hf_config(self.config, source=str(config_path))
         self.weight_map = self._weight_map()
         self._handles: Dict[str, object] = {}
+        self._check_no_unknown_tensors(config_path)
+
+    def _check_no_unknown_tensors(self, config_path: Path) -> None:
+        # A tensor the family has no place for (a Llama's o_proj bias read as Qwen2, a shared
+        # expert) would be dropped silently by a conversion that reads only the names it knows.
+        expected = hf_tensor_shapes(self.spec)
+        unknown = sorted(
+            name
+            for name in self.weight_map
+            if name not in expected
+            and not name.endswith(".rotary_emb.inv_freq")  # a buffer some old checkpoints saved
+            and not (name == "lm_head.weight" and self.spec.tie_embeddings)  # tied: the embedding's copy
+        )
+        if unknown:
+            more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+            raise CheckpointError(
+                f"--hf-model {self.path}: tensors {unknown[:5]}{more} have no place in a model_type "
+                f"{self.spec.model_type!r} model as {config_path.name} describes it"
+            )
 
     def _weight_map(self) -> Dict[str, str]:
         index = self.path / "model.safetensors.index.json"

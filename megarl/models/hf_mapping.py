@@ -1,76 +1,141 @@
-"""Hugging Face Llama tensors <-> Megatron-Core global (logical) tensors.
+"""Hugging Face tensors <-> Megatron-Core global (logical) tensors, for every model family.
 
 Megatron's dist checkpoints name every tensor by a canonical key (the TE-style
 key, whatever layer spec the model was built with) and store its *global*
-tensor, which is independent of the TP/PP layout it was saved at:
+tensor, which is independent of the TP/PP/EP layout it was saved at:
 
     embedding.word_embeddings.weight                      [padded_vocab, h]
     decoder.layers.self_attention.linear_qkv.layer_norm_weight   [L, h]
     decoder.layers.self_attention.linear_qkv.weight       [L, (nq + 2 nkv) d, h]
         rows grouped per KV group g: [q heads of group g; k_g; v_g]
+    decoder.layers.self_attention.linear_qkv.bias         [L, (nq + 2 nkv) d]  (Qwen2, same grouping)
+    decoder.layers.self_attention.{q,k}_layernorm.weight  [L, d]  (Qwen3: one RMSNorm for all heads)
     decoder.layers.self_attention.linear_proj.weight      [L, h, nq d]
-    decoder.layers.mlp.linear_fc1.layer_norm_weight       [L, h]
+    decoder.layers.mlp.linear_fc1.layer_norm_weight       [L, h]          dense layers
     decoder.layers.mlp.linear_fc1.weight                  [L, 2 f, h] = [gate; up]
     decoder.layers.mlp.linear_fc2.weight                  [L, h, f]
+    decoder.layers.pre_mlp_layernorm.weight               [h]             MoE layers
+    decoder.layers.mlp.router.weight                      [E, h]
+    decoder.layers.mlp.experts.experts.linear_fc1.weight  [E, 2 fe, h], per expert [gate; up]
+    decoder.layers.mlp.experts.experts.linear_fc2.weight  [E, h, fe]
     decoder.final_layernorm.weight                        [h]
     output_layer.weight                                   [padded_vocab, h] (untied only)
 
-(Per TP rank, fc1 holds [gate shard; up shard]; Megatron's swiglu sharded
-factory stores it as the global [gate; up], so it is layout independent too.)
-This module is the one place that knows how the two naming schemes relate;
-checkpoint conversion and weight sync both use it.
+A dense model's layer tensors are stacked along a leading layer axis ([L, ...]). A model with
+experts has layers of two kinds, and Megatron then keys each layer's tensors by its number,
+``decoder.layers.{i}.<rest>``, without the layer axis (``layer_key``); the expert tensors keep a
+leading expert axis. (Per TP rank, fc1 holds [gate shard; up shard]; Megatron's swiglu sharded
+factory stores it as the global [gate; up], so it is layout independent too.) This module is the
+one place that knows how the two naming schemes relate, per family; checkpoint conversion (both
+ways) and weight sync's logical tensors (``hf_tensor_shapes``) both use it.
+
+What was taken from mbridge (0.15.1, the HF <-> Megatron tables verl and slime use): nothing as
+code -- it builds models with the Transformer Engine spec and calls torch.cuda -- but its Qwen2 /
+Qwen3 / Qwen3-MoE name tables were read to confirm these pairs. Its Qwen3-MoE bridge sets
+moe_router_pre_softmax=False whatever norm_topk_prob says, which routes wrongly for
+norm_topk_prob=False (Megatron would softmax over the top k only); megarl derives it
+(models/megatron_model.py) and tests the logits against transformers'.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from megarl.models.spec import ModelSpec
 
 LAYERS_PREFIX = "decoder.layers."
+_NUMBERED_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+DENSE, MOE, EVERY = "dense", "moe", "every"  # which layers a per-layer mapping is on
 
 
 @dataclass(frozen=True)
 class TensorMapping:
-    megatron_key: str
-    hf_names: tuple  # HF names, with "{layer}" for per-layer tensors
+    megatron_key: str  # canonical: decoder.layers.<rest> for per-layer tensors
+    hf_names: tuple  # HF names, with "{layer}" for per-layer tensors and "{expert}" for experts'
     kind: str  # copy | qkv | gate_up | vocab
+    layers: str = EVERY  # DENSE | MOE | EVERY: the layers of that kind have it
+    per_expert: bool = False  # the Megatron tensor has a leading expert axis, one HF tensor set per expert
 
     @property
     def per_layer(self) -> bool:
         return self.megatron_key.startswith(LAYERS_PREFIX)
 
-    def hf_names_for(self, layer: int | None) -> List[str]:
-        return [name.format(layer=layer) for name in self.hf_names]
+    def on_layer(self, spec: ModelSpec, layer: int) -> bool:
+        return self.layers == EVERY or (self.layers == MOE) == spec.is_moe_layer(layer)
+
+    def hf_names_for(self, layer: Optional[int], expert: Optional[int] = None) -> List[str]:
+        return [name.format(layer=layer, expert=expert) for name in self.hf_names]
+
+
+def layer_key(key: str, layer: int) -> str:
+    """The key of one layer's tensor in a model keyed per layer (a model with experts)."""
+    return f"{LAYERS_PREFIX}{layer}.{key[len(LAYERS_PREFIX) :]}"
+
+
+def split_layer_key(key: str) -> Tuple[str, Optional[int]]:
+    """(canonical key, layer) of a per-layer-numbered key; (key, None) for any other."""
+    match = _NUMBERED_LAYER.match(key)
+    return (LAYERS_PREFIX + match.group(2), int(match.group(1))) if match else (key, None)
 
 
 def tensor_mappings(spec: ModelSpec) -> List[TensorMapping]:
     layer = "model.layers.{layer}."
+    attn = "decoder.layers.self_attention."
     mappings = [
         TensorMapping("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"),
+        TensorMapping(attn + "linear_qkv.layer_norm_weight", (layer + "input_layernorm.weight",), "copy"),
         TensorMapping(
-            "decoder.layers.self_attention.linear_qkv.layer_norm_weight", (layer + "input_layernorm.weight",), "copy"
-        ),
-        TensorMapping(
-            "decoder.layers.self_attention.linear_qkv.weight",
+            attn + "linear_qkv.weight",
             (layer + "self_attn.q_proj.weight", layer + "self_attn.k_proj.weight", layer + "self_attn.v_proj.weight"),
             "qkv",
         ),
-        TensorMapping("decoder.layers.self_attention.linear_proj.weight", (layer + "self_attn.o_proj.weight",), "copy"),
-        TensorMapping(
-            "decoder.layers.mlp.linear_fc1.layer_norm_weight", (layer + "post_attention_layernorm.weight",), "copy"
-        ),
-        TensorMapping(
-            "decoder.layers.mlp.linear_fc1.weight",
-            (layer + "mlp.gate_proj.weight", layer + "mlp.up_proj.weight"),
-            "gate_up",
-        ),
-        TensorMapping("decoder.layers.mlp.linear_fc2.weight", (layer + "mlp.down_proj.weight",), "copy"),
+        TensorMapping(attn + "linear_proj.weight", (layer + "self_attn.o_proj.weight",), "copy"),
         TensorMapping("decoder.final_layernorm.weight", ("model.norm.weight",), "copy"),
     ]
+    if spec.qkv_bias:
+        names = tuple(layer + f"self_attn.{x}_proj.bias" for x in "qkv")
+        mappings.append(TensorMapping(attn + "linear_qkv.bias", names, "qkv"))
+    if spec.qk_norm:
+        for x in "qk":
+            mappings.append(
+                TensorMapping(attn + f"{x}_layernorm.weight", (layer + f"self_attn.{x}_norm.weight",), "copy")
+            )
+    if spec.num_dense_layers:
+        mlp = "decoder.layers.mlp."
+        mappings += [
+            TensorMapping(
+                mlp + "linear_fc1.layer_norm_weight", (layer + "post_attention_layernorm.weight",), "copy", DENSE
+            ),
+            TensorMapping(
+                mlp + "linear_fc1.weight",
+                (layer + "mlp.gate_proj.weight", layer + "mlp.up_proj.weight"),
+                "gate_up",
+                DENSE,
+            ),
+            TensorMapping(mlp + "linear_fc2.weight", (layer + "mlp.down_proj.weight",), "copy", DENSE),
+        ]
+    if spec.moe:
+        expert = layer + "mlp.experts.{expert}."
+        experts = "decoder.layers.mlp.experts.experts."
+        mappings += [
+            TensorMapping(
+                "decoder.layers.pre_mlp_layernorm.weight", (layer + "post_attention_layernorm.weight",), "copy", MOE
+            ),
+            TensorMapping("decoder.layers.mlp.router.weight", (layer + "mlp.gate.weight",), "copy", MOE),
+            TensorMapping(
+                experts + "linear_fc1.weight",
+                (expert + "gate_proj.weight", expert + "up_proj.weight"),
+                "gate_up",
+                MOE,
+                True,
+            ),
+            TensorMapping(experts + "linear_fc2.weight", (expert + "down_proj.weight",), "copy", MOE, True),
+        ]
     if not spec.tie_embeddings:
         mappings.append(TensorMapping("output_layer.weight", ("lm_head.weight",), "vocab"))
     return mappings
@@ -127,18 +192,20 @@ def hf_tensor_shapes(spec: ModelSpec) -> Dict[str, Tuple[int, ...]]:
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
     """HF q/k/v projections -> Megatron's fused QKV, grouped per KV group."""
-    g, d, h = spec.num_kv_heads, spec.head_dim, q.shape[-1]
-    grouped = torch.cat([q.reshape(g, spec.q_per_kv, d, h), k.reshape(g, 1, d, h), v.reshape(g, 1, d, h)], dim=1)
-    return grouped.reshape(spec.qkv_rows, h)
+    g, d, rest = spec.num_kv_heads, spec.head_dim, tuple(q.shape[1:])  # rest: (h,), or () for biases
+    grouped = torch.cat(
+        [q.reshape(g, spec.q_per_kv, d, *rest), k.reshape(g, 1, d, *rest), v.reshape(g, 1, d, *rest)], dim=1
+    )
+    return grouped.reshape(spec.qkv_rows, *rest)
 
 
 def split_qkv(qkv: torch.Tensor, spec: ModelSpec):
     """Inverse of fuse_qkv."""
-    g, d, h = spec.num_kv_heads, spec.head_dim, qkv.shape[-1]
-    grouped = qkv.reshape(g, spec.q_per_kv + 2, d, h)
-    q = grouped[:, : spec.q_per_kv].reshape(spec.num_attention_heads * d, h)
-    k = grouped[:, spec.q_per_kv].reshape(g * d, h)
-    v = grouped[:, spec.q_per_kv + 1].reshape(g * d, h)
+    g, d, rest = spec.num_kv_heads, spec.head_dim, tuple(qkv.shape[1:])
+    grouped = qkv.reshape(g, spec.q_per_kv + 2, d, *rest)
+    q = grouped[:, : spec.q_per_kv].reshape(spec.num_attention_heads * d, *rest)
+    k = grouped[:, spec.q_per_kv].reshape(g * d, *rest)
+    v = grouped[:, spec.q_per_kv + 1].reshape(g * d, *rest)
     return q.contiguous(), k.contiguous(), v.contiguous()
 
 
@@ -158,12 +225,14 @@ def to_megatron(
     read_hf: Callable[[str], torch.Tensor],
     layer: int | None,
     global_rows: int | None = None,
+    expert: int | None = None,
 ) -> torch.Tensor:
-    """The Megatron global tensor for one mapping (one layer of it, if per-layer).
+    """The Megatron global tensor for one mapping (one layer of it, if per-layer; one expert of
+    that, for the experts' tensors).
 
     ``global_rows`` is the padded vocabulary size for vocab tensors.
     """
-    tensors = [read_hf(name) for name in mapping.hf_names_for(layer)]
+    tensors = [read_hf(name) for name in mapping.hf_names_for(layer, expert)]
     if mapping.kind == "copy":
         return tensors[0]
     if mapping.kind == "qkv":
@@ -176,8 +245,17 @@ def to_megatron(
 
 
 def to_hf(mapping: TensorMapping, spec: ModelSpec, tensor: torch.Tensor, layer: int | None) -> Dict[str, torch.Tensor]:
-    """HF tensors (name -> tensor) from one Megatron global tensor (one layer of it)."""
-    names = mapping.hf_names_for(layer)
+    """HF tensors (name -> tensor) from one Megatron global tensor (one layer of it; all its
+    experts, the leading axis, for the experts' tensors)."""
+    if mapping.per_expert:
+        out: Dict[str, torch.Tensor] = {}
+        for expert in range(tensor.shape[0]):
+            out.update(_to_hf(mapping, spec, tensor[expert], mapping.hf_names_for(layer, expert)))
+        return out
+    return _to_hf(mapping, spec, tensor, mapping.hf_names_for(layer))
+
+
+def _to_hf(mapping: TensorMapping, spec: ModelSpec, tensor: torch.Tensor, names: List[str]) -> Dict[str, torch.Tensor]:
     if mapping.kind == "copy":
         parts: Sequence[torch.Tensor] = [tensor]
     elif mapping.kind == "qkv":

@@ -48,16 +48,19 @@ def transformer_config(
     pp: int = 1,
     vp: Optional[int] = None,
     params_dtype: torch.dtype = torch.float32,
+    ep: int = 1,
+    etp: Optional[int] = None,
     **overrides: Any,
 ):
-    """The TransformerConfig of a Llama model at the given parallel layout.
+    """The TransformerConfig of the model at the given parallel layout (``ep`` / ``etp``: Megatron's
+    expert_model_parallel_size / expert_tensor_parallel_size, ``etp`` None meaning TP as in Megatron).
 
-    ``overrides`` are passed through to TransformerConfig (e.g. sequence
-    parallelism or recomputation settings on GPU clusters).
+    ``overrides`` are passed through to TransformerConfig (e.g. sequence parallelism, recomputation,
+    or the MoE training knobs: moe_router_load_balancing_type, moe_aux_loss_coeff, ...).
     """
     from megatron.core.transformer import TransformerConfig
 
-    spec.check_parallelism(tp, pp, vp)
+    spec.check_parallelism(tp, pp, vp, ep, etp)
     on_gpu = torch.cuda.is_available()
     kwargs = dict(
         num_layers=spec.num_layers,
@@ -71,7 +74,8 @@ def transformer_config(
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=False,
+        add_qkv_bias=spec.qkv_bias,  # Qwen2: biases on q/k/v only
+        qk_layernorm=spec.qk_norm,  # Qwen3: RMSNorm over each q and k head (eps: layernorm_epsilon)
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
@@ -90,6 +94,8 @@ def transformer_config(
         gradient_accumulation_fusion=False,
         use_cpu_initialization=not on_gpu,
     )
+    if spec.moe:
+        kwargs.update(_moe_settings(spec, ep, etp))
     if pp > 1 and vp:
         # Over gloo, batched p2p pairs same-peer messages in arrival order and
         # silently swaps micro-batches of the interleaved schedule.
@@ -98,21 +104,65 @@ def transformer_config(
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(use_transformer_engine: Optional[bool] = None):
-    """Megatron's layer spec for a Llama block: TE on GPUs with TE, local otherwise (its core
-    attention through SDPA)."""
+def _moe_settings(spec: ModelSpec, ep: int, etp: Optional[int]) -> dict:
+    """Megatron's MoE fields from the model's MoeSpec (the HF config's): which layers have experts,
+    and a router computing what the family's router computes."""
+    moe = spec.moe
+    if moe.router_score_function != "softmax" or moe.router_expert_bias or moe.shared_expert_ffn_hidden_size:
+        raise NotImplementedError(f"model_type {spec.model_type!r}: only softmax routers without shared experts")
+    return dict(
+        num_moe_experts=moe.num_experts,
+        moe_router_topk=moe.top_k,
+        moe_ffn_hidden_size=moe.ffn_hidden_size,
+        # a list, also when every layer has experts: Megatron then keys each layer's tensors
+        # by its number (not layer-stacked) in dist checkpoints, the same for every MoE model
+        moe_layer_freq=[int(spec.is_moe_layer(i)) for i in range(spec.num_layers)],
+        # Qwen3-MoE: softmax over all experts, then top-k; renormalising the k (norm_topk_prob)
+        # equals Megatron's top-k of the logits then softmax over the k (use_pre_softmax False)
+        moe_router_pre_softmax=not moe.norm_topk_prob,
+        moe_router_score_function=moe.router_score_function,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+        moe_token_dispatcher_type="alltoall",  # what EP runs use; the trainer's config may override
+        moe_router_load_balancing_type="none",  # likewise: no aux loss unless configured
+    )
+
+
+def layer_spec(
+    spec: Optional[ModelSpec] = None, config=None, use_transformer_engine: Optional[bool] = None, vp_stage=None
+):
+    """Megatron's spec for the model's layers: TE on GPUs with TE, local otherwise (its core
+    attention through SDPA). A dense model gets one layer spec; a mixture-of-experts one Megatron's
+    block spec (a spec per layer of this pipeline stage: dense or MoE as moe_layer_freq says)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if use_transformer_engine is None:
         use_transformer_engine = transformer_engine_usable()
-    if use_transformer_engine:
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    from megarl.models.sdpa_attention import SdpaDotProductAttention
+    qk_layernorm = bool(spec and spec.qk_norm)
+    if spec is not None and spec.moe:
+        block = gpt_layer_specs.get_gpt_decoder_block_spec(
+            config, use_transformer_engine=use_transformer_engine, normalization="RMSNorm", vp_stage=vp_stage
+        )
+        layers = block.layer_specs
+    elif use_transformer_engine:
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+    else:
+        block = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
+        layers = [block]
+    if not use_transformer_engine:
+        from megarl.models.sdpa_attention import SdpaDotProductAttention
 
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
-    # Megatron's local core attention with its products fused by SDPA (models/sdpa_attention.py)
-    spec.submodules.self_attention.submodules.core_attention = SdpaDotProductAttention
-    return spec
+        # Megatron's local core attention with its products fused by SDPA (models/sdpa_attention.py)
+        for layer in layers:
+            layer.submodules.self_attention.submodules.core_attention = SdpaDotProductAttention
+            if layer.submodules.mlp.module.__name__ == "MoELayer":
+                # The TE spec keeps a MoE layer's pre-MLP norm as its own TENorm, saved as
+                # pre_mlp_layernorm.weight; the local spec would rename it to the dense layers'
+                # mlp.linear_fc1.layer_norm_weight. Keep TE's key so checkpoints move between them.
+                keys = dict(layer.submodules.sharded_state_dict_keys_map)
+                keys.pop("pre_mlp_layernorm.", None)
+                layer.submodules.sharded_state_dict_keys_map = keys
+    return block
 
 
 def build_model_chunks(
@@ -131,10 +181,10 @@ def build_model_chunks(
 
     vp = config.virtual_pipeline_model_parallel_size
     padded = padded_vocab_size(spec.vocab_size, config.tensor_model_parallel_size, vocab_divisible_by)
-    block = layer_spec(use_transformer_engine)
     chunks = []
     for vp_stage in range(vp or 1):
         stage = vp_stage if vp else None
+        block = layer_spec(spec, config, use_transformer_engine, vp_stage=stage)
         model = GPTModel(
             config=config,
             transformer_layer_spec=block,

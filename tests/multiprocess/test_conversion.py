@@ -114,10 +114,16 @@ def test_unsupported_architecture_names_the_field(tmp_path):
     proc = run_tool("convert_hf_to_megatron.py", "--hf-model", model, "--output", tmp_path / "o", expect_rc=2)
     assert "attention_bias=True is not supported" in proc.stderr and "Traceback" not in proc.stderr
     config = json.loads((model / "config.json").read_text())
+    # Qwen2 has q/k/v biases but none on o_proj: the Llama's o_proj biases are named, not dropped
     config.update(model_type="qwen2", architectures=["Qwen2ForCausalLM"])
     (model / "config.json").write_text(json.dumps(config))
     proc = run_tool("convert_hf_to_megatron.py", "--hf-model", model, "--output", tmp_path / "o", expect_rc=2)
-    assert "unsupported architecture model_type='qwen2'" in proc.stderr
+    assert "'model.layers.0.self_attn.o_proj.bias'" in proc.stderr and "model_type 'qwen2'" in proc.stderr
+    assert not (tmp_path / "o").exists()
+    config.update(model_type="mistral", architectures=["MistralForCausalLM"])
+    (model / "config.json").write_text(json.dumps(config))
+    proc = run_tool("convert_hf_to_megatron.py", "--hf-model", model, "--output", tmp_path / "o", expect_rc=2)
+    assert "unsupported architecture model_type='mistral'" in proc.stderr
 
 
 def test_tp_not_dividing_heads_names_both_numbers(tiny_hf, tmp_path):

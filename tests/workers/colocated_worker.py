@@ -24,7 +24,7 @@ from lm_batch import parse_layout  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
 
-from megarl.checkpointing.model_loading import load_llama  # noqa: E402
+from megarl.checkpointing.model_loading import load_megatron_model  # noqa: E402
 from megarl.runtime.distributed import init_distributed, init_megatron, shutdown  # noqa: E402
 from megarl.weight_sync.colocated import DEFAULT_FP8_BAND_BYTES, copy_colocated  # noqa: E402
 from megarl.weight_sync.endpoints import allocate_generator_params  # noqa: E402
@@ -80,7 +80,7 @@ def main():
         for name in args.layouts:
             layout = parse_layout(name)
             init_megatron(layout)
-            spec, chunks = load_llama(model, layout)
+            spec, chunks = load_megatron_model(model, layout)
             for engine, (dtype, fp8, band_bytes) in ENGINES.items():
                 params = allocate_generator_params(spec, 1, 0, dtype, fp8=fp8)
                 tracker = LiveAllocations()

@@ -28,7 +28,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from megarl.checkpointing.megatron_checkpoint import save_model  # noqa: E402
-from megarl.checkpointing.model_loading import load_llama  # noqa: E402
+from megarl.checkpointing.model_loading import load_megatron_model  # noqa: E402
 from megarl.config import RolloutConfig, TrainerConfig  # noqa: E402
 from megarl.executors.trainer import megatron_model_settings  # noqa: E402
 from megarl.runtime.distributed import init_distributed, init_megatron, shutdown, world_dims  # noqa: E402
@@ -89,7 +89,7 @@ def main():
     layout = world_dims(2, 2)
     for name in args.settings:
         init_megatron(layout)
-        spec, chunks = load_llama(args.checkpoint, layout, **megatron_model_settings(SETTINGS[name]))
+        spec, chunks = load_megatron_model(args.checkpoint, layout, **megatron_model_settings(SETTINGS[name]))
         settings = OptimizerSettings(lr=1e-3, use_distributed_optimizer=False)
         ddp = wrap_ddp(chunks, settings)
         optimizer = build_optimizer(ddp, settings)

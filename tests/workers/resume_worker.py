@@ -22,7 +22,7 @@ from lm_batch import parse_layout  # noqa: E402
 from train_step_worker import run_steps  # noqa: E402
 
 from megarl.checkpointing.megatron_checkpoint import save_model  # noqa: E402
-from megarl.checkpointing.model_loading import load_llama  # noqa: E402
+from megarl.checkpointing.model_loading import load_megatron_model  # noqa: E402
 from megarl.checkpointing.training_checkpoint import load_training_state, save_training_state  # noqa: E402
 from megarl.runtime.distributed import init_distributed, init_megatron, shutdown  # noqa: E402
 from megarl.trainer.setup import (  # noqa: E402
@@ -39,7 +39,7 @@ SETTINGS = OptimizerSettings(optimizer="adam", lr=1e-2, clip_grad=1.0)
 
 def fresh(checkpoint, layout):
     init_megatron(layout)
-    spec, chunks = load_llama(checkpoint, layout)
+    spec, chunks = load_megatron_model(checkpoint, layout)
     ddp = wrap_ddp(chunks)
     return spec, ddp, build_optimizer(ddp, SETTINGS)
 

@@ -25,7 +25,7 @@ import torch.distributed as dist  # noqa: E402
 from lm_batch import parse_layout  # noqa: E402
 
 from megarl.checkpointing.megatron_checkpoint import save_model  # noqa: E402
-from megarl.checkpointing.model_loading import load_llama  # noqa: E402
+from megarl.checkpointing.model_loading import load_megatron_model  # noqa: E402
 from megarl.runtime.distributed import init_distributed, init_megatron, shutdown  # noqa: E402
 from megarl.trainer.policy_trainer import PolicyTrainer  # noqa: E402
 from megarl.trainer.response_logits import _output_layer  # noqa: E402
@@ -60,7 +60,7 @@ def main():
         layout_name, budget, *cases = run.split(":")
         layout = parse_layout(layout_name)
         init_megatron(layout)
-        spec, chunks = load_llama(args.checkpoint, layout)
+        spec, chunks = load_megatron_model(args.checkpoint, layout)
         # Plain DDP (all-reduce), so every rank holds the whole gradient afterwards.
         ddp = wrap_ddp(chunks, OptimizerSettings(use_distributed_optimizer=False))
         optimizer = build_optimizer(ddp, OptimizerSettings(use_distributed_optimizer=False))

@@ -29,7 +29,7 @@ import torch.distributed as dist  # noqa: E402
 from lm_batch import parse_layout  # noqa: E402
 
 from megarl.checkpointing.megatron_checkpoint import save_model  # noqa: E402
-from megarl.checkpointing.model_loading import load_llama  # noqa: E402
+from megarl.checkpointing.model_loading import load_megatron_model  # noqa: E402
 from megarl.runtime.distributed import init_distributed, init_megatron, shutdown  # noqa: E402
 from megarl.trainer.policy_trainer import PolicyTrainer  # noqa: E402
 from megarl.trainer.setup import OptimizerSettings, build_optimizer, unwrap, wrap_ddp  # noqa: E402
@@ -78,8 +78,8 @@ def main():
     for case, (trainer_fields, settings) in CASES.items():
         loss = bound_loss(trainer_fields, lag_bound=0)
         init_megatron(layout)
-        spec, chunks = load_llama(args.checkpoint, layout)
-        ref_chunks = load_llama(args.checkpoint, layout)[1] if loss.kl_coef else None
+        spec, chunks = load_megatron_model(args.checkpoint, layout)
+        ref_chunks = load_megatron_model(args.checkpoint, layout)[1] if loss.kl_coef else None
         ddp = wrap_ddp(chunks, settings)
         optimizer = build_optimizer(ddp, settings)
         trainer = PolicyTrainer(ddp, optimizer, spec.vocab_size, loss, 32, ref_chunks=ref_chunks)

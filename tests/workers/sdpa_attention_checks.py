@@ -36,7 +36,9 @@ def main() -> None:
     init_distributed()
     init_megatron(world_dims(1, 1))
     out = {
-        "local_spec_uses_sdpa": layer_spec(False).submodules.self_attention.submodules.core_attention
+        "local_spec_uses_sdpa": layer_spec(
+            use_transformer_engine=False
+        ).submodules.self_attention.submodules.core_attention
         is SdpaDotProductAttention
     }
     heads, groups, dim, s, b = 9, 3, 64, 96, 2

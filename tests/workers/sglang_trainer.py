@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from megarl.checkpointing.model_loading import load_llama  # noqa: E402
+from megarl.checkpointing.model_loading import load_megatron_model  # noqa: E402
 from megarl.parallel_dims import GeneratorDims, ParallelDims  # noqa: E402
 from megarl.runtime.distributed import init_distributed, init_megatron, shutdown  # noqa: E402
 from megarl.runtime.rendezvous import init_sync_group  # noqa: E402
@@ -39,7 +39,7 @@ def main():
     trainer, generator = ParallelDims(**cfg["trainer"]), GeneratorDims(**cfg["generator"])
     assert trainer.world_size == dist.get_world_size(), (trainer, dist.get_world_size())
     init_megatron(trainer)
-    spec, chunks = load_llama(args.model, trainer)
+    spec, chunks = load_megatron_model(args.model, trainer)
 
     def connect():
         group = init_sync_group(

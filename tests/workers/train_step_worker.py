@@ -21,7 +21,7 @@ import torch.distributed as dist  # noqa: E402
 from lm_batch import MICRO_BATCH, SEQ, global_loss, make_forward_step, micro_batches, parse_layout  # noqa: E402
 
 from megarl.checkpointing.megatron_checkpoint import save_model  # noqa: E402
-from megarl.checkpointing.model_loading import load_llama  # noqa: E402
+from megarl.checkpointing.model_loading import load_megatron_model  # noqa: E402
 from megarl.runtime.distributed import init_distributed, init_megatron, shutdown  # noqa: E402
 from megarl.trainer.setup import OptimizerSettings, build_optimizer, train_step, unwrap, wrap_ddp  # noqa: E402
 
@@ -52,7 +52,7 @@ def main():
     for name in args.layouts:
         layout = parse_layout(name)
         init_megatron(layout)
-        spec, chunks = load_llama(args.checkpoint, layout)
+        spec, chunks = load_megatron_model(args.checkpoint, layout)
         ddp = wrap_ddp(chunks)
         optimizer = build_optimizer(ddp, SETTINGS)
         record = run_steps(ddp, optimizer, spec, args.steps)

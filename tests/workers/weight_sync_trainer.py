@@ -21,7 +21,7 @@ import torch.distributed as dist  # noqa: E402
 from lm_batch import parse_layout  # noqa: E402
 from weight_sync_cases import cases  # noqa: E402
 
-from megarl.checkpointing.model_loading import load_llama  # noqa: E402
+from megarl.checkpointing.model_loading import load_megatron_model  # noqa: E402
 from megarl.parallel_dims import GeneratorDims
 from megarl.runtime.distributed import init_distributed, init_megatron, shutdown  # noqa: E402
 from megarl.runtime.rendezvous import destroy_sync_group, init_sync_group  # noqa: E402
@@ -42,7 +42,7 @@ def main():
         if loaded is None or loaded[0] != key:
             layout = parse_layout(case.layout)
             init_megatron(layout)
-            spec, chunks = load_llama(case.model, layout)
+            spec, chunks = load_megatron_model(case.model, layout)
             loaded = (key, spec, chunks)
         _, spec, chunks = loaded
         trainer = parse_layout(case.layout)  # over this world of trainer ranks
