@@ -202,11 +202,6 @@ class Config:
         _choice("generator.dtype", g.dtype, ("fp32", "bf16", "auto"))
         dims = self.trainer_dims()  # each dimension checked, naming its field
         self.generator_dims()
-        if dims.ep > 1 or t.etp is not None or g.ep > 1:
-            name = "trainer.ep" if dims.ep > 1 else "trainer.etp" if t.etp is not None else "generator.ep"
-            raise ConfigError(
-                f"{name}: expert parallelism is for mixture-of-experts models; megarl's model families are dense so far"
-            )
         for name in (
             "generator.max_running",
             "rollout.prompts_per_step",

@@ -50,6 +50,16 @@ def check_trainer_runs_here(cfg) -> None:
             f"trainer.cp={t.cp}: megarl's packed micro-batches are not yet split over context-parallel "
             "ranks; `megarl plan` models cp, `megarl train` needs trainer.cp=1"
         )
+    g = cfg.generator
+    if t.ep > 1 or t.etp is not None or g.ep > 1:
+        # Megatron trains MoE models at EP here (the converter and the logits tests run them), but
+        # the weight-sync plans for expert shards and the engine's expert layout are not wired into
+        # `megarl train` yet; `megarl plan` sizes such layouts.
+        name = "trainer.ep" if t.ep > 1 else "trainer.etp" if t.etp is not None else "generator.ep"
+        raise ConfigError(
+            f"{name}: `megarl train` does not run expert parallelism yet (mixture-of-experts models "
+            f"convert at EP with `megarl convert hf-to-megatron --ep`, and `megarl plan` sizes EP layouts)"
+        )
     if t.gradient_accumulation_fusion:
         gradient_accumulation_fusion(True, on_gpu=_cuda_available())  # refused on a GPU without Apex
     o = cfg.optimizer

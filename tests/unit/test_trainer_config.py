@@ -163,6 +163,8 @@ def test_sequence_and_context_parallel_are_refused_where_transformer_engine_cann
         ),
         (["trainer.cp=2"], "trainer.cp=2: context parallelism runs in Transformer Engine"),
         (["optimizer.overlap_grad_reduce=true"], "optimizer.overlap_grad_reduce: .*on CPU"),
+        (["trainer.ep=2", "trainer.etp=1"], "trainer.ep: `megarl train` does not run expert parallelism yet"),
+        (["generator.ep=2", "generator.tp=2"], "generator.ep: `megarl train` does not run expert"),
     ]:
         cfg = load_config(TINY, overrides)  # a consistent config: `megarl plan` reads it anywhere
         with pytest.raises(ConfigError, match=message):
