@@ -73,7 +73,14 @@ def global_loss(losses) -> float:
 
 
 def parse_layout(name: str):
+    """TPxPP[xVPP][eEP[tETP]]: e.g. 2x2, 1x2x2 (virtual pipeline 2), 2x1e2 (EP2), 2x1e2t1 (and ETP1)."""
+    import dataclasses
+    import re
+
     from megarl.runtime.distributed import world_dims
 
-    sizes = [int(x) for x in name.split("x")]
-    return world_dims(sizes[0], sizes[1], sizes[2] if len(sizes) > 2 else 1)
+    match = re.fullmatch(r"([\dx]+)(?:e(\d+)(?:t(\d+))?)?", name)
+    sizes = [int(x) for x in match.group(1).split("x")]
+    dims = world_dims(sizes[0], sizes[1], sizes[2] if len(sizes) > 2 else 1)
+    ep, etp = match.group(2), match.group(3)
+    return dataclasses.replace(dims, ep=int(ep or 1), etp=None if etp is None else int(etp))
