@@ -200,7 +200,7 @@ class Config:
         _choice("generator.backend", g.backend, ("torch", "sglang"))
         _choice("model.dtype", self.model.dtype, ("fp32", "bf16", "auto"))
         _choice("generator.dtype", g.dtype, ("fp32", "bf16", "auto"))
-        dims = self.trainer_dims()  # each dimension checked, naming its field
+        self.trainer_dims()  # each dimension checked, naming its field
         self.generator_dims()
         for name in (
             "generator.max_running",
