@@ -13,18 +13,38 @@ LAYOUTS = {
     "qwen2": ["1x1", "2x2", "4x1"],
     "qwen3": ["1x1", "2x2", "4x1"],
     "qwen3_moe": ["1x1", "2x2", "1x1x4", "2x1x2", "1x2x2", "2x1x2x1"],
+    # the other router (top-k renormalised: Megatron's softmax after top-k), every other layer sparse,
+    # tied embeddings, 8 experts top-3
+    "qwen3_moe_renormalised": ["1x1", "1x1x4", "1x2x2", "2x1x2x1"],
 }
-CONVERT_AT = {"qwen2": [], "qwen3": [], "qwen3_moe": ["--ep", 2, "--etp", 1]}
+VARIANTS = {
+    "qwen3_moe_renormalised": (
+        "qwen3_moe",
+        dict(norm_topk_prob=True, decoder_sparse_step=2, mlp_only_layers=[], tie_word_embeddings=True)
+        | dict(num_experts=8, num_experts_per_tok=3),
+    )
+}
+CONVERT_AT = {"qwen3_moe": ["--ep", 2, "--etp", 1], "qwen3_moe_renormalised": ["--ep", 2, "--etp", 1]}
 
 
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
 def converted(request, tmp_path_factory):
     family = request.param
     base = tmp_path_factory.mktemp(family)
-    hf = make_tiny_family(family, base / "hf")
+    hf_family, overrides = VARIANTS.get(family, (family, {}))
+    hf = make_tiny_family(hf_family, base / "hf", **overrides)
     megatron = base / "megatron"
     run_tool(
-        "convert_hf_to_megatron.py", "--hf-model", hf, "--output", megatron, "--tp", 2, "--pp", 2, *CONVERT_AT[family]
+        "convert_hf_to_megatron.py",
+        "--hf-model",
+        hf,
+        "--output",
+        megatron,
+        "--tp",
+        2,
+        "--pp",
+        2,
+        *CONVERT_AT.get(family, []),
     )
     return family, hf, megatron, base
 
@@ -35,7 +55,7 @@ def test_export_is_bitwise_the_original(converted):
     run_tool("convert_megatron_to_hf.py", "--megatron", megatron, "--output", base / "back")
     original, back = read_safetensors_dir(hf), read_safetensors_dir(base / "back")
     assert sorted(back) == sorted(original)
-    if family == "qwen3_moe":
+    if family.startswith("qwen3_moe"):
         assert "model.layers.3.mlp.experts.3.down_proj.weight" in back and "model.layers.0.mlp.gate.weight" not in back
     for name, tensor in original.items():
         assert torch.equal(back[name], tensor), name
@@ -60,7 +80,9 @@ def test_logits_match_transformers(converted):
         *LAYOUTS[family],
     )
     reference = (
-        hf_logits(hf, tokens, experts_implementation="eager") if family == "qwen3_moe" else hf_logits(hf, tokens)
+        hf_logits(hf, tokens, experts_implementation="eager")
+        if family.startswith("qwen3_moe")
+        else hf_logits(hf, tokens)
     )
     assert reference.abs().max() > 5  # a real signal, not near-zero logits
     for layout in LAYOUTS[family]:
