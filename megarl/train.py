@@ -19,11 +19,12 @@ from megarl.checkpointing.recorded import recorded_dtypes
 from megarl.config import load_config
 from megarl.data.datasets import check_data_source
 from megarl.errors import ConfigError
+from megarl.models.spec import ModelSpec
 from megarl.plan import config_plan
 from megarl.runtime.cpu_dtype import resolve_auto_dtypes
 from megarl.runtime.launch import run_world, running_under_torchrun
 from megarl.trainer.bound_loss import bind_loss
-from megarl.trainer.features import check_trainer_runs_here
+from megarl.trainer.features import check_model_trains, check_trainer_runs_here
 
 
 def train(
@@ -42,6 +43,7 @@ def train(
         # every rank resolves the model; converting is a job of its own, done before the launch
         # (scripts/launch.sh runs `megarl train --prepare-only` first)
         prepared = model_source.prepare_model(cfg.model, convert=False)
+        check_model_trains(ModelSpec.from_dict(prepared.spec))
         # imported here: this module is `megarl train`'s launcher and stays torch-free (runtime/launch.py);
         # the controller and the replay pull in torch and the trainer (~1.3 s), needed only on a rank
         from megarl.loop.controller import run_rank
@@ -61,6 +63,7 @@ def train(
     if not replay:  # (torchrun's ranks are checked by the --prepare-only that precedes them: scripts/launch.sh)
         _check_data(cfg)  # a replay trains on recorded token ids: it reads no data source
     prepared = model_source.prepare_model(cfg.model)
+    check_model_trains(ModelSpec.from_dict(prepared.spec))
     if prepare_only:
         print(
             json.dumps(

@@ -193,3 +193,21 @@ def test_every_shipped_config_loads(path):
     # strict loading: a misspelt field or a value a section refuses (e.g. an overlong_buffer above
     # max_new_tokens) in a shipped config would otherwise surface only when a user launches it
     assert load_config(str(path)).run.output_dir
+
+
+def test_families_without_a_generator_path_are_refused_by_megarl_train_naming_what_they_lack():
+    """Refused, not trained with its biases / norms / experts missing from the generators: the
+    check passing a Qwen model, or naming the wrong part, fails here."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3MoeConfig
+
+    from megarl.models.spec import ModelSpec
+    from megarl.trainer.features import check_model_trains
+
+    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    shape.update(num_key_value_heads=2)
+    check_model_trains(ModelSpec.from_hf_config(LlamaConfig(**shape)))
+    with pytest.raises(ConfigError, match=r"model_type 'qwen2' .*weight sync of its q/k/v biases are not wired"):
+        check_model_trains(ModelSpec.from_hf_config(Qwen2Config(**shape)))
+    moe = Qwen3MoeConfig(**shape, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    with pytest.raises(ConfigError, match=r"model_type 'qwen3_moe' .*of its q/k norms, experts are not wired"):
+        check_model_trains(ModelSpec.from_hf_config(moe))
