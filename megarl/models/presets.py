@@ -1,8 +1,10 @@
 """Named model shapes (Hugging Face config fields) for planning and benchmarks.
 
 Only shapes: nothing here downloads weights. ``llama3-*`` are the published
-Llama 3.1 configurations; ``llama-mini`` is a ~150M-parameter Llama-shaped model
-for CPU benchmarks; ``tiny`` matches the test suite's model.
+Llama 3.1 configurations; ``qwen3-*`` the published Qwen3 ones (config.json of
+Qwen/Qwen3-8B, Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B, the fields megarl reads);
+``llama-mini`` is a ~150M-parameter Llama-shaped model for CPU benchmarks;
+``tiny`` matches the test suite's model.
 """
 
 from __future__ import annotations
@@ -73,9 +75,56 @@ PRESETS = {
 }
 
 
+_QWEN3 = dict(
+    hidden_act="silu",
+    rms_norm_eps=1e-6,
+    max_position_embeddings=40960,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    tie_word_embeddings=False,
+    head_dim=128,
+    vocab_size=151936,
+)
+_QWEN3_MOE = dict(_QWEN3, model_type="qwen3_moe", num_experts=128, num_experts_per_tok=8, norm_topk_prob=True) | dict(
+    decoder_sparse_step=1, mlp_only_layers=[]
+)
+
+# whole HF configs (their own family, RoPE and norms), read as config.json is
+HF_CONFIGS = {
+    "qwen3-8b": dict(
+        _QWEN3,
+        model_type="qwen3",
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+    ),
+    "qwen3-30b-a3b": dict(
+        _QWEN3_MOE,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+    ),
+    "qwen3-235b-a22b": dict(
+        _QWEN3_MOE,
+        hidden_size=4096,
+        intermediate_size=12288,
+        moe_intermediate_size=1536,
+        num_hidden_layers=94,
+        num_attention_heads=64,
+        num_key_value_heads=4,
+    ),
+}
+
+
 def preset_config(name: str) -> dict:
+    if name in HF_CONFIGS:
+        return {**HF_CONFIGS[name], "rope_parameters": dict(HF_CONFIGS[name]["rope_parameters"])}
     if name not in PRESETS:
-        raise ConfigError(f"model preset {name!r} is unknown; choose one of {sorted(PRESETS)}")
+        raise ConfigError(f"model preset {name!r} is unknown; choose one of {sorted(PRESETS) + sorted(HF_CONFIGS)}")
     config = dict(
         model_type="llama",
         hidden_act="silu",

@@ -123,3 +123,19 @@ def test_megatron_vocab_padding():
     assert padded_vocab_size(300, tp=2) == 512
     assert padded_vocab_size(128256, tp=8) == 129024  # Llama 3 at TP8
     assert padded_vocab_size(49152, tp=3) == 49152
+
+
+@pytest.mark.parametrize(
+    "name, total, active",
+    # Qwen's published counts (model cards: 8.2B; 30.5B total / 3.3B activated; 235B / 22B)
+    [("qwen3-8b", 8.2e9, 8.2e9), ("qwen3-30b-a3b", 30.5e9, 3.3e9), ("qwen3-235b-a22b", 235e9, 22e9)],
+)
+def test_qwen3_presets_have_the_published_parameter_counts(name, total, active):
+    """64 experts instead of 128 (15.7B), top-4 instead of top-8 (2.2B active) or a missing q/k norm
+    family each leave the 1% / 3% bounds."""
+    from megarl.models.presets import preset_spec
+
+    spec = preset_spec(name)
+    assert abs(spec.num_parameters() / total - 1) < 0.01
+    assert abs(spec.num_active_parameters() / active - 1) < 0.03
+    assert spec.qk_norm and spec.model_type == ("qwen3" if name == "qwen3-8b" else "qwen3_moe")
