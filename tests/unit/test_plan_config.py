@@ -238,8 +238,10 @@ def test_prepare_only_skips_the_planner_for_cpu_configs(monkeypatch, capsys):
     import megarl.plan.config_plan
     from megarl.train import train
 
+    from megarl.models.presets import preset_spec
+
     class Prepared:
-        checkpoint, tokenizer = "/tmp/none", "smollm2"
+        checkpoint, tokenizer, spec = "/tmp/none", "smollm2", preset_spec("tiny").to_dict()
 
     def no_planner(cfg):
         raise AssertionError("a config without a plan: section was planned")
