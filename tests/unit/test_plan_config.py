@@ -236,9 +236,8 @@ def test_prepare_only_refuses_a_config_that_does_not_fit(monkeypatch):
 def test_prepare_only_skips_the_planner_for_cpu_configs(monkeypatch, capsys):
     import megarl.model_source
     import megarl.plan.config_plan
-    from megarl.train import train
-
     from megarl.models.presets import preset_spec
+    from megarl.train import train
 
     class Prepared:
         checkpoint, tokenizer, spec = "/tmp/none", "smollm2", preset_spec("tiny").to_dict()
