@@ -231,11 +231,11 @@ CHAT_PROMPTS = [
 ]
 
 
-def transformers_greedy(model_dir: Path, prompt_ids, max_new_tokens: int, stop_ids=()):
+def transformers_greedy(model_dir: Path, prompt_ids, max_new_tokens: int, stop_ids=(), **load_kwargs):
     """transformers' own greedy continuation and the log-prob of each generated token."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **load_kwargs).eval()
     out = []
     for ids in prompt_ids:
         x = torch.tensor([ids])

@@ -39,7 +39,7 @@ class GeneratorRank:
 def torch_engine_backend(g, spec, p: GeneratorRank) -> GeneratorBackend:
     """megarl's reference engine: this rank's TP shard of its replica, in SGLang's layout."""
     dtype = torch.bfloat16 if g.dtype == "bf16" else torch.float32
-    params = allocate_generator_params(spec, p.dims.tp, p.tp_rank, dtype, g.fp8, device=p.device)
+    params = allocate_generator_params(spec, p.dims.tp, p.tp_rank, dtype, g.fp8, device=p.device, ep=p.dims.ep)
     return TorchEngine(
         spec,
         params,
@@ -49,6 +49,7 @@ def torch_engine_backend(g, spec, p: GeneratorRank) -> GeneratorBackend:
         tp_rank=p.tp_rank,
         group=p.tp_group,
         recompute_kv_on_update=g.recompute_kv_on_update,
+        ep=p.dims.ep,
     )
 
 

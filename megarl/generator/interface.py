@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from megarl.errors import ConfigError
 from megarl.rollout import Sample
@@ -75,6 +75,10 @@ class Completion:
     versions: List[int]  # policy version that produced each output token
     finish_reason: str  # "stop" | "length" | "abort" (asked for by ``abort``: not a sample)
     meta: dict = field(default_factory=dict)
+    # mixture-of-experts models: the experts each fed position was routed to, int16
+    # [len(prompt_ids) + len(output_ids) - 1, num_layers, top_k] (-1 on dense layers), as SGLang's
+    # --enable-return-routed-experts returns them from routed_experts_start_len = 0; None otherwise
+    routed_experts: Optional[Any] = None
 
     def version_spans(self) -> List[Tuple[int, int, int]]:
         """(version, first token, end) runs, e.g. [(0, 0, 17), (1, 17, 40)]."""

@@ -25,11 +25,17 @@ def load_generator_params(
     dtype: torch.dtype = torch.bfloat16,
     fp8: bool = False,
     device="cpu",
+    ep: int = 1,
 ) -> Dict[str, torch.Tensor]:
+    """``ep``: SGLang's --ep-size (experts split inside the TP group)."""
     spec = hf.spec
-    params = allocate_generator_params(spec, tp, tp_rank, dtype, fp8, device)
-    for t in sglang_rank_layout(spec, tp, tp_rank):
-        local = torch.zeros(t.shape if len(t.shape) == 2 else (t.shape[0], 1), dtype=dtype, device=device)
+    params = allocate_generator_params(spec, tp, tp_rank, dtype, fp8, device, ep)
+    for t in sglang_rank_layout(spec, tp, tp_rank, ep):
+        rows = 1
+        for n in t.shape[:-1]:
+            rows *= n
+        # the [rows, cols] view the blocks index: [n, 1] for vectors, [-1, h] for stacked experts
+        local = torch.zeros((rows, t.shape[-1]) if len(t.shape) > 1 else (t.shape[0], 1), dtype=dtype, device=device)
         for b in t.blocks:
             full = hf.get(b.logical)
             full = full if full.dim() == 2 else full.view(-1, 1)

@@ -19,6 +19,7 @@ from typing import Dict, List, Optional, Set
 
 import torch
 
+from megarl.errors import ConfigError
 from megarl.models.spec import ModelSpec
 from megarl.parallel_dims import GeneratorDims, ParallelDims, generator_rank
 from megarl.weight_sync import fp8 as fp8_format
@@ -45,10 +46,19 @@ def allocate_generator_params(
     dtype: torch.dtype = torch.bfloat16,
     fp8: bool = False,
     device: str | torch.device = "cpu",
+    ep: int = 1,
 ) -> Dict[str, torch.Tensor]:
-    """Zero-filled parameters of SGLang TP rank ``tp_rank``, named and shaped as SGLang holds them."""
+    """Zero-filled parameters of SGLang TP rank ``tp_rank`` (``ep``: its --ep-size), named and
+    shaped as SGLang holds them."""
+    if fp8 and spec.moe is not None:
+        # SGLang block-quantises FusedMoE's w13/w2 per expert (weight_scale_inv [E, rows/128, cols/128]);
+        # megarl's fp8 sync quantises 2-D linears only so far: served unquantised would differ from SGLang
+        raise ConfigError(
+            f"generator.fp8: model_type {spec.model_type!r} has experts, whose block-fp8 layout megarl "
+            "does not write yet; set generator.fp8=false"
+        )
     params = {}
-    for t in sglang_rank_layout(spec, tp, tp_rank):
+    for t in sglang_rank_layout(spec, tp, tp_rank, ep):
         if fp8 and fp8_format.is_fp8_param(t.name):
             params[t.name] = torch.zeros(t.shape, dtype=fp8_format.FP8_DTYPE, device=device)
             params[fp8_format.scale_name(t.name)] = torch.zeros(

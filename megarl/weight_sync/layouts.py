@@ -15,10 +15,16 @@ Megatron (trainer), rank (tp, pp), local layer i = global layer pp_offset + i:
                  padded vocabulary V' (rows >= V are padding: no logical source)
     norms        replicated on every TP rank of the stage
 
-SGLang (generator), TP rank r (its Llama loader's layout, HF-derived names):
+SGLang (generator), TP rank r (its Llama / Qwen loaders' layout, HF-derived names):
     qkv_proj     [its q heads; its k heads; its v heads], KV heads replicated
-                 when tp > num_kv_heads (rank r holds head r // (tp / n_kv))
+                 when tp > num_kv_heads (rank r holds head r // (tp / n_kv)); its
+                 bias (Qwen2) the same rows; q_norm / k_norm (Qwen3) replicated
     gate_up_proj [gate shard; up shard];  o_proj, down_proj row-parallel
+    mlp.gate     the router [E, h], replicated (MoE layers)
+    mlp.experts.w13_weight / w2_weight   FusedMoE at --ep-size ep (inside TP:
+                 rank r = ep_rank x tp/ep + moe_tp_rank): experts
+                 [ep_rank E/ep, (ep_rank+1) E/ep), stacked; each expert's
+                 intermediate rows split over moe_tp = tp/ep
     embed_tokens / lm_head   rows of SGLang's padded vocabulary (64, or 64 x tp)
 
 Shapes only: a layout for Llama 3.1 405B is built on a laptop in milliseconds.
@@ -259,7 +265,7 @@ def sglang_kv_head_of(spec: ModelSpec, tp: int, rank: int) -> Tuple[int, int]:
     return rank * per, (rank + 1) * per
 
 
-def check_sglang_tp(spec: ModelSpec, tp: int) -> None:
+def check_sglang_tp(spec: ModelSpec, tp: int, ep: int = 1) -> None:
     if spec.num_attention_heads % tp:
         raise ConfigError(
             f"generator tensor_parallel={tp} does not divide num_attention_heads={spec.num_attention_heads}"
@@ -270,13 +276,59 @@ def check_sglang_tp(spec: ModelSpec, tp: int) -> None:
         )
     if tp < spec.num_kv_heads and spec.num_kv_heads % tp:
         raise ConfigError(f"generator tensor_parallel={tp} does not divide num_key_value_heads={spec.num_kv_heads}")
-    if spec.ffn_hidden_size % tp:
+    if spec.num_dense_layers and spec.ffn_hidden_size % tp:
         raise ConfigError(f"generator tensor_parallel={tp} does not divide intermediate_size={spec.ffn_hidden_size}")
+    if ep > 1 and spec.moe is None:
+        raise ConfigError(f"generator.ep={ep}: model_type {spec.model_type!r} has no experts")
+    if spec.moe is not None:
+        if tp % ep:
+            raise ConfigError(
+                f"generator.ep={ep} does not divide generator tensor_parallel={tp} (SGLang's EP is inside TP)"
+            )
+        if spec.moe.num_experts % ep:
+            raise ConfigError(f"generator.ep={ep} does not divide num_experts={spec.moe.num_experts}")
+        if spec.moe.ffn_hidden_size % (tp // ep):
+            raise ConfigError(
+                f"generator tensor_parallel / ep = {tp // ep} does not divide "
+                f"moe_intermediate_size={spec.moe.ffn_hidden_size}"
+            )
 
 
-def sglang_rank_layout(spec: ModelSpec, tp: int, rank: int) -> List[LocalTensor]:
-    """The parameters of SGLang TP rank ``rank`` of one generator replica, by SGLang's names."""
-    check_sglang_tp(spec, tp)
+def sglang_expert_shard(spec: ModelSpec, tp: int, rank: int, ep: int = 1) -> Tuple[Range, Range]:
+    """SGLang's FusedMoE on TP rank ``rank`` with ``--ep-size ep`` (EP inside TP, moe_tp = tp / ep,
+    rank = ep_rank x moe_tp + moe_tp_rank): its experts [first, last) -- contiguous, as
+    FusedMoE maps global ids -- and its rows [first, last) of every expert's intermediate dimension."""
+    moe_tp = tp // ep
+    ep_rank, moe_tp_rank = divmod(rank, moe_tp)
+    local = spec.moe.num_experts // ep
+    width = spec.moe.ffn_hidden_size // moe_tp
+    return (ep_rank * local, (ep_rank + 1) * local), (moe_tp_rank * width, (moe_tp_rank + 1) * width)
+
+
+def _sglang_experts(spec: ModelSpec, layer: str, tp: int, rank: int, ep: int) -> List[LocalTensor]:
+    """FusedMoE's stacked weights: w13 [local experts, 2 I/moe_tp, h] = per expert [gate shard; up
+    shard], w2 [local experts, h, I/moe_tp] (its columns); blocks index their [-1, last dim] view.
+    The router (``mlp.gate``, a ReplicatedLinear) is whole on every rank."""
+    h, e = spec.hidden_size, spec.moe.num_experts
+    (first, last), ff = sglang_expert_shard(spec, tp, rank, ep)
+    width = ff[1] - ff[0]
+    w13, w2 = [], []
+    for j, x in enumerate(range(first, last)):
+        src = f"{layer}mlp.experts.{x}."
+        w13 += [(src + "gate_proj.weight", ff, (0, h)), (src + "up_proj.weight", ff, (0, h))]
+        w2.append(Block(src + "down_proj.weight", (0, h), ff, j * h))
+    gate13 = _stack(layer + "mlp.experts.w13_weight", w13, h)
+    return [
+        LocalTensor(layer + "mlp.gate.weight", (e, h), (Block(layer + "mlp.gate.weight", (0, e), (0, h), 0),)),
+        dataclasses.replace(gate13, shape=(last - first, 2 * width, h)),
+        LocalTensor(layer + "mlp.experts.w2_weight", (last - first, h, width), tuple(w2)),
+    ]
+
+
+def sglang_rank_layout(spec: ModelSpec, tp: int, rank: int, ep: int = 1) -> List[LocalTensor]:
+    """The parameters of SGLang TP rank ``rank`` of one generator replica, by SGLang's names
+    (its Llama / Qwen2 / Qwen3 / Qwen3-MoE loaders'); ``ep``: SGLang's --ep-size."""
+    check_sglang_tp(spec, tp, ep)
     h, f, d = spec.hidden_size, spec.ffn_hidden_size, spec.head_dim
     shapes = logical_shapes(spec)
     heads = spec.num_attention_heads // tp
@@ -284,27 +336,36 @@ def sglang_rank_layout(spec: ModelSpec, tp: int, rank: int) -> List[LocalTensor]
     padded = sglang_padded_vocab(spec.vocab_size, tp)
     out = [_vocab_shard("model.embed_tokens.weight", "model.embed_tokens.weight", spec, padded, tp, rank)]
     ff = (rank * f // tp, (rank + 1) * f // tp)
+    q_rows, kv_rows = (rank * heads * d, (rank + 1) * heads * d), (kv0 * d, kv1 * d)
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
+        attn = p + "self_attn."
         out += [
             _replicated(p + "input_layernorm.weight", p + "input_layernorm.weight", h),
             _stack(
-                p + "self_attn.qkv_proj.weight",
-                [
-                    (p + "self_attn.q_proj.weight", (rank * heads * d, (rank + 1) * heads * d), (0, h)),
-                    (p + "self_attn.k_proj.weight", (kv0 * d, kv1 * d), (0, h)),
-                    (p + "self_attn.v_proj.weight", (kv0 * d, kv1 * d), (0, h)),
-                ],
+                attn + "qkv_proj.weight",
+                [(attn + "q_proj.weight", q_rows, (0, h))]
+                + [(attn + f"{x}_proj.weight", kv_rows, (0, h)) for x in "kv"],
                 h,
             ),
-            _col_split(
-                p + "self_attn.o_proj.weight",
-                p + "self_attn.o_proj.weight",
-                shapes[p + "self_attn.o_proj.weight"],
-                tp,
-                rank,
-            ),
+        ]
+        if spec.qkv_bias:  # Qwen2: QKVParallelLinear's bias, sharded as its weight's rows
+            bias = _stack(
+                attn + "qkv_proj.bias",
+                [(attn + "q_proj.bias", q_rows, (0, 1))] + [(attn + f"{x}_proj.bias", kv_rows, (0, 1)) for x in "kv"],
+                1,
+            )
+            out.append(dataclasses.replace(bias, shape=bias.shape[:1]))
+        if spec.qk_norm:  # Qwen3: one RMSNorm weight over head_dim, on every rank
+            out += [_replicated(attn + f"{x}_norm.weight", attn + f"{x}_norm.weight", d) for x in "qk"]
+        out += [
+            _col_split(attn + "o_proj.weight", attn + "o_proj.weight", shapes[attn + "o_proj.weight"], tp, rank),
             _replicated(p + "post_attention_layernorm.weight", p + "post_attention_layernorm.weight", h),
+        ]
+        if spec.is_moe_layer(i):
+            out += _sglang_experts(spec, p, tp, rank, ep)
+            continue
+        out += [
             _stack(
                 p + "mlp.gate_up_proj.weight",
                 [(p + "mlp.gate_proj.weight", ff, (0, h)), (p + "mlp.up_proj.weight", ff, (0, h))],

@@ -78,7 +78,8 @@ class SyncStats:
 
 
 def as_2d(t: torch.Tensor) -> torch.Tensor:
-    return t.view(-1, 1) if t.dim() == 1 else t
+    """The view layouts' blocks index: [n, 1] for vectors, [-1, last dim] for stacked experts."""
+    return t.view(-1, 1) if t.dim() == 1 else t.view(-1, t.shape[-1]) if t.dim() > 2 else t
 
 
 def checksum(t: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ def main():
     p.add_argument("--prompts", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--ep", type=int, default=1)  # SGLang's --ep-size, inside the TP group
     args = p.parse_args()
     rank = init_distributed()
     tp = dist.get_world_size()
@@ -33,18 +34,23 @@ def main():
     spec = json.load(open(args.prompts))
     engine = TorchEngine(
         hf.spec,
-        load_generator_params(hf, tp, rank, torch.float32),
+        load_generator_params(hf, tp, rank, torch.float32, ep=args.ep),
         max_running=4,
         max_seq_len=384,
         tp=tp,
         tp_rank=rank,
         group=dist.group.WORLD,
+        ep=args.ep,
     )
     params = SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens, stop_token_ids=tuple(spec["stops"]))
     engine.submit([GenerationRequest(str(i), ids, params) for i, ids in enumerate(spec["prompts"])])
     done = engine.run_until_idle()
     if rank == 0:
-        json.dump({c.request_id: {"tokens": c.output_ids, "logprobs": c.logprobs} for c in done}, open(args.out, "w"))
+        out = {}
+        for c in done:
+            routes = None if c.routed_experts is None else c.routed_experts.tolist()
+            out[c.request_id] = {"tokens": c.output_ids, "logprobs": c.logprobs, "routes": routes}
+        json.dump(out, open(args.out, "w"))
     shutdown()
 
 

@@ -64,12 +64,21 @@ class TorchEngine(GeneratorBackend):
         version: int = 0,
         linear_path: str = "auto",
         cpu_kernels: str = "auto",
+        ep: int = 1,
     ):
         self.spec = spec
         if params["model.norm.weight"].device.type == "cpu":
             keep_freed_memory()  # a CPU engine's per-step logits reuse the heap (runtime/cpu_memory.py)
         self.model = SglangLayoutModel(
-            spec, params, tp, tp_rank, group, decode_rows=max_running, linear_path=linear_path, cpu_kernels=cpu_kernels
+            spec,
+            params,
+            tp,
+            tp_rank,
+            group,
+            decode_rows=max_running,
+            linear_path=linear_path,
+            cpu_kernels=cpu_kernels,
+            ep=ep,
         )
         self.params = params
         self.cache = KVCache(
@@ -80,6 +89,14 @@ class TorchEngine(GeneratorBackend):
             spec.head_dim,
             self.model.dtype,
             self.model.device,
+        )
+        # Routed experts of every position fed to the model, per slot ([position, layer, top_k], -1 on
+        # dense layers), as SGLang records them for --enable-return-routed-experts: a position's routes
+        # are those of the forward that last wrote its keys (prefill, decode or a recompute after an update).
+        self.routes = (
+            torch.full((max_running, max_seq_len, spec.num_layers, spec.moe.top_k), -1, dtype=torch.int16)
+            if spec.moe is not None
+            else None
         )
         self.max_seq_len = max_seq_len
         self.free_slots = list(range(max_running))[::-1]
@@ -181,6 +198,10 @@ class TorchEngine(GeneratorBackend):
             self.cache,
             torch.tensor(last_rows, device=device),
         )
+        if self.routes is not None:
+            for (seq, start, length), segment in zip(work, segments):
+                rows = self.model.routes[segment.offset : segment.offset + length]
+                self.routes[seq.slot, start : start + length] = rows
         return logits if want_logits else None
 
     def _advance(self, seqs: List[_Sequence], work) -> List[Completion]:
@@ -205,10 +226,13 @@ class TorchEngine(GeneratorBackend):
     def _retire(self, seq: _Sequence, reason: str) -> Completion:
         del self.running[seq.slot]
         self.free_slots.append(seq.slot)
-        return self._completion(seq, reason)
+        routes = None
+        if self.routes is not None:  # SGLang's [routed_experts_start_len = 0, seqlen - 1): every fed position
+            routes = self.routes[seq.slot, : len(seq.tokens) - 1].clone()
+        return self._completion(seq, reason, routes)
 
     @staticmethod
-    def _completion(seq: _Sequence, reason: str) -> Completion:
+    def _completion(seq: _Sequence, reason: str, routes: Optional[torch.Tensor] = None) -> Completion:
         r = seq.request
         return Completion(
             r.request_id,
@@ -220,4 +244,5 @@ class TorchEngine(GeneratorBackend):
             seq.versions,
             reason,
             dict(r.meta),
+            routes,
         )

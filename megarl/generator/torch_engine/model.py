@@ -1,15 +1,23 @@
-"""A Llama forward pass over weights held in SGLang's tensor-parallel layout.
+"""A Llama / Qwen2 / Qwen3 / Qwen3-MoE forward pass over weights held in SGLang's tensor-parallel layout.
 
 The reference engine's model: plain PyTorch, the same math as transformers'
 LlamaForCausalLM (RMSNorm in fp32, RoPE incl. Llama-3 scaling, GQA, SwiGLU),
+Qwen2's q/k/v biases, Qwen3's per-head q/k RMSNorm before RoPE, and Qwen3-MoE's
+sparse layers (softmax router in fp32, top-k, optionally renormalised; SwiGLU
+experts weighted and summed),
 reading the parameters exactly as an SGLang TP worker holds them
 (``qkv_proj`` = [q heads; k heads; v heads] of this rank with KV heads
 replicated when TP > KV heads, ``gate_up_proj`` = [gate; up], row-parallel
-``o_proj`` / ``down_proj``, vocabulary rows padded SGLang's way). So the weight
+``o_proj`` / ``down_proj``, vocabulary rows padded SGLang's way, FusedMoE's
+stacked ``w13_weight`` / ``w2_weight`` of this rank's experts). So the weight
 sync that fills SGLang fills this model too, and the two generators behave alike.
 
 Tensor parallelism over the engine's own process group: row-parallel outputs
 and the vocabulary-parallel embedding are all-reduced, the logits all-gathered.
+Experts as SGLang runs them at --ep-size (EP inside TP): each rank applies its
+experts' shards to the tokens routed to them, and one all-reduce over the TP
+group sums experts and shards. Every forward records each token's routed
+experts per layer (``routes``), what SGLang returns with --enable-return-routed-experts.
 
 Block-fp8 weights (float8_e4m3fn + 128x128 ``weight_scale_inv``) are
 dequantised inside each matmul, as SGLang's fp8 linear does on the fly.
@@ -29,7 +37,7 @@ from megarl.generator.torch_engine import native
 from megarl.generator.torch_engine.kernels import LinearKernels
 from megarl.models.spec import ModelSpec
 from megarl.weight_sync import fp8 as fp8_format
-from megarl.weight_sync.layouts import sglang_kv_head_of, sglang_padded_vocab
+from megarl.weight_sync.layouts import sglang_expert_shard, sglang_kv_head_of, sglang_padded_vocab
 
 
 def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
@@ -95,13 +103,17 @@ class SglangLayoutModel:
         decode_rows: int = 0,
         linear_path: str = "mkl",
         cpu_kernels: str = "auto",
+        ep: int = 1,
     ):
         """``linear_path`` "auto": time MKL against oneDNN at ``decode_rows`` rows per weight shape
         and use the faster (kernels.py); "mkl": plain ``F.linear``; "onednn": oneDNN wherever it runs.
         ``cpu_kernels`` "auto": on CPU, megarl's C kernels where they build (native.py: decode
         attention where head_dim is a multiple of 16, and the layer's residual add + RMSNorm, RoPE
-        and SwiGLU), else torch's; "torch": torch's SDPA and ops always (what a GPU runs)."""
+        and SwiGLU), else torch's; "torch": torch's SDPA and ops always (what a GPU runs).
+        ``ep``: SGLang's --ep-size for the experts (layouts.sglang_expert_shard)."""
         self.spec, self.params, self.tp, self.tp_rank, self.group, self.fp8 = spec, params, tp, tp_rank, group, fp8
+        self.first_expert = sglang_expert_shard(spec, tp, tp_rank, ep)[0][0] if spec.moe else 0
+        self.routes: Optional[torch.Tensor] = None  # [T, layers, top_k] of the last forward (-1: dense layer)
         self.heads = spec.num_attention_heads // tp
         kv0, kv1 = sglang_kv_head_of(spec, tp, tp_rank)
         self.kv_heads = kv1 - kv0
@@ -207,6 +219,8 @@ class SglangLayoutModel:
         else:
             decode_rows = torch.tensor([s.offset for s in decode], dtype=torch.long, device=tokens.device)
         plan = self._decode_plan(decode, cache, tokens.device) if decode else None
+        if self.spec.moe is not None:
+            self.routes = torch.full((len(tokens), self.spec.num_layers, self.spec.moe.top_k), -1, dtype=torch.int16)
         delta = None  # the last sublayer's output, added to the residual x by the next norm
         for i in range(self.spec.num_layers):
             p = f"model.layers.{i}."
@@ -214,6 +228,12 @@ class SglangLayoutModel:
             qkv = self._linear(h, p + "self_attn.qkv_proj.weight")
             # q and k heads are adjacent in qkv_proj: rotated in one pass
             rotated = self.heads + self.kv_heads
+            if self.spec.qkv_bias:
+                qkv += self.params[p + "self_attn.qkv_proj.bias"]
+            if self.spec.qk_norm:  # each head's q and k RMS-normalised over head_dim, before RoPE
+                heads = qkv[:, : rotated * d].view(-1, rotated, d)
+                heads[:, : self.heads] = self._norm(heads[:, : self.heads], p + "self_attn.q_norm.weight")
+                heads[:, self.heads :] = self._norm(heads[:, self.heads :], p + "self_attn.k_norm.weight")
             if self.native_ops:  # in place: q and k stay views of qkv
                 native.rope_(qkv, cos, sin, rotated, d)
                 qk = qkv[:, : rotated * d].view(-1, rotated, d)
@@ -232,6 +252,9 @@ class SglangLayoutModel:
                 attn = self._attend_decode(q, k, v, plan, cache, i)
             delta = self._all_reduce(self._linear(attn.reshape(-1, self.heads * d), p + "self_attn.o_proj.weight"))
             h = self._add_norm(x, delta, p + "post_attention_layernorm.weight")
+            if self.spec.is_moe_layer(i):
+                delta = self._all_reduce(self._experts(h, p, i))
+                continue
             gate_up = self._linear(h, p + "mlp.gate_up_proj.weight")
             if self.native_ops:
                 act = native.silu_mul(gate_up)
@@ -243,6 +266,27 @@ class SglangLayoutModel:
         if logit_rows is not None:
             x = x[logit_rows]
         return self._logits(x)
+
+    def _experts(self, h: torch.Tensor, p: str, layer: int) -> torch.Tensor:
+        """This rank's part of a sparse MLP: route every token (the router is replicated), then
+        apply each local expert's shard to its tokens, weighted by their routing weights."""
+        moe = self.spec.moe
+        probs = F.softmax(F.linear(h, self.params[p + "mlp.gate.weight"]).float(), dim=-1)
+        weights, experts = torch.topk(probs, moe.top_k, dim=-1)
+        if moe.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(h.dtype)
+        self.routes[:, layer] = experts.to(torch.int16)
+        w13, w2 = self.params[p + "mlp.experts.w13_weight"], self.params[p + "mlp.experts.w2_weight"]
+        out = torch.zeros_like(h)
+        for j in range(w13.shape[0]):
+            rows, slot = torch.nonzero(experts == self.first_expert + j, as_tuple=True)
+            if rows.numel() == 0:
+                continue
+            gate, up = F.linear(h[rows], w13[j]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, w2[j]) * weights[rows, slot, None]
+            out.index_add_(0, rows, y)
+        return out
 
     def _attend_ragged(self, q, k, v, segments: List[Segment], cache: KVCache, layer: int, out: torch.Tensor) -> None:
         """Sequences with several new tokens: each attends causally to its cache prefix and new tokens."""
