@@ -1,8 +1,10 @@
-"""What an SGLang TP rank holds after loading a Hugging Face Llama checkpoint.
+"""What an SGLang TP rank holds after loading a Hugging Face Llama / Qwen2 / Qwen3 / Qwen3-MoE checkpoint.
 
 Written from SGLang 0.5's loaders (QKVParallelLinear / MergedColumnParallelLinear /
-RowParallelLinear / VocabParallelEmbedding weight_loader), independently of
-megarl.weight_sync, as the reference the weight sync must reproduce bitwise.
+RowParallelLinear / VocabParallelEmbedding weight_loader; Qwen3-MoE's FusedMoE
+weight_loader and parallel_state's MoE groups: at --ep-size ep the TP rank is
+ep_rank x (tp/ep) + moe_tp_rank, experts are contiguous per ep_rank), independently
+of megarl.weight_sync, as the reference the weight sync must reproduce bitwise.
 """
 
 import torch
@@ -16,7 +18,20 @@ def sglang_vocab_rows(vocab_size: int, tp: int):
     return padded // tp
 
 
-def sglang_shard(full: dict, config: dict, tp: int, rank: int) -> dict:
+def num_experts(config: dict) -> int:
+    # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts (its attribute_map)
+    return config.get("num_experts") or config.get("num_local_experts") or 0
+
+
+def sparse_layers(config: dict) -> set:
+    """Qwen3-MoE's decoder layers with experts (its modeling code's rule)."""
+    if not num_experts(config):
+        return set()
+    step, dense = config.get("decoder_sparse_step", 1), set(config.get("mlp_only_layers", []))
+    return {i for i in range(config["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0}
+
+
+def sglang_shard(full: dict, config: dict, tp: int, rank: int, ep: int = 1) -> dict:
     """``full``: HF tensors by name; returns SGLang parameter name -> tensor for TP rank ``rank``."""
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     hidden, layers = config["hidden_size"], config["num_hidden_layers"]
@@ -53,11 +68,44 @@ def sglang_shard(full: dict, config: dict, tp: int, rank: int) -> dict:
         q = rows(full[p + "self_attn.q_proj.weight"], rank * heads_here * head_dim, heads_here * head_dim)
         k = rows(full[p + "self_attn.k_proj.weight"], kv_shard * kv_here * head_dim, kv_here * head_dim)
         v = rows(full[p + "self_attn.v_proj.weight"], kv_shard * kv_here * head_dim, kv_here * head_dim)
-        ffn = full[p + "mlp.gate_proj.weight"].shape[0] // tp
         out.update(
             {
                 p + "self_attn.qkv_proj.weight": torch.cat([q, k, v]),
                 p + "self_attn.o_proj.weight": cols(full[p + "self_attn.o_proj.weight"]),
+                p + "input_layernorm.weight": full[p + "input_layernorm.weight"],
+                p + "post_attention_layernorm.weight": full[p + "post_attention_layernorm.weight"],
+            }
+        )
+        if p + "self_attn.q_proj.bias" in full:
+            out[p + "self_attn.qkv_proj.bias"] = torch.cat(
+                [
+                    rows(full[p + "self_attn.q_proj.bias"], rank * heads_here * head_dim, heads_here * head_dim),
+                    rows(full[p + "self_attn.k_proj.bias"], kv_shard * kv_here * head_dim, kv_here * head_dim),
+                    rows(full[p + "self_attn.v_proj.bias"], kv_shard * kv_here * head_dim, kv_here * head_dim),
+                ]
+            )
+        for x in ("q_norm", "k_norm"):
+            if p + f"self_attn.{x}.weight" in full:
+                out[p + f"self_attn.{x}.weight"] = full[p + f"self_attn.{x}.weight"]
+        if i in sparse_layers(config):
+            moe_tp = tp // ep
+            ep_rank, moe_tp_rank = rank // moe_tp, rank % moe_tp
+            local = num_experts(config) // ep
+            inter = config["moe_intermediate_size"] // moe_tp
+            w13, w2 = [], []
+            for e in range(ep_rank * local, (ep_rank + 1) * local):
+                x = f"{p}mlp.experts.{e}."
+                gate = rows(full[x + "gate_proj.weight"], moe_tp_rank * inter, inter)
+                up = rows(full[x + "up_proj.weight"], moe_tp_rank * inter, inter)
+                w13.append(torch.cat([gate, up]))  # shard w1 then w3
+                w2.append(full[x + "down_proj.weight"].narrow(1, moe_tp_rank * inter, inter))
+            out[p + "mlp.experts.w13_weight"] = torch.stack(w13)
+            out[p + "mlp.experts.w2_weight"] = torch.stack(w2)
+            out[p + "mlp.gate.weight"] = full[p + "mlp.gate.weight"]
+            continue
+        ffn = full[p + "mlp.gate_proj.weight"].shape[0] // tp
+        out.update(
+            {
                 p + "mlp.gate_up_proj.weight": torch.cat(
                     [
                         rows(full[p + "mlp.gate_proj.weight"], rank * ffn, ffn),
@@ -65,8 +113,6 @@ def sglang_shard(full: dict, config: dict, tp: int, rank: int) -> dict:
                     ]
                 ),
                 p + "mlp.down_proj.weight": cols(full[p + "mlp.down_proj.weight"]),
-                p + "input_layernorm.weight": full[p + "input_layernorm.weight"],
-                p + "post_attention_layernorm.weight": full[p + "post_attention_layernorm.weight"],
             }
         )
     return out

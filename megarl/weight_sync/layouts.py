@@ -11,9 +11,13 @@ Megatron (trainer), rank (tp, pp), local layer i = global layer pp_offset + i:
                  of one group when tp > n_kv (Megatron all-gathers QKV then)
     linear_fc1   [gate rows of this rank; up rows of this rank]
     linear_proj, linear_fc2   row-parallel: all rows, this rank's columns
+    linear_qkv.bias   (Qwen2) the weight's rows;  q_layernorm / k_layernorm (Qwen3) replicated
     word_embeddings / output_layer   rows [t V'/tp, (t+1) V'/tp) of Megatron's
                  padded vocabulary V' (rows >= V are padding: no logical source)
     norms        replicated on every TP rank of the stage
+    MoE layers   pre_mlp_layernorm and the router replicated; SequentialMLP's
+                 local_experts.{j} = expert ep_rank x E/ep + j, fc1 [gate; up]
+                 rows and fc2 columns of its ETP rank (ExpertShard)
 
 SGLang (generator), TP rank r (its Llama / Qwen loaders' layout, HF-derived names):
     qkv_proj     [its q heads; its k heads; its v heads], KV heads replicated
@@ -142,16 +146,20 @@ def megatron_rank_layout(
     vocab_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY,
     norm_names: str = "local",
     vp: Optional[int] = None,
+    experts: Optional["ExpertShard"] = None,
 ) -> List[LocalTensor]:
-    """The parameters of Megatron rank (tp_rank, pp_rank), by their names in GPTModel.
+    """The parameters of Megatron rank (tp_rank, pp_rank), by their names in GPTModel; a model
+    with experts also needs the rank's ``experts`` (its EP and expert-TP coordinates; default EP1
+    with expert TP = TP, Megatron's default expert_tensor_parallel_size).
 
     With ``vp`` virtual stages (interleaved pipeline) the rank holds ``vp`` model
     chunks; chunk v's names carry the prefix ``"{v}/"`` (as ``endpoints.megatron_params``
     names them) and its layers start at Megatron's offset
     v x layers/vp + pp_rank x layers/(pp x vp).
     """
+    experts = experts or ExpertShard(1, 0, tp, tp_rank)
     if vp is None:
-        return _stage_layout(spec, tp, pp, tp_rank, pp_rank, vocab_divisible_by, norm_names)
+        return _stage_layout(spec, tp, pp, tp_rank, pp_rank, vocab_divisible_by, norm_names, experts)
     per_chunk = spec.num_layers // (pp * vp)
     out: List[LocalTensor] = []
     for v in range(vp):
@@ -163,6 +171,7 @@ def megatron_rank_layout(
             pp_rank,
             vocab_divisible_by,
             norm_names,
+            experts,
             first_layer=v * (spec.num_layers // vp) + pp_rank * per_chunk,
             layers=per_chunk,
             first=v == 0 and pp_rank == 0,
@@ -181,6 +190,7 @@ def _stage_layout(
     pp_rank: int,
     vocab_divisible_by: int,
     norm_names: str,
+    experts: "ExpertShard",
     first_layer: Optional[int] = None,
     layers: Optional[int] = None,
     first: Optional[bool] = None,
@@ -218,13 +228,31 @@ def _stage_layout(
         out += [
             _replicated(mg + attn_norm, hf + "input_layernorm.weight", h),
             _stack(mg + "self_attention.linear_qkv.weight", qkv, h),
+        ]
+        if spec.qkv_bias:  # the same grouped rows as the weight's, one column
+            bias_parts = [(x.replace(".weight", ".bias"), rows, (0, 1)) for x, rows, _ in grouped]
+            bias = _stack(
+                mg + "self_attention.linear_qkv.bias", _cut(bias_parts, tp_rank * qkv_rows, (tp_rank + 1) * qkv_rows), 1
+            )
+            out.append(dataclasses.replace(bias, shape=bias.shape[:1]))
+        if spec.qk_norm:  # one weight over head_dim, on every TP rank
+            out += [
+                _replicated(mg + f"self_attention.{x}_layernorm.weight", hf + f"self_attn.{x}_norm.weight", d)
+                for x in "qk"
+            ]
+        out.append(
             _col_split(
                 mg + "self_attention.linear_proj.weight",
                 hf + "self_attn.o_proj.weight",
                 shapes[hf + "self_attn.o_proj.weight"],
                 tp,
                 tp_rank,
-            ),
+            )
+        )
+        if spec.is_moe_layer(i):
+            out += _megatron_experts(spec, hf, mg, experts)
+            continue
+        out += [
             _replicated(mg + mlp_norm, hf + "post_attention_layernorm.weight", h),
             _stack(
                 mg + "mlp.linear_fc1.weight",
@@ -240,6 +268,42 @@ def _stage_layout(
         logical = "model.embed_tokens.weight" if spec.tie_embeddings else "lm_head.weight"
         if not spec.tie_embeddings or split:
             out.append(_vocab_shard("output_layer.weight", logical, spec, padded, tp, tp_rank))
+    return out
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """Where a Megatron rank sits among the experts: experts [ep_rank E/ep, (ep_rank + 1) E/ep), each
+    one's FFN split over ``etp`` (expert_tensor_parallel_size) ranks (ParallelDims.expert_coords)."""
+
+    ep: int
+    ep_rank: int
+    etp: int
+    etp_rank: int
+
+
+def _megatron_experts(spec: ModelSpec, hf: str, mg: str, shard: ExpertShard) -> List[LocalTensor]:
+    """A MoE layer on one rank: its own pre-MLP norm (both layer specs), the router (replicated),
+    and SequentialMLP's local experts, fc1 = [gate shard; up shard] and fc2 column-parallel over ETP."""
+    h, moe = spec.hidden_size, spec.moe
+    local = moe.num_experts // shard.ep
+    width = moe.ffn_hidden_size // shard.etp
+    ff = (shard.etp_rank * width, (shard.etp_rank + 1) * width)
+    out = [
+        _replicated(mg + "pre_mlp_layernorm.weight", hf + "post_attention_layernorm.weight", h),
+        LocalTensor(
+            mg + "mlp.router.weight",
+            (moe.num_experts, h),
+            (Block(hf + "mlp.gate.weight", (0, moe.num_experts), (0, h), 0),),
+        ),
+    ]
+    for j in range(local):
+        src, dst = f"{hf}mlp.experts.{shard.ep_rank * local + j}.", f"{mg}mlp.experts.local_experts.{j}."
+        fc1 = [(src + "gate_proj.weight", ff, (0, h)), (src + "up_proj.weight", ff, (0, h))]
+        out += [
+            _stack(dst + "linear_fc1.weight", fc1, h),
+            LocalTensor(dst + "linear_fc2.weight", (h, width), (Block(src + "down_proj.weight", (0, h), ff, 0),)),
+        ]
     return out
 
 

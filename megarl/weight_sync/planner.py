@@ -28,7 +28,14 @@ from typing import Dict, List, Optional, Tuple
 from megarl.models.megatron_model import DEFAULT_VOCAB_DIVISIBLE_BY
 from megarl.models.spec import ModelSpec
 from megarl.parallel_dims import GeneratorDims, ParallelDims, generator_rank
-from megarl.weight_sync.layouts import Block, LocalTensor, Range, megatron_rank_layout, sglang_rank_layout
+from megarl.weight_sync.layouts import (
+    Block,
+    ExpertShard,
+    LocalTensor,
+    Range,
+    megatron_rank_layout,
+    sglang_rank_layout,
+)
 
 
 @dataclass(frozen=True)
@@ -87,29 +94,24 @@ def build_plan(
     """Plan one weight sync from the trainer's shards to every generator replica. ``norm_names``:
     "te" for Transformer Engine layer specs (norms fused into the linears), else "local"."""
     vp = trainer.virtual_pipeline_model_parallel_size
-    spec.check_parallelism(trainer.tp, trainer.pp, vp)
+    spec.check_parallelism(trainer.tp, trainer.pp, vp, trainer.ep, trainer.etp)
     # Source copies by logical tensor and region: every (rank, local tensor, block) holding
     # those same elements -- DP replicas, TP-replicated norms, a tied last-stage output layer.
     sources: Dict[str, Dict[Tuple[Range, Range], List[Tuple[int, LocalTensor, Block]]]] = defaultdict(dict)
-    for pp_rank in range(trainer.pp):
-        for tp_rank in range(trainer.tp):
-            layout = megatron_rank_layout(
-                spec,
-                trainer.tp,
-                trainer.pp,
-                tp_rank,
-                pp_rank,
-                vocab_divisible_by,
-                norm_names,
-                vp,
+    layouts_by_coords: Dict[Tuple[int, int, int, int], List[LocalTensor]] = {}
+    for rank in range(trainer.world_size):
+        # a rank's dense shard is set by (tp, pp), its experts' by (ep, etp); the rest are replicas
+        dense, expert = trainer.coords(rank), trainer.expert_coords(rank)
+        key = (dense["tp"], dense["pp"], expert["ep"], expert["etp"])
+        if key not in layouts_by_coords:
+            experts = ExpertShard(trainer.ep, expert["ep"], trainer.expert_tp, expert["etp"])
+            layouts_by_coords[key] = megatron_rank_layout(
+                spec, trainer.tp, trainer.pp, dense["tp"], dense["pp"], vocab_divisible_by, norm_names, vp, experts
             )
-            replicas = [(cp_rank, dp_rank) for dp_rank in range(trainer.dp) for cp_rank in range(trainer.cp)]
-            for cp_rank, dp_rank in replicas:
-                rank = trainer.rank(tp_rank=tp_rank, cp_rank=cp_rank, dp_rank=dp_rank, pp_rank=pp_rank)
-                for tensor in layout:
-                    for block in tensor.blocks:
-                        copies = sources[block.logical].setdefault((block.rows, block.cols), [])
-                        copies.append((rank, tensor, block))
+        for tensor in layouts_by_coords[key]:
+            for block in tensor.blocks:
+                copies = sources[block.logical].setdefault((block.rows, block.cols), [])
+                copies.append((rank, tensor, block))
 
     # Per region: its copies by rank, and an id of its set of holders (q, k and v of one
     # Megatron shard share holders, so they share a sender choice below).
@@ -122,7 +124,7 @@ def build_plan(
             regions[logical].append((rows, cols, holders, copies, {c[0]: c for c in copies}))
 
     # The intersections depend only on the generator TP rank, not on the replica.
-    layouts = [sglang_rank_layout(spec, generator.tp, r) for r in range(generator.tp)]
+    layouts = [sglang_rank_layout(spec, generator.tp, r, generator.ep) for r in range(generator.tp)]
     overlaps = []
     for layout in layouts:
         found = []

@@ -154,3 +154,72 @@ def test_wire_rounds_pack_small_payloads_densely(fp8):
 def _bytes(spec):
     (h, w), dtype = spec
     return h * w * dtype.itemsize
+
+
+def tiny_moe(**overrides):
+    """A Qwen3-MoE config: 4 experts, top 2, a dense first layer (the mixed kind)."""
+    moe = dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    return ModelSpec.from_hf_config({**TINY_CONFIG, **moe, "mlp_only_layers": [0], **overrides})
+
+
+@pytest.mark.parametrize(
+    "trainer, generator",
+    [
+        (ParallelDims(tp=1, dp=4, ep=4), GeneratorDims(tp=2, replicas=1, ep=2)),
+        (ParallelDims(tp=2, dp=2, ep=2), GeneratorDims(tp=4, replicas=2, ep=2)),
+        (ParallelDims(tp=2, pp=2, dp=2, ep=2, etp=1), GeneratorDims(tp=2, replicas=3)),
+        (ParallelDims(tp=1, dp=4, ep=2, etp=2), GeneratorDims(tp=1, replicas=2)),
+    ],
+)
+def test_every_expert_element_is_written_exactly_once(trainer, generator):
+    """Experts partitioned over EP and split over ETP on the trainer, over SGLang's EP inside TP on
+    the generators: every destination element once, none twice, the padding never."""
+    spec = tiny_moe()
+    plan = build_plan(spec, trainer, generator)
+    for dst, layout in plan.dst_layouts.items():
+        counts = {
+            t.name: torch.zeros(
+                t.numel // t.shape[-1] if len(t.shape) > 1 else t.numel,
+                t.shape[-1] if len(t.shape) > 1 else 1,
+                dtype=torch.int32,
+            )
+            for t in layout
+        }
+        for transfers in plan.recvs_of(dst).values():
+            for t in transfers:
+                counts[t.dst_param][t.dst_rows[0] : t.dst_rows[1], t.dst_cols[0] : t.dst_cols[1]] += 1
+        for t in layout:
+            covered = torch.zeros_like(counts[t.name])
+            for b in t.blocks:
+                covered[b.local_row : b.local_row + b.num_rows, :] = 1
+            assert torch.equal(counts[t.name], covered), t.name
+        assert any("w13_weight" in t.name for t in layout)
+
+
+def expected_qwen3_moe_elements(spec: ModelSpec, tp: int, ep: int, rank: int) -> int:
+    """Elements SGLang's loaders write on one TP rank of a Qwen3-MoE (every layer sparse; from the
+    published shapes alone): attention and norms as for a dense model, the router whole, E/ep
+    experts of 3 x h x I/(tp/ep) each."""
+    h, d, moe = spec.hidden_size, spec.head_dim, spec.moe
+    kv_per_rank = max(1, spec.num_kv_heads // tp)
+    per_layer = (spec.num_attention_heads // tp + 2 * kv_per_rank) * d * h + h * spec.num_attention_heads * d // tp
+    per_layer += 2 * h + 2 * d  # the layer norms, q_norm and k_norm
+    per_layer += moe.num_experts * h + moe.num_experts // ep * 3 * h * moe.ffn_hidden_size // (tp // ep)
+    rows = sglang_padded_vocab(spec.vocab_size, tp) // tp
+    real_rows = max(0, min(spec.vocab_size, (rank + 1) * rows) - rank * rows)
+    return spec.num_layers * per_layer + real_rows * h * 2 + h
+
+
+def test_qwen3_30b_a3b_plan_sends_each_receiver_its_experts_only():
+    """Trainer TP2 x PP4 x EP8 (64 GPUs, DP8) into SGLang TP4 x EP4 replicas: each generator rank
+    receives exactly its 32 experts' shards of every layer and its attention shard: the minimum."""
+    spec = preset_spec("qwen3-30b-a3b")
+    trainer = ParallelDims(tp=2, pp=4, dp=8, ep=8)
+    generator = GeneratorDims(tp=4, replicas=2, ep=4)
+    plan = build_plan(spec, trainer, generator)
+    received = plan.elements_received()
+    for replica in range(2):
+        for r in range(4):
+            assert received[generator_rank(trainer, generator, replica, r)] == expected_qwen3_moe_elements(
+                spec, 4, 4, r
+            )

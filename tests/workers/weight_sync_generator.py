@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
-from weight_sync_cases import cases  # noqa: E402
+from weight_sync_cases import cases, trainer_sizes  # noqa: E402
 from weight_sync_trainer import pack_threshold, parse, stage_group, sync_group  # noqa: E402
 
 from megarl.checkpointing.megatron_checkpoint import read_spec, resolve_checkpoint_dir  # noqa: E402
@@ -52,11 +52,11 @@ def main():
     version = 0
     for case in cases(args, args.trainers):
         spec = read_spec(resolve_checkpoint_dir(case.model))
-        tp, pp = (int(x) for x in case.layout.split("x")[:2])
-        trainer = ParallelDims(tp=tp, pp=pp, dp=args.trainers // (tp * pp))
-        generator = GeneratorDims(tp=case.dst_tp, replicas=args.generators // case.dst_tp)
+        tp, pp, vpp, ep, etp = trainer_sizes(case.layout)
+        trainer = ParallelDims(tp=tp, pp=pp, dp=args.trainers // (tp * pp), vpp=vpp, ep=ep, etp=etp)
+        generator = GeneratorDims(tp=case.dst_tp, replicas=args.generators // case.dst_tp, ep=case.dst_ep)
         replica, tp_rank = divmod(rank, case.dst_tp)
-        params = allocate_generator_params(spec, case.dst_tp, tp_rank, case.dtype, case.fp8)
+        params = allocate_generator_params(spec, case.dst_tp, tp_rank, case.dtype, case.fp8, ep=case.dst_ep)
         version += 1
         if args.baseline:
             groups = [stage_group(store, version, s, args.generators, 1 + rank) for s in range(trainer.pp)]
@@ -100,7 +100,7 @@ def main():
                     pack_below_bytes=pack_below,
                 ).receive(expected_version=version)
         full, config = hf_tensors(case.model)
-        reference = sglang_shard(full, config, case.dst_tp, tp_rank)
+        reference = sglang_shard(full, config, case.dst_tp, tp_rank, case.dst_ep)
         record = {
             "case": case.name,
             "rank": rank,

@@ -46,7 +46,7 @@ def main():
             loaded = (key, spec, chunks)
         _, spec, chunks = loaded
         trainer = parse_layout(case.layout)  # over this world of trainer ranks
-        generator = GeneratorDims(tp=case.dst_tp, replicas=args.generators // case.dst_tp)
+        generator = GeneratorDims(tp=case.dst_tp, replicas=args.generators // case.dst_tp, ep=case.dst_ep)
         version += 1
         if args.baseline:
             run_baseline(args, spec, trainer, chunks, rank, case, version, store)
@@ -135,7 +135,7 @@ def parse():
     p.add_argument("--generators", type=int, required=True)
     p.add_argument("--models", nargs="+", required=True)
     p.add_argument("--layouts", nargs="+", required=True)
-    p.add_argument("--dst-tps", nargs="+", type=int, required=True)
+    p.add_argument("--dst-tps", nargs="+", required=True, help="generator layouts TP[eEP]")
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"])
     p.add_argument("--fp8", action="store_true")
     p.add_argument("--ipc", action="store_true", help="treat every pair as colocated (shared-memory path)")
