@@ -299,8 +299,11 @@ class Config:
                     )
         if t.recompute_modules is not None and t.recompute_granularity != "selective":
             raise ConfigError("trainer.recompute_modules: used only with trainer.recompute_granularity=selective")
-        if self.run.mode == "sync" and (t.cp > 1 or t.vpp > 1):
-            name = "trainer.cp" if t.cp > 1 else "trainer.vpp"
+        expert = t.ep > 1 or (t.etp is not None and t.etp != t.tp) or self.generator.ep > 1
+        if self.run.mode == "sync" and (t.cp > 1 or t.vpp > 1 or expert):
+            name = (
+                "trainer.cp" if t.cp > 1 else "trainer.vpp" if t.vpp > 1 else "trainer.ep / trainer.etp / generator.ep"
+            )
             raise ConfigError(
                 f"{name}: sync (colocated) mode copies the trainer's shards into each rank's engine "
                 f"by TP x PP only; run it with run.mode=async"

@@ -43,7 +43,7 @@ def train(
         # every rank resolves the model; converting is a job of its own, done before the launch
         # (scripts/launch.sh runs `megarl train --prepare-only` first)
         prepared = model_source.prepare_model(cfg.model, convert=False)
-        check_model_trains(ModelSpec.from_dict(prepared.spec))
+        check_model_trains(ModelSpec.from_dict(prepared.spec), cfg)
         # imported here: this module is `megarl train`'s launcher and stays torch-free (runtime/launch.py);
         # the controller and the replay pull in torch and the trainer (~1.3 s), needed only on a rank
         from megarl.loop.controller import run_rank
@@ -63,7 +63,7 @@ def train(
     if not replay:  # (torchrun's ranks are checked by the --prepare-only that precedes them: scripts/launch.sh)
         _check_data(cfg)  # a replay trains on recorded token ids: it reads no data source
     prepared = model_source.prepare_model(cfg.model)
-    check_model_trains(ModelSpec.from_dict(prepared.spec))
+    check_model_trains(ModelSpec.from_dict(prepared.spec), cfg)
     if prepare_only:
         print(
             json.dumps(

@@ -90,6 +90,26 @@ _QWEN3_MOE = dict(_QWEN3, model_type="qwen3_moe", num_experts=128, num_experts_p
 
 # whole HF configs (their own family, RoPE and norms), read as config.json is
 HF_CONFIGS = {
+    # configs/tiny_moe_cpu.yaml's model: Qwen3-MoE's structure (q/k norms, a dense first layer, then
+    # 4 experts top 2 with renormalised weights) at the test suite's tiny shape
+    "tiny-moe": dict(
+        _QWEN3,
+        model_type="qwen3_moe",
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        vocab_size=300,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[0],
+    ),
     "qwen3-8b": dict(
         _QWEN3,
         model_type="qwen3",

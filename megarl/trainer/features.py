@@ -50,16 +50,6 @@ def check_trainer_runs_here(cfg) -> None:
             f"trainer.cp={t.cp}: megarl's packed micro-batches are not yet split over context-parallel "
             "ranks; `megarl plan` models cp, `megarl train` needs trainer.cp=1"
         )
-    g = cfg.generator
-    if t.ep > 1 or t.etp is not None or g.ep > 1:
-        # Megatron trains MoE models at EP here (the converter and the logits tests run them), but
-        # the weight-sync plans for expert shards and the engine's expert layout are not wired into
-        # `megarl train` yet; `megarl plan` sizes such layouts.
-        name = "trainer.ep" if t.ep > 1 else "trainer.etp" if t.etp is not None else "generator.ep"
-        raise ConfigError(
-            f"{name}: `megarl train` does not run expert parallelism yet (mixture-of-experts models "
-            f"convert at EP with `megarl convert hf-to-megatron --ep`, and `megarl plan` sizes EP layouts)"
-        )
     if t.gradient_accumulation_fusion:
         gradient_accumulation_fusion(True, on_gpu=_cuda_available())  # refused on a GPU without Apex
     o = cfg.optimizer
@@ -91,15 +81,20 @@ def gradient_accumulation_fusion(setting: Optional[bool], on_gpu: bool) -> bool:
     return available
 
 
-def check_model_trains(spec) -> None:
-    """``megarl train`` runs Llama-family models end to end; the other families convert and run in
-    the trainer's Megatron model (docs/conversion.md), but the generators' layouts and the weight
-    sync of their q/k/v biases, q/k norms and experts are not wired yet: refused, never dropped."""
-    if spec.model_type != "llama":
-        parts = [("q/k/v biases", spec.qkv_bias), ("q/k norms", spec.qk_norm), ("experts", spec.moe is not None)]
-        lacking = ", ".join(name for name, has in parts if has)
+def check_model_trains(spec, cfg) -> None:
+    """What `megarl train` checks once the model's config is known: expert settings need a model
+    with experts, and the parts of a family that the generators cannot serve yet are refused by
+    the field that asks for them, never dropped."""
+    t, g = cfg.trainer, cfg.generator
+    if spec.moe is None:
+        for name, value, default in [("trainer.ep", t.ep, 1), ("trainer.etp", t.etp, None), ("generator.ep", g.ep, 1)]:
+            if value != default:
+                raise ConfigError(f"{name}={value}: model_type {spec.model_type!r} has no experts; leave it unset")
+        return
+    if g.fp8:
+        # SGLang block-quantises FusedMoE's w13/w2 per expert (scales [E, rows/128, cols/128]); megarl's
+        # fp8 sync quantises 2-D linears only so far, and experts served in bf16 would not be SGLang's
         raise ConfigError(
-            f"model.source: model_type {spec.model_type!r} converts and runs in Megatron, but `megarl train` "
-            f"runs model_type 'llama' only so far (the generators and the weight sync of its {lacking} "
-            f"are not wired yet)"
+            f"generator.fp8: model_type {spec.model_type!r} has experts, whose block-fp8 layout megarl's "
+            "weight sync does not write yet; set generator.fp8=false"
         )

@@ -23,9 +23,19 @@ from megarl.config import load_config
 from tests.unit.test_rl_loop import ROOT, TINY
 
 
-def _train(out: Path, *overrides, timeout=900):
+def _train(out: Path, *overrides, timeout=900, config=TINY):
     verify = [] if "run.mode=sync" in overrides else ["generator.verify_sync=true"]
-    cmd = [sys.executable, "-m", "megarl.cli", "train", "--config", TINY, f"run.output_dir={out}", *verify, *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "megarl.cli",
+        "train",
+        "--config",
+        config,
+        f"run.output_dir={out}",
+        *verify,
+        *overrides,
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     # every trainer rank saves the same common state (rank 0's clock for the time budget): Megatron

@@ -219,6 +219,11 @@ def test_launch_arguments_are_sglang_server_args():
     assert flags and set(flags) <= fields, set(flags) - fields
     assert args[args.index("--custom-weight-loader") + 1] == serving.WORKER_LOADER
     assert args[args.index("--base-gpu-id") + 1] == "8" and args[args.index("--tp-size") + 1] == "8"
+    assert "--ep-size" not in args
+    experts = serving.server_args("/m", 30001, tp=8, base_gpu_id=0, ep=4)
+    flags = [a[2:].replace("-", "_") for a in experts if a.startswith("--")]
+    assert "ep_size" in flags and set(flags) <= fields
+    assert experts[experts.index("--ep-size") + 1] == "4"
 
 
 def test_block_fp8_scales_are_renamed_by_sglangs_loader():

@@ -163,8 +163,6 @@ def test_sequence_and_context_parallel_are_refused_where_transformer_engine_cann
         ),
         (["trainer.cp=2"], "trainer.cp=2: context parallelism runs in Transformer Engine"),
         (["optimizer.overlap_grad_reduce=true"], "optimizer.overlap_grad_reduce: .*on CPU"),
-        (["trainer.ep=2", "trainer.etp=1"], "trainer.ep: `megarl train` does not run expert parallelism yet"),
-        (["generator.ep=2", "generator.tp=2"], "generator.ep: `megarl train` does not run expert"),
     ]:
         cfg = load_config(TINY, overrides)  # a consistent config: `megarl plan` reads it anywhere
         with pytest.raises(ConfigError, match=message):
@@ -195,19 +193,35 @@ def test_every_shipped_config_loads(path):
     assert load_config(str(path)).run.output_dir
 
 
-def test_families_without_a_generator_path_are_refused_by_megarl_train_naming_what_they_lack():
-    """Refused, not trained with its biases / norms / experts missing from the generators: the
-    check passing a Qwen model, or naming the wrong part, fails here."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3MoeConfig
+def test_expert_settings_need_experts_and_fp8_experts_are_refused():
+    """Every family trains; expert parallelism on a dense model and fp8 generators of a MoE model are
+    refused naming the field (a check that lets them through, or names another field, fails)."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     from megarl.models.spec import ModelSpec
     from megarl.trainer.features import check_model_trains
 
     shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
     shape.update(num_key_value_heads=2)
-    check_model_trains(ModelSpec.from_hf_config(LlamaConfig(**shape)))
-    with pytest.raises(ConfigError, match=r"model_type 'qwen2' .*weight sync of its q/k/v biases are not wired"):
-        check_model_trains(ModelSpec.from_hf_config(Qwen2Config(**shape)))
-    moe = Qwen3MoeConfig(**shape, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
-    with pytest.raises(ConfigError, match=r"model_type 'qwen3_moe' .*of its q/k norms, experts are not wired"):
-        check_model_trains(ModelSpec.from_hf_config(moe))
+    moe = ModelSpec.from_hf_config(
+        Qwen3MoeConfig(**shape, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    )
+    ep = load_config(TINY, ["trainer.ep=2", "trainer.etp=1", "generator.ep=2", "generator.tp=2"])
+    for config in (LlamaConfig, Qwen2Config, Qwen3Config):
+        check_model_trains(ModelSpec.from_hf_config(config(**shape)), load_config(TINY))
+        with pytest.raises(ConfigError, match=r"trainer.ep=2: model_type '\w+' has no experts"):
+            check_model_trains(ModelSpec.from_hf_config(config(**shape)), ep)
+    generator_ep = load_config(TINY, ["generator.ep=2", "generator.tp=2"])
+    with pytest.raises(ConfigError, match=r"generator.ep=2: model_type 'qwen3' has no experts"):
+        check_model_trains(ModelSpec.from_hf_config(Qwen3Config(**shape)), generator_ep)
+    check_model_trains(moe, ep)
+    with pytest.raises(ConfigError, match=r"generator.fp8: model_type 'qwen3_moe' has experts"):
+        check_model_trains(moe, load_config(TINY, ["generator.fp8=true"]))
+
+
+def test_sync_mode_refuses_expert_parallelism():
+    """Sync mode copies each rank's shards into its own engine by TP x PP: experts split over EP
+    would be missing from it."""
+    for overrides in (["trainer.ep=2", "trainer.dp=2"], ["generator.ep=2", "generator.tp=2"]):
+        with pytest.raises(ConfigError, match="trainer.ep / trainer.etp / generator.ep: sync"):
+            load_config(TINY, ["run.mode=sync", *overrides])

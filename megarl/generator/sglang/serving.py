@@ -98,8 +98,11 @@ def server_args(
     version: int = 0,
     mem_fraction: float = 0.85,
     host: str = "127.0.0.1",
+    ep: int = 1,
 ) -> List[str]:
-    """``sglang.launch_server`` arguments for one generator replica (token ids in and out)."""
+    """``sglang.launch_server`` arguments for one generator replica (token ids in and out); ``ep``:
+    its experts over ``--ep-size`` of its TP ranks (the layout megarl's weight sync writes)."""
+    expert_parallel = ["--ep-size", str(ep)] if ep > 1 else []
     return [
         "--model-path",
         str(model_dir),
@@ -119,6 +122,7 @@ def server_args(
         str(mem_fraction),
         "--skip-server-warmup",
         "--skip-tokenizer-init",
+        *expert_parallel,
     ]
 
 
@@ -132,7 +136,13 @@ def replica_command(g, replica: int, model_dir: str, base_gpu_id: int, host: str
     return (
         launcher(g.sglang_launcher)
         + server_args(
-            model_dir, g.sglang_port + replica, g.tp, base_gpu_id, mem_fraction=g.sglang_mem_fraction, host=host
+            model_dir,
+            g.sglang_port + replica,
+            g.tp,
+            base_gpu_id,
+            mem_fraction=g.sglang_mem_fraction,
+            host=host,
+            ep=g.ep,
         )
         + list(g.sglang_args)
     )
