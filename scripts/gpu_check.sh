@@ -13,6 +13,7 @@
 # synthetic reward -- no transformers, tokenizer, math-verify, TensorBoard or PyYAML needed.
 # Prints one JSON line: trainer tokens/s and MFU, generator tokens/s, sync seconds and GB/s,
 # lag, KL at step 1. megarl itself runs from this checkout (PYTHONPATH).
+# Mixture of experts: scripts/gpu_check.sh --preset qwen3-moe-mini (a random 1.98B Qwen3-MoE).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}

@@ -90,6 +90,18 @@ _QWEN3_MOE = dict(_QWEN3, model_type="qwen3_moe", num_experts=128, num_experts_p
 
 # whole HF configs (their own family, RoPE and norms), read as config.json is
 HF_CONFIGS = {
+    # scripts/gpu_check.sh --preset qwen3-moe-mini: Qwen3-30B-A3B's layer shape (hidden 2048, experts of
+    # 768, top 8, 32 q / 4 kv heads of 128) with 8 layers and 32 experts: 1.98B parameters, 1.08B active
+    "qwen3-moe-mini": dict(
+        _QWEN3_MOE,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_hidden_layers=8,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        num_experts=32,
+    ),
     # configs/tiny_moe_cpu.yaml's model: Qwen3-MoE's structure (q/k norms, a dense first layer, then
     # 4 experts top 2 with renormalised weights) at the test suite's tiny shape
     "tiny-moe": dict(

@@ -34,11 +34,12 @@ BLOCKED = (
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["torch", "sglang"])
-def test_gpu_check_runs_megarl_train_with_only_torch_and_megatron(tmp_path, backend):
+@pytest.mark.parametrize("backend, preset", [("torch", "tiny"), ("sglang", "tiny"), ("torch", "tiny-moe")])
+def test_gpu_check_runs_megarl_train_with_only_torch_and_megatron(tmp_path, backend, preset):
     """torch: scripts/gpu_check.sh's run, with only torch and megatron-core importable; sglang:
     scripts/gpu_check_sglang.sh's (block fp8, the server launched by the job) with the protocol test
-    server in SGLang's place (a machine with SGLang has its dependencies: nothing is hidden)."""
+    server in SGLang's place (a machine with SGLang has its dependencies: nothing is hidden);
+    tiny-moe: the mixture-of-experts variant's path (a random Qwen3-MoE, its experts synced)."""
     site = tmp_path / "absent"
     for name in BLOCKED:
         (site / name).mkdir(parents=True)
@@ -52,7 +53,7 @@ def test_gpu_check_runs_megarl_train_with_only_torch_and_megatron(tmp_path, back
         "--device",
         "cpu",
         "--preset",
-        "tiny",
+        preset,
         "--steps",
         "3",
         "--prompts-per-step",
@@ -90,8 +91,9 @@ def test_gpu_check_runs_megarl_train_with_only_torch_and_megatron(tmp_path, back
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["backend"] == backend
+    assert result["preset"] == preset
     if backend == "torch":
-        spec = preset_spec("tiny")
+        spec = preset_spec(preset)
         # every element of the generator's shard crossed once, fp32 on the wire (a CPU run's dtype)
         assert result["sync_GB"] * 1e9 == sum(t.covered_numel for t in sglang_rank_layout(spec, 1, 0)) * 4
         assert result["kl_step1"] < 1e-5 and result["ess_step1"] > 1 - 1e-5  # the synced weights are exact
@@ -100,3 +102,5 @@ def test_gpu_check_runs_megarl_train_with_only_torch_and_megatron(tmp_path, back
     assert result["steps"] == 3 and result["lag_max"] <= 2 and result["lag_mean"] > 0
     assert result["trainer_tokens_per_s"] > 0 and result["generator_tokens_per_s"] > 0 and result["sync_seconds"] > 0
     assert result["trainer_mfu"] is None  # no peak FLOP/s known for a CPU
+    if preset == "tiny-moe":  # top 2 of 4 experts: fewer parameters per token than in the model
+        assert result["active_parameters_B"] < result["parameters_B"]
