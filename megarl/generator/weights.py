@@ -8,6 +8,7 @@ block-quantised, exactly as a sync with ``fp8=True`` delivers them.
 
 from __future__ import annotations
 
+import math
 from typing import Dict
 
 import torch
@@ -31,9 +32,7 @@ def load_generator_params(
     spec = hf.spec
     params = allocate_generator_params(spec, tp, tp_rank, dtype, fp8, device, ep)
     for t in sglang_rank_layout(spec, tp, tp_rank, ep):
-        rows = 1
-        for n in t.shape[:-1]:
-            rows *= n
+        rows = math.prod(t.shape[:-1])
         # the [rows, cols] view the blocks index: [n, 1] for vectors, [-1, h] for stacked experts
         local = torch.zeros((rows, t.shape[-1]) if len(t.shape) > 1 else (t.shape[0], 1), dtype=dtype, device=device)
         for b in t.blocks:
