@@ -47,7 +47,7 @@ class TrainerConfig:
     # tp x cp x dp as Megatron-Core does (megarl/parallel_dims.py); for mixture-of-experts models only
     ep: int = 1
     etp: Optional[int] = None
-    sequence_parallel: bool = False  # shard norms/dropout activations over TP (needs Transformer Engine)
+    sequence_parallel: bool = False  # shard norms/dropout activations over TP (TE on GPUs; MoE at tp > 1 needs it)
     # Activation recomputation (Megatron-LM's --recompute-*): None | selective | full
     recompute_granularity: Optional[str] = None
     recompute_method: Optional[str] = None  # full: uniform | block

@@ -19,6 +19,10 @@ requests to CPU at the torch boundary:
 * DDP's collectives over a one-rank data-parallel group, identities that gloo
   would run as a full copy of the grad buffer, are skipped
   (``single_rank_grad_sync``).
+* Megatron's MoE layers without Transformer Engine (``moe_cpu``), its torch norms
+  under sequence parallelism (``torch_norm_sp``) and the uneven all-gather of the
+  alltoall dispatcher on gloo (``gloo_uneven_collectives``):
+  what TP x EP training needs on CPU. Each module says why and when to delete it.
 
 What it never does: activate when CUDA is usable, fake
 ``torch.cuda.is_available()`` (True would send Megatron into TE-only code), or
@@ -47,7 +51,7 @@ import warnings
 import torch
 from torch.overrides import TorchFunctionMode
 
-from megatron_patches import moe_cpu, single_rank_grad_sync
+from megatron_patches import gloo_uneven_collectives, moe_cpu, single_rank_grad_sync, torch_norm_sp
 
 # Megatron-Core is imported inside the functions that patch it, which run after _check_megatron_version:
 # a missing Megatron-Core is named there with the version to install, and another version is warned
@@ -301,6 +305,8 @@ def _install_patches() -> None:
             _patch_megatron_rng()
             single_rank_grad_sync.apply()
             moe_cpu.apply()
+            torch_norm_sp.apply()
+            gloo_uneven_collectives.apply()
             _applied = True
 
 

@@ -3,9 +3,10 @@
 A config is checked for consistency wherever it is loaded (megarl/config.py),
 including by `megarl plan` on a laptop planning a 405B job. Whether *this*
 machine can run it is a separate question, asked by `megarl train` (every
-launcher, before it starts or joins ranks): sequence and context parallelism
-run through Transformer Engine's layers on GPUs, so without TE and CUDA they
-are refused here with the reason, never silently dropped.
+launcher, before it starts or joins ranks): context parallelism runs through
+Transformer Engine's attention on GPUs, and sequence parallelism through TE's
+layers on GPUs (on CPU through megarl's patched torch norms), so where they
+cannot run they are refused here with the reason, never silently dropped.
 """
 
 from __future__ import annotations
@@ -30,12 +31,13 @@ def transformer_engine_available() -> bool:
 
 def check_trainer_runs_here(cfg) -> None:
     t = cfg.trainer
-    if t.sequence_parallel and not transformer_engine_available():
+    if t.sequence_parallel and _cuda_available() and not transformer_engine_available():
+        # on CPU megarl's patch runs Megatron's torch norms under sequence parallelism
+        # (megatron_patches/torch_norm_sp.py); on GPUs that is TE's layer spec
         raise ConfigError(
             "trainer.sequence_parallel: needs Transformer Engine on GPUs (its layer spec carries the "
-            "sequence-parallel norms and the reduce-scatters); this machine has "
-            + ("no CUDA device" if not _cuda_available() else "no transformer_engine package")
-            + ": set trainer.sequence_parallel=false here"
+            "sequence-parallel norms); this machine has no transformer_engine package: install it "
+            "(docs/install.md) or set trainer.sequence_parallel=false"
         )
     if t.cp > 1:
         if not transformer_engine_available():
@@ -91,6 +93,12 @@ def check_model_trains(spec, cfg) -> None:
             if value != default:
                 raise ConfigError(f"{name}={value}: model_type {spec.model_type!r} has no experts; leave it unset")
         return
+    if t.tp > 1 and not t.sequence_parallel:
+        # MoELayer.forward raises this in the first training step; asked here before any rank starts
+        raise ConfigError(
+            f"trainer.sequence_parallel: Megatron's MoE layers train at trainer.tp={t.tp} only with "
+            "sequence parallelism; set trainer.sequence_parallel=true"
+        )
     if g.fp8:
         # SGLang block-quantises FusedMoE's w13/w2 per expert (scales [E, rows/128, cols/128]); megarl's
         # fp8 sync quantises 2-D linears only so far, and experts served in bf16 would not be SGLang's

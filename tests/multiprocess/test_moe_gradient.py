@@ -1,9 +1,9 @@
 """RL (AIPO) gradients of a tiny random Qwen3-MoE through Megatron's MoE layers (router, alltoall
 dispatcher, SequentialMLP experts, expert-data-parallel gradient reduction) at EP4, EP2 (over DP4:
-two expert-data-parallel replicas) and PP2 x EP2 equal a plain PyTorch reference on transformers'
-Qwen3-MoE. No aux loss (moe_router_load_balancing_type "none", megarl's default); the aux-loss terms
-are still to do. TP2 x EP2 is not here: Megatron's MoELayer refuses to train at TP > 1 without
-sequence parallelism, which megarl runs only with Transformer Engine so far."""
+two expert-data-parallel replicas), PP2 x EP2, and TP2 x EP2 at ETP2 and ETP1 equal a plain PyTorch
+reference on transformers' Qwen3-MoE. TP2 runs with sequence parallelism, which Megatron's MoELayer
+needs at TP > 1 (on CPU: megatron_patches/torch_norm_sp.py and gloo_uneven_collectives.py). No aux
+loss (moe_router_load_balancing_type "none", megarl's default); the aux-loss terms are still to do."""
 
 import pytest
 import torch
@@ -17,7 +17,7 @@ from tests.rl_batch import CASES, make_samples, reference_grads, save_samples
 
 pytestmark = pytest.mark.slow
 
-RUNS = ["1x1e4:64", "1x1e2:64", "1x2e2:64"]
+RUNS = ["1x1e4:64", "1x1e2:64", "1x2e2:64", "2x1e2sp:64", "2x1e2t1sp:64"]
 
 
 def hub_names(grads: dict, weights: dict) -> dict:

@@ -2,7 +2,8 @@
 plain PyTorch reference on transformers' model, at every layout and however the batch
 is split into micro-batches: AIPO at every layout; GSPO, sequence-level truncated and
 masked importance sampling, Dr.GRPO, the aggregation modes, the entropy bonus and a
-user loss (GMPO) at TP2 x PP2 split into 1/2/4 micro-batches, at TP2 x DP2 and on one rank; and the
+user loss (GMPO) at TP2 x PP2 split into 1/2/4 micro-batches, at TP2 x DP2 and on one rank; AIPO with
+sequence parallelism at TP2 x DP2 and TP2 x PP2; and the
 loss mask at the same layouts: a batch with half of some responses masked (one sample wholly) against
 the reference that leaves those tokens out of the loss. Two launches in all (1 and 4 ranks); each
 loads the model once per layout."""
@@ -32,7 +33,9 @@ SEQ_CASES = "gspo,aipo_seq,ppo_mis,dr_grpo,gmpo"
 MASKED_CASES = "aipo_masked,gspo_masked,aipo_seq_masked"
 RUN_CASES = f"aipo,{SEQ_CASES},{MASKED_CASES}"
 SINGLE = ["1x1:128", "1x1:64", "1x1:32"]  # 1, 2 and 4 micro-batches
-WORLD4 = ["2x1:32", "1x2:32", "2x2:64", "1x2x2:32", "1x1:16"]  # TP2.DP2, PP2.DP2, TP2xPP2, VP, DP4
+# TP2.DP2, PP2.DP2, TP2xPP2, VP, DP4; TP2.DP2 and TP2xPP2 with sequence parallelism (on CPU through
+# megatron_patches/torch_norm_sp.py: an unsummed norm-weight gradient fails them)
+WORLD4 = ["2x1:32", "1x2:32", "2x2:64", "1x2x2:32", "1x1:16", "2x1sp:32", "2x2sp:64"]
 SEQ_RUNS = ["1x1:32", "2x2:128", "2x2:64", "2x2:32", "2x1:32"]  # one rank; TP2xPP2 at 1/2/4 micro-batches; TP2.DP2
 
 
@@ -90,8 +93,10 @@ def check(out, run, case, reference):
     )
     assert overall <= 1e-5 and worst <= 2e-5
     # the output layer computed logits for the trained tokens alone (trainer/response_logits.py),
-    # not for the prompts packed with them nor for masked response tokens
-    assert record["output_layer_rows"] == record["tokens"], (record["output_layer_rows"], record["tokens"])
+    # not for the prompts packed with them nor for masked response tokens; under sequence parallelism
+    # its input is split over TP and it computes every position
+    if not run.split(":")[0].endswith("sp"):
+        assert record["output_layer_rows"] == record["tokens"], (record["output_layer_rows"], record["tokens"])
     return record
 
 

@@ -151,16 +151,21 @@ def test_bad_loss_settings_are_refused_naming_the_field_before_any_rank_starts(o
         check_loss(load_config(TINY, overrides), TINY)
 
 
-def test_sequence_and_context_parallel_are_refused_where_transformer_engine_cannot_run():
+def test_sequence_and_context_parallel_are_refused_where_transformer_engine_cannot_run(monkeypatch):
+    from megarl.trainer import features
     from megarl.trainer.features import check_trainer_runs_here, transformer_engine_available
 
     if transformer_engine_available():
         pytest.skip("needs a machine without Transformer Engine on CUDA (every CPU machine)")
+    sp = load_config(TINY, ["trainer.sequence_parallel=true", "trainer.tp=2"])
+    if not features._cuda_available():
+        check_trainer_runs_here(sp)  # on CPU: megatron_patches/torch_norm_sp.py runs it
+    with monkeypatch.context() as gpu_without_te:  # a CUDA machine without the transformer_engine package
+        gpu_without_te.setattr(features, "_cuda_available", lambda: True)
+        gpu_without_te.setattr(features.importlib.util, "find_spec", lambda name: None)
+        with pytest.raises(ConfigError, match="trainer.sequence_parallel: needs Transformer Engine on GPUs"):
+            check_trainer_runs_here(sp)
     for overrides, message in [
-        (
-            ["trainer.sequence_parallel=true"],
-            "trainer.sequence_parallel: needs Transformer Engine on GPUs.*no CUDA device",
-        ),
         (["trainer.cp=2"], "trainer.cp=2: context parallelism runs in Transformer Engine"),
         (["optimizer.overlap_grad_reduce=true"], "optimizer.overlap_grad_reduce: .*on CPU"),
     ]:
@@ -206,7 +211,8 @@ def test_expert_settings_need_experts_and_fp8_experts_are_refused():
     moe = ModelSpec.from_hf_config(
         Qwen3MoeConfig(**shape, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
     )
-    ep = load_config(TINY, ["trainer.ep=2", "trainer.etp=1", "generator.ep=2", "generator.tp=2"])
+    ep_fields = ["trainer.ep=2", "trainer.etp=1", "generator.ep=2", "generator.tp=2"]  # tiny_cpu: trainer.tp=2
+    ep = load_config(TINY, [*ep_fields, "trainer.sequence_parallel=true"])
     for config in (LlamaConfig, Qwen2Config, Qwen3Config):
         check_model_trains(ModelSpec.from_hf_config(config(**shape)), load_config(TINY))
         with pytest.raises(ConfigError, match=r"trainer.ep=2: model_type '\w+' has no experts"):
@@ -215,8 +221,12 @@ def test_expert_settings_need_experts_and_fp8_experts_are_refused():
     with pytest.raises(ConfigError, match=r"generator.ep=2: model_type 'qwen3' has no experts"):
         check_model_trains(ModelSpec.from_hf_config(Qwen3Config(**shape)), generator_ep)
     check_model_trains(moe, ep)
+    # Megatron's MoELayer trains at TP > 1 only with sequence parallelism
+    with pytest.raises(ConfigError, match=r"trainer.sequence_parallel: Megatron's MoE layers train at trainer.tp=2"):
+        check_model_trains(moe, load_config(TINY, ep_fields))
+    check_model_trains(moe, load_config(TINY, [*ep_fields, "trainer.tp=1", "trainer.dp=2"]))
     with pytest.raises(ConfigError, match=r"generator.fp8: model_type 'qwen3_moe' has experts"):
-        check_model_trains(moe, load_config(TINY, ["generator.fp8=true"]))
+        check_model_trains(moe, load_config(TINY, ["generator.fp8=true", "trainer.sequence_parallel=true"]))
 
 
 def test_sync_mode_refuses_expert_parallelism():

@@ -58,9 +58,12 @@ def main():
     samples = load_samples(args.samples)
     for run in args.runs:
         layout_name, budget, *cases = run.split(":")
-        layout = parse_layout(layout_name)
+        # a layout ending in "sp": Megatron's sequence parallelism on (norms over TP on CPU:
+        # megatron_patches/torch_norm_sp.py)
+        sequence_parallel = layout_name.endswith("sp")
+        layout = parse_layout(layout_name.removesuffix("sp"))
         init_megatron(layout)
-        spec, chunks = load_megatron_model(args.checkpoint, layout)
+        spec, chunks = load_megatron_model(args.checkpoint, layout, sequence_parallel=sequence_parallel)
         # Plain DDP (all-reduce), so every rank holds the whole gradient afterwards.
         ddp = wrap_ddp(chunks, OptimizerSettings(use_distributed_optimizer=False))
         optimizer = build_optimizer(ddp, OptimizerSettings(use_distributed_optimizer=False))
