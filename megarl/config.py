@@ -48,6 +48,14 @@ class TrainerConfig:
     ep: int = 1
     etp: Optional[int] = None
     sequence_parallel: bool = False  # shard norms/dropout activations over TP (TE on GPUs; MoE at tp > 1 needs it)
+    # Mixture-of-experts training, by Megatron-LM's names (models with experts only; the architecture --
+    # experts, top-k, router -- comes from the model's HF config). Load balancing: none | aux_loss (the
+    # Switch loss per layer and micro-batch, Megatron's definition: docs/training.md#mixture-of-experts)
+    moe_router_load_balancing_type: str = "none"
+    moe_aux_loss_coeff: float = 0.0  # > 0 with aux_loss
+    moe_z_loss_coeff: Optional[float] = None  # router z-loss (ST-MoE); None: off
+    moe_token_dispatcher_type: str = "alltoall"  # alltoall | allgather (flex needs DeepEP: not offered)
+    moe_grouped_gemm: bool = False  # Transformer Engine's grouped GEMM for the local experts (GPUs)
     # Activation recomputation (Megatron-LM's --recompute-*): None | selective | full
     recompute_granularity: Optional[str] = None
     recompute_method: Optional[str] = None  # full: uniform | block
@@ -75,6 +83,22 @@ class TrainerConfig:
     overlong: str = "none"
     overlong_buffer: int = 0
     cpu_threads: int = 0  # CPU runs: intra-op threads per trainer rank (0: the launcher's OMP_NUM_THREADS)
+
+
+MOE_TRAINING_FIELDS = (
+    "moe_router_load_balancing_type",
+    "moe_aux_loss_coeff",
+    "moe_z_loss_coeff",
+    "moe_token_dispatcher_type",
+    "moe_grouped_gemm",
+)
+
+
+def moe_training_overrides(t: TrainerConfig) -> dict:
+    """The trainer's MoE training fields set to other than their defaults, by Megatron-Core's names
+    (the defaults are also what models/megatron_model.py builds a model with experts with)."""
+    defaults = TrainerConfig()
+    return {k: getattr(t, k) for k in MOE_TRAINING_FIELDS if getattr(t, k) != getattr(defaults, k)}
 
 
 @dataclass
@@ -279,6 +303,7 @@ class Config:
         _choice("trainer.recompute_granularity", t.recompute_granularity, (None, "selective", "full"))
         _choice("trainer.recompute_method", t.recompute_method, (None, "uniform", "block"))
         _choice("trainer.kl_estimator", t.kl_estimator, ("k1", "k2", "k3"))
+        self._validate_moe_training()
         if t.recompute_granularity == "full":
             if t.recompute_method is None or t.recompute_num_layers is None:
                 raise ConfigError(
@@ -323,6 +348,24 @@ class Config:
             raise ConfigError(
                 f"trainer.overlong_buffer: used only with trainer.overlong=penalty (it is {t.overlong!r})"
             )
+
+    def _validate_moe_training(self) -> None:
+        t = self.trainer
+        # seq_aux_loss treats Megatron's sequence (megarl's packed row of several samples) as one;
+        # global_aux_loss keeps counts across steps; sinkhorn routes differently from the family's
+        # router (the generator's): none of them fits RL on packed rows yet
+        _choice("trainer.moe_router_load_balancing_type", t.moe_router_load_balancing_type, ("none", "aux_loss"))
+        _choice("trainer.moe_token_dispatcher_type", t.moe_token_dispatcher_type, ("alltoall", "allgather"))
+        if t.moe_aux_loss_coeff < 0:
+            raise ConfigError(f"trainer.moe_aux_loss_coeff: must be >= 0, got {t.moe_aux_loss_coeff}")
+        if (t.moe_router_load_balancing_type == "aux_loss") != (t.moe_aux_loss_coeff > 0):
+            raise ConfigError(
+                "trainer.moe_aux_loss_coeff: the aux loss needs trainer.moe_router_load_balancing_type=aux_loss "
+                f"and a coefficient > 0 together (got {t.moe_router_load_balancing_type!r} and "
+                f"{t.moe_aux_loss_coeff}); with one alone there is no aux loss"
+            )
+        if t.moe_z_loss_coeff is not None and t.moe_z_loss_coeff <= 0:
+            raise ConfigError(f"trainer.moe_z_loss_coeff: must be > 0 (or unset: off), got {t.moe_z_loss_coeff}")
 
     def _validate_optimizer(self) -> None:
         o, defaults = self.optimizer, OptimizerConfig()

@@ -194,9 +194,47 @@ def _aggregation(case):
     )
 
 
-def reference_grads(hf_dir, samples, case=CASES["aipo"]):
+# Megatron's MoE auxiliary losses as the gradient tests turn them on (TrainerConfig fields): large
+# enough that leaving them out of the reference moves the gradient far past the tests' bound
+MOE_AUX = dict(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01)
+
+
+def moe_router_terms(model, samples, micro_batches, top_k: int):
+    """Megatron's per-layer, per-micro-batch router losses written out on transformers' model:
+    for each micro-batch (the sample indices it packs, every position of each sample routed) and
+    each MoE layer, (Switch load-balancing loss / coeff, z-loss / coeff, routed positions T):
+
+        lb = E / (k T^2) sum_i (sum_x p_x,i) (sum_x [i in top-k(p_x)]),  p_x = softmax(router logits_x)
+        z  = (1 / T) sum_x logsumexp(router logits_x)^2
+
+    (Switch Transformer eq. 4 with Megatron's k normaliser; ST-MoE eq. 5). Differentiable."""
+    out = []
+    for indices in micro_batches:
+        logits = None
+        for i in indices:
+            s = samples[i]
+            tokens = torch.tensor([(s.prompt_tokens + s.response_tokens)[:-1]])  # the positions it spans
+            layers = model(tokens, output_router_logits=True).router_logits
+            rows = [layer.float() for layer in layers]
+            logits = rows if logits is None else [torch.cat([a, b]) for a, b in zip(logits, rows)]
+        terms = []
+        for layer_logits in logits:
+            positions, experts = layer_logits.shape
+            probs = torch.softmax(layer_logits, dim=-1)
+            chosen = torch.zeros_like(probs).scatter(1, probs.topk(top_k, dim=-1).indices, 1.0)
+            lb = experts / (top_k * positions**2) * (probs.sum(0) * chosen.sum(0)).sum()
+            z = (torch.logsumexp(layer_logits, dim=-1) ** 2).mean()
+            terms.append((lb, z, positions))
+        out.append(terms)
+    return out
+
+
+def reference_grads(hf_dir, samples, case=CASES["aipo"], moe_micro_batches=None):
     """(HF-named gradients, the loss's value) of ``case`` over the trained tokens of ``samples``
-    (``case_samples``: masked ones for a masked case); a masked token is context, never a loss term."""
+    (``case_samples``: masked ones for a masked case); a masked token is context, never a loss term.
+    ``moe_micro_batches`` (the sample indices of every micro-batch on every DP rank): MOE_AUX's router
+    losses added as Megatron adds them with a per-token loss -- each micro-batch's and layer's loss
+    times its routed positions, over the step's trained tokens."""
     from transformers import AutoModelForCausalLM
 
     samples = case_samples(samples, case)
@@ -225,6 +263,12 @@ def reference_grads(hf_dir, samples, case=CASES["aipo"]):
             loss = loss + terms.sum() / sequences
         else:  # seq_mean_token_sum_norm
             loss = loss + terms.sum() / MAX_NEW_TOKENS / sequences
+    if moe_micro_batches is not None:
+        top_k = model.config.num_experts_per_tok
+        for terms in moe_router_terms(model, samples, moe_micro_batches, top_k):
+            for lb, z, positions in terms:
+                aux = MOE_AUX["moe_aux_loss_coeff"] * lb + MOE_AUX["moe_z_loss_coeff"] * z
+                loss = loss + aux * positions / total_tokens
     loss.backward()
     return {name: p.grad.clone() for name, p in model.named_parameters()}, loss.item()
 

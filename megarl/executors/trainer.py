@@ -14,6 +14,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from megarl.config import moe_training_overrides
 from megarl.errors import MegarlError
 from megarl.generator.tokenizer import NO_TOKENIZER
 from megarl.models.megatron_model import build_model_chunks, transformer_config, transformer_engine_usable
@@ -59,6 +60,7 @@ def megatron_model_settings(t) -> dict:
     )
     if t.recompute_modules is not None:
         settings["recompute_modules"] = list(t.recompute_modules)
+    settings.update(moe_training_overrides(t))
     return settings
 
 

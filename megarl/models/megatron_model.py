@@ -93,6 +93,10 @@ def transformer_config(
         persist_layer_norm=on_gpu,
         gradient_accumulation_fusion=False,
         use_cpu_initialization=not on_gpu,
+        # megarl's losses return (sum, token count) and Megatron divides the gradients by the step's
+        # token count (trainer/aggregation.py). Set here, not only before DDP is built: Megatron's
+        # routers read it when they are built, to scale the aux / z losses for that division
+        calculate_per_token_loss=True,
     )
     if spec.moe:
         kwargs.update(_moe_settings(spec, ep, etp))
@@ -102,6 +106,17 @@ def transformer_config(
         kwargs.update(overlap_p2p_comm=True, batch_p2p_comm=False)
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
+
+
+# megarl's defaults for the trainer's MoE training fields (TrainerConfig, by Megatron-LM's names): the
+# alltoall dispatcher EP runs use, no aux or z loss unless configured, SequentialMLP experts
+MOE_TRAINING_DEFAULTS = dict(
+    moe_router_load_balancing_type="none",
+    moe_aux_loss_coeff=0.0,
+    moe_z_loss_coeff=None,
+    moe_token_dispatcher_type="alltoall",
+    moe_grouped_gemm=False,
+)
 
 
 def _moe_settings(spec: ModelSpec, ep: int, etp: Optional[int]) -> dict:
@@ -123,8 +138,7 @@ def _moe_settings(spec: ModelSpec, ep: int, etp: Optional[int]) -> dict:
         moe_router_score_function=moe.router_score_function,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
-        moe_token_dispatcher_type="alltoall",  # what EP runs use; the trainer's config may override
-        moe_router_load_balancing_type="none",  # likewise: no aux loss unless configured
+        **MOE_TRAINING_DEFAULTS,  # the trainer's config overrides them (executors/trainer.py)
     )
 
 

@@ -52,6 +52,11 @@ def check_trainer_runs_here(cfg) -> None:
             f"trainer.cp={t.cp}: megarl's packed micro-batches are not yet split over context-parallel "
             "ranks; `megarl plan` models cp, `megarl train` needs trainer.cp=1"
         )
+    if t.moe_grouped_gemm and not transformer_engine_available():
+        raise ConfigError(
+            "trainer.moe_grouped_gemm: runs the local experts through Transformer Engine's grouped GEMM "
+            "on GPUs; this machine has none: set trainer.moe_grouped_gemm=false here (SequentialMLP)"
+        )
     if t.gradient_accumulation_fusion:
         gradient_accumulation_fusion(True, on_gpu=_cuda_available())  # refused on a GPU without Apex
     o = cfg.optimizer
@@ -89,9 +94,13 @@ def check_model_trains(spec, cfg) -> None:
     the field that asks for them, never dropped."""
     t, g = cfg.trainer, cfg.generator
     if spec.moe is None:
-        for name, value, default in [("trainer.ep", t.ep, 1), ("trainer.etp", t.etp, None), ("generator.ep", g.ep, 1)]:
-            if value != default:
-                raise ConfigError(f"{name}={value}: model_type {spec.model_type!r} has no experts; leave it unset")
+        from megarl.config import moe_training_overrides
+
+        expert_fields = {"trainer.ep": (t.ep, 1), "trainer.etp": (t.etp, None), "generator.ep": (g.ep, 1)}
+        set_fields = [f"{name}={value}" for name, (value, default) in expert_fields.items() if value != default]
+        set_fields += [f"trainer.{k}={v}" for k, v in moe_training_overrides(t).items()]
+        if set_fields:
+            raise ConfigError(f"{set_fields[0]}: model_type {spec.model_type!r} has no experts; leave it unset")
         return
     if t.tp > 1 and not t.sequence_parallel:
         # MoELayer.forward raises this in the first training step; asked here before any rank starts

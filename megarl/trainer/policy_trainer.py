@@ -38,6 +38,7 @@ from megarl.trainer.advantages import compute_advantages
 from megarl.trainer.aggregation import overlong_penalty
 from megarl.trainer.bound_loss import BoundLoss
 from megarl.trainer.hooks import make_forward_step, make_logprob_collector
+from megarl.trainer.moe_losses import moe_loss_metrics
 from megarl.trainer.packing import MicroBatch, PackingPlan, plan_micro_batches
 from megarl.trainer.setup import run_schedule, zero_grads
 from megarl.trainer.stats import BASE_FIELDS, metrics_from_totals, stat_fields
@@ -182,6 +183,7 @@ class PolicyTrainer:
             forward_only=False,
         )
         self._hand_back_logprobs(kept, plan)
+        self.moe_metrics = moe_loss_metrics(self.ddp_chunks[0].config, len(plan.micro_batches), self._device())
         return plan, [o["stats"] for o in outputs]
 
     def step(self, samples: Sequence[Sample], version: Optional[int] = None) -> dict:
@@ -285,4 +287,5 @@ class PolicyTrainer:
             "time_train": elapsed,
             "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None,
             "tokens_per_s": real_tokens / elapsed,
+            **self.moe_metrics,  # aux / z losses of models with experts (trainer/moe_losses.py)
         }

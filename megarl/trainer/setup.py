@@ -59,8 +59,13 @@ def wrap_ddp(
         # Losses return (sum, token count) and Megatron divides the gradients by
         # the global token count, so how a batch is split over micro-batches and
         # DP ranks changes nothing. DDP reads this flag when it is built (it then
-        # sums rather than averages over DP), so it must be set first.
-        chunk.config.calculate_per_token_loss = True
+        # sums rather than averages over DP); models/megatron_model.py sets it when
+        # the model is built, as MoE routers read it then.
+        if not chunk.config.calculate_per_token_loss:
+            raise ValueError(
+                "wrap_ddp: the model's TransformerConfig has calculate_per_token_loss=False; megarl's losses "
+                "need it from the start (build the model with megarl.models.megatron_model.transformer_config)"
+            )
 
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,

@@ -2,8 +2,11 @@
 dispatcher, SequentialMLP experts, expert-data-parallel gradient reduction) at EP4, EP2 (over DP4:
 two expert-data-parallel replicas), PP2 x EP2, and TP2 x EP2 at ETP2 and ETP1 equal a plain PyTorch
 reference on transformers' Qwen3-MoE. TP2 runs with sequence parallelism, which Megatron's MoELayer
-needs at TP > 1 (on CPU: megatron_patches/torch_norm_sp.py and gloo_uneven_collectives.py). No aux
-loss (moe_router_load_balancing_type "none", megarl's default); the aux-loss terms are still to do."""
+needs at TP > 1 (on CPU: megatron_patches/torch_norm_sp.py and gloo_uneven_collectives.py). Without
+aux losses (moe_router_load_balancing_type "none", megarl's default) and, at EP2 and EP4, with the
+load-balancing and z losses, against a reference that adds them per micro-batch and layer."""
+
+import json
 
 import pytest
 import torch
@@ -13,11 +16,15 @@ from megarl.checkpointing.dist_checkpoint_reader import DistCheckpointReader
 from megarl.checkpointing.megatron_checkpoint import read_spec
 from megarl.convert.megatron_to_hf import hf_tensors
 from tests.conftest import make_tiny_family, run_ranks, run_tool
-from tests.rl_batch import CASES, make_samples, reference_grads, save_samples
+from tests.rl_batch import CASES, make_samples, moe_router_terms, reference_grads, save_samples
 
 pytestmark = pytest.mark.slow
 
 RUNS = ["1x1e4:64", "1x1e2:64", "1x2e2:64", "2x1e2sp:64", "2x1e2t1sp:64"]
+# with rl_batch.MOE_AUX's load-balancing and z losses: EP2 and EP4 over DP4, at one and two micro-batches
+# per DP rank (each sample spans 16 positions, two samples per DP rank). No pipeline run: its rows are
+# padded to the budget, and Megatron routes the padding too (the reference would need it)
+AUX_RUNS = ["1x1e2aux:32", "1x1e2aux:16", "1x1e4aux:16"]
 
 
 def hub_names(grads: dict, weights: dict) -> dict:
@@ -58,6 +65,7 @@ def moe(tmp_path_factory):
         base,
         "--runs",
         *RUNS,
+        *AUX_RUNS,
     )
     return hf, base, samples
 
@@ -74,6 +82,27 @@ def test_fused_expert_split_is_the_checkpoints(moe):
         assert torch.equal(split[name], tensor), name
 
 
+def errors(ours: dict, ref: dict):
+    """(relative error of the whole gradient, of the worst single tensor)."""
+    diff_sq = sum(((ours[k] - r) ** 2).sum().item() for k, r in ref.items())
+    overall = (diff_sq / sum((r**2).sum().item() for r in ref.values())) ** 0.5
+    worst = max(((ours[k] - r).norm() / max(r.norm(), 1e-30)).item() for k, r in ref.items())
+    return overall, worst
+
+
+def megatron_grads(base, run):
+    ckpt = base / f"{run.replace(':', '_')}_aipo" / "release"
+    reader, spec = DistCheckpointReader(ckpt), read_spec(ckpt)
+    ours = {}
+    for layer in [None, *range(spec.num_layers)]:
+        ours.update(hf_tensors(reader, spec, layer))
+    return ours
+
+
+def record_of(base, run) -> dict:
+    return json.loads((base / f"{run.replace(':', '_')}_aipo.json").read_text())
+
+
 @pytest.mark.parametrize("run", RUNS)
 def test_aipo_gradient_matches_transformers_reference(run, moe):
     """A wrong router setting, expert index or a missing expert-data-parallel reduction of the
@@ -82,18 +111,63 @@ def test_aipo_gradient_matches_transformers_reference(run, moe):
     weights = load_file(hf / "model.safetensors")
     ref_grads, ref_loss = reference_grads(hf, samples, CASES["aipo"])
     ref = hub_names(ref_grads, weights)
-    ckpt = base / f"{run.replace(':', '_')}_aipo" / "release"
-    reader, spec = DistCheckpointReader(ckpt), read_spec(ckpt)
-    ours = {}
-    for layer in [None, *range(spec.num_layers)]:
-        ours.update(hf_tensors(reader, spec, layer))
+    ours = megatron_grads(base, run)
     assert sorted(ours) == sorted(ref)
-    diff_sq = sum(((ours[k] - r) ** 2).sum().item() for k, r in ref.items())
-    overall = (diff_sq / sum((r**2).sum().item() for r in ref.values())) ** 0.5
-    worst = max(((ours[k] - r).norm() / max(r.norm(), 1e-30)).item() for k, r in ref.items())
+    overall, worst = errors(ours, ref)
     expert_norm = sum(r.norm().item() for k, r in ref.items() if ".experts." in k)
     print(
         f"{run}: relative gradient error {overall:.2e} (worst tensor {worst:.2e}), expert grad norm {expert_norm:.3f}"
     )
     assert expert_norm > 1e-3  # the experts are trained, not zero-gradient bystanders
     assert overall <= 1e-5 and worst <= 2e-5
+    assert "moe_load_balancing_loss" not in record_of(base, run)["moe_metrics"]  # off unless configured
+
+
+@pytest.mark.parametrize("run", AUX_RUNS)
+def test_aux_losses_reach_the_gradient_per_micro_batch_as_megatron_defines_them(run, moe):
+    """With load-balancing and z losses on, the gradient equals the reference that adds each
+    micro-batch's and layer's losses (times its routed positions, over the step's trained tokens), on
+    the micro-batches this run packed; the logged per-layer losses equal the reference's mean over
+    micro-batches. The reference without them is far off (the losses move the gradient), and so is the
+    reference on another split of the same batch: with aux losses the gradient is no longer invariant
+    to the micro-batch split (the RL loss part still is: test_rl_gradient), it is exact for each split."""
+    from transformers import AutoModelForCausalLM
+
+    hf, base, samples = moe
+    weights = load_file(hf / "model.safetensors")
+    record = record_of(base, run)
+    # every row is its samples' positions, nothing padded (the reference routes exactly those)
+    for rank in record["packed"]:
+        for indices, length in rank:
+            assert length == sum(len(samples[i].prompt_tokens) + len(samples[i].response_tokens) - 1 for i in indices)
+    micro_batches = [indices for rank in record["packed"] for indices, _ in rank]
+    assert sorted(i for mb in micro_batches for i in mb) == list(range(len(samples)))
+    ours = megatron_grads(base, run)
+    ref = hub_names(reference_grads(hf, samples, CASES["aipo"], moe_micro_batches=micro_batches)[0], weights)
+    overall, worst = errors(ours, ref)
+    without = errors(ours, hub_names(reference_grads(hf, samples, CASES["aipo"])[0], weights))[0]
+    other_split = [[i for mb in micro_batches[j : j + 2] for i in mb] for j in range(0, len(micro_batches), 2)]
+    if len(other_split) == len(micro_batches):  # one micro-batch per row already: split each instead
+        other_split = [[i] for mb in micro_batches for i in mb]
+    split = errors(
+        ours, hub_names(reference_grads(hf, samples, CASES["aipo"], moe_micro_batches=other_split)[0], weights)
+    )[0]
+    print(
+        f"{run}: {len(micro_batches)} micro-batches, relative gradient error {overall:.2e} (worst {worst:.2e}); "
+        f"vs the reference without aux losses {without:.2e}, on another split {split:.2e}"
+    )
+    assert overall <= 1e-5 and worst <= 2e-5
+    assert without > 100 * 1e-5 and split > 10 * 1e-5
+    # the logged losses: per MoE layer, the mean over micro-batches (every DP rank has as many here)
+    assert len({len(rank) for rank in record["packed"]}) == 1
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+    with torch.no_grad():
+        terms = moe_router_terms(model, samples, micro_batches, model.config.num_experts_per_tok)
+    metrics = record["moe_metrics"]
+    moe_layers = sorted(int(k.rsplit("layer", 1)[1]) for k in metrics if k.startswith("moe_z_loss/layer"))
+    assert len(moe_layers) == len(terms[0])
+    for _position, (metric, which) in enumerate([("moe_load_balancing_loss", 0), ("moe_z_loss", 1)]):
+        expected = [sum(mb[j][which].item() for mb in terms) / len(terms) for j in range(len(moe_layers))]
+        logged = [metrics[f"{metric}/layer{layer}"] for layer in moe_layers]
+        assert logged == pytest.approx(expected, rel=1e-5), (metric, logged, expected)
+        assert metrics[metric] == pytest.approx(sum(expected) / len(expected), rel=1e-5)

@@ -41,3 +41,9 @@ def test_tiny_moe_trains_async_with_verified_expert_sync(tmp_path):
     # leave the lag-0 check above passing only at step 1)
     assert any(m["ess"] < 1 - 1e-4 for m in metrics[1:]), [m["ess"] for m in metrics]
     assert len({r["reward"] for r in rollouts}) > 1
+    # the config's aux losses are logged each step, overall and for each MoE layer (1-3; layer 0 is dense)
+    for m in metrics:
+        layers = sorted(k for k in m if k.startswith("moe_load_balancing_loss/"))
+        assert layers == [f"moe_load_balancing_loss/layer{i}" for i in (1, 2, 3)], m
+        # 1 when balanced, E / top_k = 2 at most (every token and all probability on one expert)
+        assert 0.5 < m["moe_load_balancing_loss"] <= 2 and m["moe_z_loss"] > 0, m

@@ -235,3 +235,62 @@ def test_sync_mode_refuses_expert_parallelism():
     for overrides in (["trainer.ep=2", "trainer.dp=2"], ["generator.ep=2", "generator.tp=2"]):
         with pytest.raises(ConfigError, match="trainer.ep / trainer.etp / generator.ep: sync"):
             load_config(TINY, ["run.mode=sync", *overrides])
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["trainer.moe_router_load_balancing_type=seq_aux_loss"], "trainer.moe_router_load_balancing_type"),
+        (["trainer.moe_router_load_balancing_type=aux_loss"], "trainer.moe_aux_loss_coeff: the aux loss needs"),
+        (["trainer.moe_aux_loss_coeff=0.01"], "trainer.moe_aux_loss_coeff: the aux loss needs"),
+        (["trainer.moe_aux_loss_coeff=-1"], "trainer.moe_aux_loss_coeff: must be >= 0"),
+        (["trainer.moe_z_loss_coeff=0"], "trainer.moe_z_loss_coeff: must be > 0"),
+        (["trainer.moe_token_dispatcher_type=flex"], "trainer.moe_token_dispatcher_type"),
+    ],
+)
+def test_bad_moe_training_settings_are_refused_naming_the_field(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(TINY, overrides)
+
+
+def test_moe_training_settings_reach_megatron_and_dense_models_refuse_them():
+    """The trainer's MoE fields become Megatron's TransformerConfig fields of a model with experts (its
+    defaults equal what megarl builds such a model with); on a dense model each one is refused."""
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
+    from megarl.models.megatron_model import transformer_config
+    from megarl.models.spec import ModelSpec
+    from megarl.trainer.features import check_model_trains, check_trainer_runs_here
+
+    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    shape.update(num_key_value_heads=2)
+    moe = ModelSpec.from_hf_config(
+        Qwen3MoeConfig(**shape, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    )
+    dense = ModelSpec.from_hf_config(Qwen3Config(**shape))
+    fields = ["moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_token_dispatcher_type"]
+    default = transformer_config(moe, **megatron_model_settings(load_config(TINY).trainer))
+    assert [getattr(default, k) for k in fields] == ["none", 0.0, None, "alltoall"]
+    assert default.calculate_per_token_loss  # read by the routers when built: the aux losses' scale
+    cfg = load_config(
+        TINY,
+        [
+            "trainer.moe_router_load_balancing_type=aux_loss",
+            "trainer.moe_aux_loss_coeff=0.01",
+            "trainer.moe_z_loss_coeff=0.001",
+            "trainer.moe_token_dispatcher_type=allgather",
+        ],
+    )
+    config = transformer_config(moe, **megatron_model_settings(cfg.trainer))
+    assert [getattr(config, k) for k in fields] == ["aux_loss", 0.01, 0.001, "allgather"]
+    for overrides in (
+        ["trainer.moe_router_load_balancing_type=aux_loss", "trainer.moe_aux_loss_coeff=0.01"],
+        ["trainer.moe_z_loss_coeff=0.001"],
+        ["trainer.moe_token_dispatcher_type=allgather"],
+    ):
+        with pytest.raises(ConfigError, match=f"{overrides[0]}: model_type 'qwen3' has no experts"):
+            check_model_trains(dense, load_config(TINY, overrides))
+    with pytest.raises(
+        ConfigError, match="trainer.moe_grouped_gemm: runs the local experts through Transformer Engine"
+    ):
+        check_trainer_runs_here(load_config(TINY, ["trainer.moe_grouped_gemm=true"]))

@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from lm_batch import parse_layout  # noqa: E402
+from megatron.core import parallel_state as mpu  # noqa: E402
 
 from megarl.checkpointing.megatron_checkpoint import save_model  # noqa: E402
 from megarl.checkpointing.model_loading import load_megatron_model  # noqa: E402
@@ -31,7 +32,7 @@ from megarl.trainer.policy_trainer import PolicyTrainer  # noqa: E402
 from megarl.trainer.response_logits import _output_layer  # noqa: E402
 from megarl.trainer.setup import OptimizerSettings, build_optimizer, unwrap, wrap_ddp  # noqa: E402
 from megarl.trainer.stats import metrics_from_totals  # noqa: E402
-from tests.rl_batch import CASES, MAX_LAG, VERSION, bound_loss, case_samples, load_samples  # noqa: E402
+from tests.rl_batch import CASES, MAX_LAG, MOE_AUX, VERSION, bound_loss, case_samples, load_samples  # noqa: E402
 
 
 def save_grads(ddp, spec, path):
@@ -58,12 +59,15 @@ def main():
     samples = load_samples(args.samples)
     for run in args.runs:
         layout_name, budget, *cases = run.split(":")
-        # a layout ending in "sp": Megatron's sequence parallelism on (norms over TP on CPU:
-        # megatron_patches/torch_norm_sp.py)
-        sequence_parallel = layout_name.endswith("sp")
-        layout = parse_layout(layout_name.removesuffix("sp"))
+        # a layout ending in "aux": rl_batch.MOE_AUX's router losses on; then (or alone) "sp":
+        # Megatron's sequence parallelism (norms over TP on CPU: megatron_patches/torch_norm_sp.py)
+        name = layout_name
+        settings = dict(MOE_AUX) if name.endswith("aux") else {}
+        name = name.removesuffix("aux")
+        settings["sequence_parallel"] = name.endswith("sp")
+        layout = parse_layout(name.removesuffix("sp"))
         init_megatron(layout)
-        spec, chunks = load_megatron_model(args.checkpoint, layout, sequence_parallel=sequence_parallel)
+        spec, chunks = load_megatron_model(args.checkpoint, layout, **settings)
         # Plain DDP (all-reduce), so every rank holds the whole gradient afterwards.
         ddp = wrap_ddp(chunks, OptimizerSettings(use_distributed_optimizer=False))
         optimizer = build_optimizer(ddp, OptimizerSettings(use_distributed_optimizer=False))
@@ -83,6 +87,10 @@ def main():
             rows.zero_()
             plan, stats = trainer.forward_backward(batch, version=VERSION)
             totals = trainer._reduce_stats(stats)
+            # every DP rank's micro-batches (the reference's aux losses are per micro-batch)
+            mine = (mpu.get_data_parallel_rank(), [(mb.sample_indices, mb.length) for mb in plan.micro_batches])
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, mine)
             output_layer_rows = rows.clone()
             dist.all_reduce(output_layer_rows)  # every TP rank of the last stage computes the same rows
             output_layer_rows /= layout.tp
@@ -93,6 +101,8 @@ def main():
                 record.update(
                     metrics=metrics_from_totals(totals, MAX_LAG),
                     micro_batches=len(plan.micro_batches),
+                    packed=[mbs for _, mbs in sorted(dict(every).items())],  # per DP rank: (samples, row length)
+                    moe_metrics=trainer.moe_metrics,
                     output_layer_rows=output_layer_rows.item(),
                     efficiency=plan.efficiency,
                     trainer_logprobs=[s.trainer_logprobs for s in batch],
