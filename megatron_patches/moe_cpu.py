@@ -14,7 +14,9 @@ Why this exists (both found by running Megatron's MoELayer at expert parallelism
   written.
 
 Installed by cpu_backend's apply (CPU processes only; ``te_general_gemm`` is defined only where
-moe_utils lacks it). ``megatron_functions`` keeps Megatron's own function for the tests, which
+moe_utils lacks it). The first fix alone (``define_te_general_gemm``) is also installed on GPUs
+without TE, by megarl.models.megatron_model.build_model_chunks for MoE models: the first GPU check
+(``scripts/gpu_check.sh --preset qwen3-moe-mini`` on an H200 without TE) raised that NameError. ``megatron_functions`` keeps Megatron's own function for the tests, which
 compare the patched path with Megatron's: the allgather dispatcher (no split sizes) gives the same
 outputs and gradients as the alltoall one, and the router's logits equal torch's.
 
@@ -29,6 +31,14 @@ _applied = False
 megatron_functions: dict = {}  # Megatron's own maybe_move_tensor_to_cpu, once replaced (tests compare)
 
 
+def define_te_general_gemm() -> None:
+    """The router's torch.mm branch where Transformer Engine is missing (any device)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def apply() -> None:
     global _applied
     if _applied:
@@ -36,9 +46,7 @@ def apply() -> None:
     import torch
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-
+    define_te_general_gemm()
     own = moe_utils.maybe_move_tensor_to_cpu
     megatron_functions["maybe_move_tensor_to_cpu"] = own
 

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from megarl.models.spec import ModelSpec
+from megatron_patches import moe_cpu
 from megatron_patches.tp_attributes import mark_tensor_parallel_weights
 
 # Megatron-Core (and sdpa_attention, which imports it) only inside the functions that build a model:
@@ -90,7 +91,9 @@ def transformer_config(
         bias_dropout_fusion=on_gpu,
         masked_softmax_fusion=on_gpu,
         apply_rope_fusion=False,
-        persist_layer_norm=on_gpu,
+        # Apex / TE's persistent LayerNorm kernel: only with Transformer Engine (the local spec's
+        # WrappedTorchNorm asserts it off; found by the first GPU check, which has no TE)
+        persist_layer_norm=transformer_engine_usable(),
         gradient_accumulation_fusion=False,
         use_cpu_initialization=not on_gpu,
         # megarl's losses return (sum, token count) and Megatron divides the gradients by the step's
@@ -193,6 +196,8 @@ def build_model_chunks(
     from megatron.core import parallel_state as mpu
     from megatron.core.models.gpt import GPTModel
 
+    if spec.moe:
+        moe_cpu.define_te_general_gemm()  # without TE every router forward raises NameError (any device)
     vp = config.virtual_pipeline_model_parallel_size
     padded = padded_vocab_size(spec.vocab_size, config.tensor_model_parallel_size, vocab_divisible_by)
     chunks = []

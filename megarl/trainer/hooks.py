@@ -120,7 +120,8 @@ def loss_inputs(mb, on: torch.Tensor, logp: torch.Tensor, entropy: Optional[torc
     device = logp.device
 
     def tokens(row):
-        return row[0][on].to(device)
+        # the batch's rows stay on the host; the mask is on the logits' device (a GPU)
+        return row[0].to(device)[on.to(device)]
 
     return LossInputs(
         logprobs=logp,
