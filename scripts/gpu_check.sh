@@ -7,7 +7,8 @@
 #
 # Installs megatron-core 0.16.1 from a local wheel when it does not import (2.6 MB; put it in
 # $MEGARL_WHEELS, default ./wheels: `pip download --no-deps megatron-core==0.16.1 -d wheels`
-# on a machine with network), then runs `megarl train` itself for a few asynchronous steps:
+# on a machine with network; or put a copy of an installed megatron/ package on PYTHONPATH, as
+# the first H200 run did), then runs `megarl train` itself for a few asynchronous steps:
 # the Megatron trainer (local layer spec, bf16) and megarl's torch engine as two ranks on the
 # one GPU, weight syncs through CUDA IPC, a random ~1.5B Llama, random token prompts and the
 # synthetic reward -- no transformers, tokenizer, math-verify, TensorBoard or PyYAML needed.
