@@ -14,7 +14,9 @@ never change a value that is right.
                       gradient_accumulation_fusion does on GPUs (trainer.setup.wrap_ddp)
     moe_cpu           (installed by cpu_backend) Megatron's MoE layers run without
                       Transformer Engine (the router's te_general_gemm name) and the
-                      alltoall dispatcher's split sizes reach gloo as numbers
+                      alltoall dispatcher's split sizes reach gloo as numbers;
+                      its te_general_gemm fix alone also on GPUs without TE
+                      (build_model_chunks, MoE models)
     tp_attributes     mark TP-sharded weights of models built without
                       initialisation (else grad-norm clipping is wrong at TP>1)
     optimizer_state   give each parameter its own Adam 'step' after a
