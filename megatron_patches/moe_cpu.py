@@ -16,8 +16,8 @@ Why this exists (both found by running Megatron's MoELayer at expert parallelism
 Installed by cpu_backend's apply (CPU processes only; ``te_general_gemm`` is defined only where
 moe_utils lacks it). The first fix alone (``define_te_general_gemm``) is also installed on GPUs
 without TE, by megarl.models.megatron_model.build_model_chunks for MoE models: the first GPU check
-(``scripts/gpu_check.sh --preset qwen3-moe-mini`` on an H200 without TE) raised that NameError. ``megatron_functions`` keeps Megatron's own function for the tests, which
-compare the patched path with Megatron's: the allgather dispatcher (no split sizes) gives the same
+(``scripts/gpu_check.sh --preset qwen3-moe-mini`` on an H200 without TE) raised that NameError.
+``megatron_functions`` keeps Megatron's own function for the tests, which compare the patched path with Megatron's: the allgather dispatcher (no split sizes) gives the same
 outputs and gradients as the alltoall one, and the router's logits equal torch's.
 
 When it can be deleted: when moe_utils defines ``te_general_gemm = None`` without TE, and its
