@@ -40,6 +40,7 @@ from __future__ import annotations
 import math
 from typing import Dict, Tuple
 
+from megarl.errors import ConfigError
 from megarl.plan.inputs import TrainerLayout, TrainerOptions
 
 BYTES = 2.0  # bf16 activations
@@ -58,7 +59,7 @@ def layer_parts(
         "norm_inputs": 2 * BYTES * h / replicated,
         "norm_outputs": 2 * BYTES * h / replicated,
         "attention": BYTES * (2 * q / t + 2 * kv_rank),
-        "mlp": BYTES * 3 * shape.ffn / t,
+        "mlp": BYTES * mlp_width(shape, layout),
         "scores": 0.0 if te else BYTES * shape.heads * seq_len / t,
     }
     if "core_attn" in modules:
@@ -70,6 +71,19 @@ def layer_parts(
     if "layernorm" in modules and not te:  # output-discarding checkpoint of both norms
         parts["norm_outputs"] = 0.0
     return parts
+
+
+def mlp_width(shape, layout: TrainerLayout) -> float:
+    """Elements a layer's MLP keeps per token on one rank, averaged over the layers: a dense MLP its
+    gate, up and fc2 input (3 f / t); a MoE layer, for each of the token's top-k experts, the dispatched
+    hidden state (h: gathered over expert TP) and the expert's 3 f_e / etp. With EP each rank receives
+    top-k tokens per local token on average (an even routing: imbalance is not priced)."""
+    t, etp = layout.dims.tp, layout.dims.expert_tp
+    dense = 3 * shape.ffn / t
+    if not shape.moe_layers:
+        return dense
+    moe = shape.top_k * (shape.hidden + 3 * shape.moe_ffn / etp)
+    return ((shape.layers - shape.moe_layers) * dense + shape.moe_layers * moe) / shape.layers
 
 
 def layer_bytes(shape, layout, options, seq_len, modules=()) -> float:
@@ -123,14 +137,22 @@ def logits_bytes(shape, layout: TrainerLayout, tokens: float) -> float:
 
 
 def state_parts(shape, layout: TrainerLayout, options: TrainerOptions) -> Dict[str, float]:
-    """Weights, gradients and optimizer state of the largest stage on one GPU."""
-    stage = shape.stage_params(layout.dims.pp) / layout.dims.tp
-    shards = layout.dims.dp * layout.dims.cp  # Megatron shards the optimizer over the DP x CP group
+    """Weights, gradients and optimizer state of the largest stage on one GPU. A MoE model's routed
+    experts are sharded over EP x ETP instead of TP, and their optimizer state over the expert data
+    parallel group (edp = tp x cp x dp / (ep x etp)), as Megatron's distributed optimizer shards them."""
+    d = layout.dims
+    experts = shape.stage_expert_params(d.pp)
+    dense = shape.stage_params(d.pp) - experts
+    stage = dense / d.tp + experts / (d.ep * d.expert_tp)
+    shards = d.dp * d.cp  # Megatron shards the optimizer over the DP x CP group
     fsdp = options.state_sharding == "fsdp"
+    if fsdp and experts:
+        raise ConfigError("FSDP state sharding of experts is not priced (scenarios are dense models)")
+    sharded_state = dense / d.tp / shards + experts / (d.ep * d.expert_tp) / d.edp
     parts = {
         "weights": 2.0 * stage / (shards if fsdp else 1),
         "grads": options.grad_bytes * stage / (shards if fsdp else 1),
-        "optimizer": options.optimizer_bytes * stage / (1 if options.state_sharding == "none" else shards),
+        "optimizer": options.optimizer_bytes * (stage if options.state_sharding == "none" else sharded_state),
     }
     if fsdp:  # the layer being computed and the one prefetched, gathered in bf16
         layer = shape.linear_params / shape.layers / layout.dims.tp

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Union
 
 from megarl.errors import ConfigError
-from megarl.models.presets import PRESETS
+from megarl.models.presets import HF_CONFIGS, PRESETS
 from megarl.plan.costs import MemoryBreakdown
 from megarl.plan.hardware import GB, H100, Hardware
 from megarl.plan.inputs import (
@@ -151,11 +151,11 @@ def model_preset(cfg, section: Optional[PlanSection] = None) -> str:
         name = cfg.model.source.partition(":")[2]
     if name is None:
         raise ConfigError(
-            f"plan.model: name the model's preset ({', '.join(sorted(PRESETS))}) so planning does "
+            f"plan.model: name the model's preset ({', '.join(sorted(PRESETS) + sorted(HF_CONFIGS))}) so planning does "
             f"not need the checkpoint at model.source={cfg.model.source!r}"
         )
-    if name not in PRESETS:
-        raise ConfigError(f"plan.model: {name!r} is not a preset; choose one of {sorted(PRESETS)}")
+    if name not in PRESETS and name not in HF_CONFIGS:
+        raise ConfigError(f"plan.model: {name!r} is not a preset; choose one of {sorted(PRESETS) + sorted(HF_CONFIGS)}")
     return name
 
 
@@ -388,6 +388,29 @@ class ConfigPlan:
         return None if layout is None or s is None else s.step_seconds / layout.step_seconds
 
 
+def moe_assumptions(spec, cfg) -> List[str]:
+    """What the planner assumes about a model with experts, each by the field it reads."""
+    if spec.moe is None:
+        return []
+    m, t, g = spec.moe, cfg.trainer, cfg.generator
+    dims = cfg.trainer_dims()
+    return [
+        f"experts (model's config): {spec.num_moe_layers} MoE layers x {m.num_experts} experts of width "
+        f"{m.ffn_hidden_size}, top {m.top_k}: {spec.num_parameters() / 1e9:.1f}B parameters, "
+        f"{spec.num_active_parameters() / 1e9:.1f}B active; FLOPs are priced from the active ones",
+        f"trainer.ep={t.ep} x trainer.etp={dims.expert_tp}: the routed experts are sharded over EP x ETP, "
+        f"their optimizer state over the expert data-parallel group (edp={dims.edp}); the dense part over "
+        "TP as usual",
+        "routing is priced as even (each rank receives top-k tokens per local token; imbalance and "
+        "trainer.moe_* capacity settings are not priced), and the token dispatcher's all-to-all time is not "
+        f"priced (trainer.moe_token_dispatcher_type={t.moe_token_dispatcher_type!r})",
+        f"generator.ep={g.ep} sits inside generator.tp={g.tp} (SGLang): every expert's weights are read in "
+        "each decode step (a batch routes to nearly all of them), the top-k computed",
+        "the searched and synchronous-baseline rows keep the experts unsharded (EP1): the layout search "
+        "does not enumerate expert parallelism yet; the configured row is the MoE layout",
+    ]
+
+
 def plan_config(cfg, path: str = "config") -> ConfigPlan:
     section = plan_section(cfg)
     inputs = inputs_from_config(cfg, section)
@@ -408,6 +431,7 @@ def plan_config(cfg, path: str = "config") -> ConfigPlan:
     balanced = balanced_split(on_used, fixed.trainer, fixed.generator, None, notes)
     searched = plan_from_inputs(inputs)
     notes.extend(searched.notes)
+    notes.extend(moe_assumptions(inputs.model_spec(), cfg))
     name = scenario_for_model(inputs.model)
     scenario = scenario_json(name) if name else None
     return ConfigPlan(path, inputs, used, configured, balanced, searched, notes, scenario)

@@ -36,6 +36,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
+from megarl.errors import ConfigError
 from megarl.models.spec import ModelSpec
 from megarl.parallel_dims import ParallelDims
 from megarl.plan import activations as act
@@ -60,12 +61,26 @@ class ModelShape:
     linear_params: int  # all transformer-layer matmul weights
     embedding_params: int  # one V x h matrix
     tied: bool
-    ffn: int = 0  # the MLP's width (SwiGLU's f)
+    ffn: int = 0  # the dense MLP's width (SwiGLU's f)
+    # mixture of experts (0 for dense models): MoE layers, routed experts per layer and per token, an
+    # expert's width; expert_params (all MoE layers' routed experts) are part of linear_params
+    moe_layers: int = 0
+    experts: int = 0
+    top_k: int = 0
+    moe_ffn: int = 0
 
     @classmethod
     def from_spec(cls, spec: ModelSpec) -> "ModelShape":
         h = spec.hidden_size
-        per_layer = spec.qkv_rows * h + spec.num_attention_heads * spec.head_dim * h + 3 * h * spec.ffn_hidden_size
+        attention = spec.qkv_rows * h + spec.num_attention_heads * spec.head_dim * h
+        linear = spec.num_layers * attention + spec.num_dense_layers * 3 * h * spec.ffn_hidden_size
+        moe = dict(moe_layers=0, experts=0, top_k=0, moe_ffn=0)
+        if spec.moe:
+            m = spec.moe
+            if m.shared_expert_ffn_hidden_size:
+                raise ConfigError(f"plan.model: {spec.source}: shared experts are not priced yet")
+            moe = dict(moe_layers=spec.num_moe_layers, experts=m.num_experts, top_k=m.top_k, moe_ffn=m.ffn_hidden_size)
+            linear += spec.num_moe_layers * (m.num_experts * 3 * h * m.ffn_hidden_size + m.num_experts * h)  # + router
         return cls(
             spec.num_layers,
             h,
@@ -73,16 +88,29 @@ class ModelShape:
             spec.num_kv_heads,
             spec.head_dim,
             spec.vocab_size,
-            spec.num_layers * per_layer,
+            linear,
             spec.vocab_size * h,
             spec.tie_embeddings,
             spec.ffn_hidden_size,
+            **moe,
         )
 
     @property
+    def expert_params(self) -> int:
+        """The routed experts' weights (all of them, every MoE layer): sharded over EP x ETP."""
+        return self.moe_layers * self.experts * 3 * self.hidden * self.moe_ffn
+
+    @property
+    def active_linear_params(self) -> int:
+        """Layer weights one token is multiplied by: the top-k experts of each MoE layer, not all."""
+        return self.linear_params - self.moe_layers * (self.experts - self.top_k) * 3 * self.hidden * self.moe_ffn
+
+    @property
     def mlp_fraction(self) -> float:
-        """Share of a layer's matmul parameters in its MLP (3 h f of them)."""
-        return 3 * self.hidden * self.ffn * self.layers / self.linear_params
+        """Share of a token's layer FLOPs in its MLPs (the dense ones' 3 h f, the top-k experts')."""
+        dense_layers = self.layers - self.moe_layers
+        mlp = 3 * self.hidden * (self.ffn * dense_layers + self.top_k * self.moe_ffn * self.moe_layers)
+        return mlp / self.active_linear_params
 
     @property
     def params(self) -> int:
@@ -90,8 +118,9 @@ class ModelShape:
 
     @property
     def matmul_params(self) -> int:
-        """Parameters multiplied per token: the layers and the output layer (the input embedding is a lookup)."""
-        return self.linear_params + self.embedding_params
+        """Parameters multiplied per token: the layers (top-k experts) and the output layer (the input
+        embedding is a lookup)."""
+        return self.active_linear_params + self.embedding_params
 
     def stage_layers(self, pp: int) -> int:
         """Layers of the largest pipeline stage. Megatron splits unevenly when pp does not divide
@@ -103,6 +132,10 @@ class ModelShape:
         if pp == 1:
             return self.params
         return self.linear_params * self.stage_layers(pp) / self.layers + self.embedding_params
+
+    def stage_expert_params(self, pp: int) -> float:
+        """The routed experts' share of stage_params (MoE layers spread over the stages as layers are)."""
+        return self.expert_params * min(1.0, self.stage_layers(pp) / self.layers)
 
 
 @dataclass(frozen=True)
@@ -232,7 +265,7 @@ class H100CostModel:
     def trainer_seconds_per_sample(self, layout: TrainerLayout, batch: int) -> float:
         """eta_t: seconds of one model replica (tp x pp x cp GPUs) per sample, pipeline bubble included."""
         s, hw, w = self.shape, self.hw, self.work
-        linear = 2.0 * s.linear_params * w.mean_tokens  # forward FLOPs of the layers' matmuls
+        linear = 2.0 * s.active_linear_params * w.mean_tokens  # forward FLOPs of the layers' matmuls
         attention = 2.0 * s.layers * s.hidden * w.mean_square_tokens  # causal QK^T and PV, forward
         head = 2.0 * s.embedding_params * w.mean_tokens
         recomputed = self._recomputed_flops(layout, linear, attention)
@@ -262,10 +295,16 @@ class H100CostModel:
         shards = layout.dims.dp * layout.dims.cp
         if shards == 1:
             return 0.0
-        hw, o, w, s = self.hw, self.options, self.work, self.shape
-        shard = s.stage_params(layout.dims.pp) / layout.dims.tp
-        link = hw.link_bytes_s(shards * layout.dims.tp * layout.dims.pp)
+        hw, o, w, s, d = self.hw, self.options, self.work, self.shape, layout.dims
+        experts = s.stage_expert_params(d.pp)
+        shard = (s.stage_params(d.pp) - experts) / d.tp
+        link = hw.link_bytes_s(shards * d.tp * d.pp)
         ring = (shards - 1) / shards
+        if experts:
+            # the experts' gradients are reduced over the expert data-parallel group (edp ranks, each
+            # holding experts / (ep x etp)): ring-equivalent elements on the dense part's ring
+            expert_ring = (d.edp - 1) / d.edp
+            shard += experts / (d.ep * d.expert_tp) * expert_ring / ring
         tokens = layout.micro_batch_tokens or layout.micro_batch * w.mean_tokens
         per_mb = (
             6.0 * s.matmul_params * tokens / (layout.m * hw.peak_flops("bf16") * hw.train_mfu)
@@ -362,7 +401,9 @@ class H100CostModel:
             context = max(context, self.work.max_tokens)
         kv = micro * context * self.kv_bytes_per_token(layout)
         memory = (read + kv) / hw.hbm_bytes_s
-        flops = 2.0 * micro * (stage_linear + s.embedding_params / layout.tp)
+        # every expert's weights are read (a decode batch routes to nearly all of them), the top-k computed
+        active = s.active_linear_params * s.stage_layers(layout.pp) / s.layers / layout.tp
+        flops = 2.0 * micro * (active + s.embedding_params / layout.tp)
         flops += 4.0 * micro * context * s.head_dim * s.heads / layout.tp * s.stage_layers(layout.pp)
         compute = flops / (hw.peak_flops(e.compute_precision(precision)) * hw.decode_mfu)
         comm = 0.0

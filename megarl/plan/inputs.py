@@ -160,6 +160,14 @@ class TrainerLayout:
         return self.dims.world_size // self.dims.dp
 
     @property
+    def gpu_unit(self) -> int:
+        """Trainer GPU counts are multiples of this: whole replicas (m), and pipeline stages of whole
+        EP x ETP groups (Megatron-Core carves expert parallelism out of a stage's TP x CP x DP ranks)."""
+        d = self.dims
+        expert_stage = d.pp * d.ep * d.expert_tp
+        return self.m * expert_stage // math.gcd(self.m, expert_stage)
+
+    @property
     def gpus(self) -> int:
         return self.dims.world_size
 
@@ -171,6 +179,12 @@ class TrainerLayout:
         """The same replica layout data-parallel over ``gpus`` GPUs."""
         if gpus < self.m or gpus % self.m:
             raise ConfigError(f"{field}={gpus} is not a multiple of trainer TP x PP x CP = {self.m}")
+        if gpus % self.gpu_unit:
+            d = self.dims
+            raise ConfigError(
+                f"{field}={gpus}: trainer EP{d.ep} x ETP{d.expert_tp} must divide each of the PP{d.pp} stages' "
+                f"ranks; use a multiple of {self.gpu_unit} GPUs"
+            )
         return replace(self, dims=replace(self.dims, dp=gpus // self.m))
 
     def recompute_text(self) -> str:
@@ -184,6 +198,7 @@ class TrainerLayout:
         """One replica: its model-parallel shape and settings (the DP size is printed beside it)."""
         d = self.dims
         shape = f"TP{d.tp}xPP{d.pp}" + (f"xCP{d.cp}" if d.cp > 1 else "")
+        shape += f"xEP{d.ep}" + (f"xETP{d.expert_tp}" if d.expert_tp != d.tp else "") if d.ep > 1 else ""
         shape += f" VPP{d.vpp}" if d.vpp > 1 else ""
         return f"{shape}{' SP' if self.sp else ''} mb{self.micro_batch} {self.recompute_text()}"
 

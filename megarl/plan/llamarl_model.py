@@ -310,7 +310,8 @@ def evaluate_sync(costs, inputs: PlanInputs, trainer: TrainerLayout, trainer_eva
 
 
 def _split_unit(inputs: PlanInputs, m: int) -> int:
-    """theta moves in whole nodes (a single node: whole GPUs) and whole replicas."""
+    """theta moves in whole nodes (a single node: whole GPUs) and whole units of ``m`` GPUs (a
+    replica; with experts, TrainerLayout.gpu_unit)."""
     node = inputs.gpus_per_node if inputs.gpus >= 2 * inputs.gpus_per_node else 1
     return m * node // math.gcd(m, node)
 
@@ -325,7 +326,7 @@ def search_layouts(costs, inputs: PlanInputs):
     best_train = {}  # trainer GPUs -> (seconds, layout on those GPUs, evaluation)
     best_sync, sync_count, async_count = None, 0, 0
     for replica in trainers:
-        unit = _split_unit(inputs, replica.m)
+        unit = _split_unit(inputs, replica.gpu_unit)
         runnable = inputs.uneven_pp or layers % replica.dims.pp == 0
         for gpus in range(unit, n, unit) if runnable else ():
             layout = replica.on_gpus(gpus)
@@ -450,7 +451,7 @@ def balanced_split(
     inputs.validate()
     costs = build_costs(inputs)
     n, best = inputs.gpus, None
-    unit = _split_unit(inputs, trainer.m)
+    unit = _split_unit(inputs, trainer.gpu_unit)
     m_g = generator.world_size // generator.dp
     for gpus in range(unit, n, unit):
         replicas = (n - gpus) // m_g
