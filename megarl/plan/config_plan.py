@@ -74,7 +74,7 @@ class PlanSection:
     response_tokens_max: Optional[int] = None
     response_tokens_mean: Optional[float] = None  # exponential only
     transformer_impl: str = "transformer_engine"  # Megatron-LM's --transformer-impl of the trainer's GPUs
-    max_lag_steps: float = 1.0
+    max_lag_steps: Optional[float] = None  # None: the config's rollout.max_lag (async), 1 (sync)
     max_pp: int = 16
     measured: Optional[Union[str, Dict[str, Any]]] = None  # see megarl/plan/measured.py
     weight_sync: str = "predict"  # predict | estimate | skip
@@ -185,6 +185,14 @@ def trainer_options(cfg, section: PlanSection) -> TrainerOptions:
     )
 
 
+def planned_lag(cfg, section) -> float:
+    """Steps of generation a replica may run ahead (what caps sequences in flight): the run's own
+    rollout.max_lag unless plan.max_lag_steps overrides it (sync mode: one step)."""
+    if section.max_lag_steps is not None:
+        return section.max_lag_steps
+    return float(max(cfg.rollout.max_lag, 1)) if cfg.run.mode == "async" else 1.0
+
+
 def inputs_from_config(cfg, section: Optional[PlanSection] = None) -> PlanInputs:
     """PlanInputs of a run config: batch, precisions, engine and lengths from the run, the rest from plan:."""
     section = section or plan_section(cfg)
@@ -214,7 +222,7 @@ def inputs_from_config(cfg, section: Optional[PlanSection] = None) -> PlanInputs
         gpu_memory_gb=section.gpu_memory_gb,
         trainer_precision=trainer_precision,
         generator_precision=generator_precision,
-        max_lag_steps=section.max_lag_steps,
+        max_lag_steps=planned_lag(cfg, section),
         measured=section.measured,
         weight_sync=section.weight_sync,
         hardware=section_hardware(section),

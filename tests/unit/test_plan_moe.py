@@ -116,3 +116,18 @@ def test_30b_dry_run_sends_every_expert_element_once_to_each_generator_rank():
     norms = (2 * L + 1) * H + 2 * L * 128
     replicated = 8 * norms + 7 * L * ROUTER + L * 2 * 4 * 128 * H
     assert sum(shard) == EXPERTS_30B + DENSE_30B + replicated == 30_722_342_912
+
+
+def test_sequences_in_flight_follow_the_runs_max_lag():
+    """The balanced split's b_g is capped by rollout.max_lag (not a separate planner default): at lag 1
+    a 2048-sample batch over 64 replicas puts 32 in flight on each; at lag 4 the KV pool is the cap."""
+    path = str(ROOT / "configs" / "qwen3_235b_a22b.yaml")
+    lag1 = plan_config(load_config(path, ["plan.weight_sync=estimate"]), "235b")
+    lag4 = plan_config(load_config(path, ["plan.weight_sync=estimate", "rollout.max_lag=4"]), "235b")
+    assert lag1.balanced.sequences == 2048 // 64
+    assert 2048 // 64 < lag4.balanced.sequences <= 4 * 2048 // 64
+    assert lag4.balanced.generate_seconds < lag1.balanced.generate_seconds / 2
+    pinned = plan_config(
+        load_config(path, ["plan.weight_sync=estimate", "rollout.max_lag=4", "plan.max_lag_steps=1"]), "235b"
+    )
+    assert pinned.balanced.sequences == 2048 // 64  # plan.max_lag_steps still overrides
