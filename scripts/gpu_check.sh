@@ -15,6 +15,8 @@
 # Prints one JSON line: trainer tokens/s and MFU, generator tokens/s, sync seconds and GB/s,
 # lag, KL at step 1. megarl itself runs from this checkout (PYTHONPATH).
 # Mixture of experts: scripts/gpu_check.sh --preset qwen3-moe-mini (a random 1.98B Qwen3-MoE).
+# Every rank prints "megarl activity: ..." lines as it goes (MEGARL_LOG_ACTIVITY=1): a slow step
+# keeps printing, a hang stops.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}

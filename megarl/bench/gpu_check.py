@@ -158,7 +158,9 @@ def main(argv=None, backend: str = "torch") -> dict:
         run_dir = work / "run"
         config = work / "gpu_check.json"
         config.write_text(json.dumps(check_config(a, str(run_dir)), indent=1))
-        env = dict(os.environ)
+        # every rank prints what it does as it changes (and every 30 s while it lasts): a slow
+        # first step (the MoE check's) can be told from a hang
+        env = {"MEGARL_LOG_ACTIVITY": "1", **os.environ}
         if a.device == "cpu":
             env["CUDA_VISIBLE_DEVICES"] = ""
         # the user's command: its output goes to stderr so that stdout carries the one JSON line

@@ -36,6 +36,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from typing import Dict, Optional, Set, Tuple
@@ -44,6 +45,40 @@ from megarl.runtime import failure
 
 KEY = "megarl/heartbeat/{}"
 PULSE_KEY = "megarl/pulse/{}"
+# MEGARL_LOG_ACTIVITY=1: every rank also prints its activity to stderr when it changes, and a
+# reminder while it stays the same, so a slow first step can be told from a hang by reading the log
+# (scripts/gpu_check.sh sets it: its first MoE try printed nothing for 190 s)
+LOG_ACTIVITY_ENV = "MEGARL_LOG_ACTIVITY"
+ACTIVITY_REMINDER_S = 30.0
+
+
+class ActivityLog:
+    """Prints a rank's activity when it changes, and every ACTIVITY_REMINDER_S while it does not
+    (with how many beats it saw meanwhile: a decoding generator beats once per decode step)."""
+
+    def __init__(self, rank: int, role: str, stream=None, clock=time.monotonic):
+        self.rank, self.role, self.clock = rank, role, clock
+        self.stream = stream if stream is not None else sys.stderr
+        self.start = self.clock()
+        self.what, self.since, self.printed, self.beats = None, self.start, self.start, 0
+
+    def record(self, what: str) -> None:
+        now = self.clock()
+        if what != self.what:
+            self.what, self.since, self.printed, self.beats = what, now, now, 1
+            self._print(now, what)
+            return
+        self.beats += 1
+        if now - self.printed >= ACTIVITY_REMINDER_S:
+            self.printed = now
+            self._print(now, f"still {what} ({now - self.since:.0f} s, {self.beats} beats)")
+
+    def _print(self, now: float, text: str) -> None:
+        print(
+            f"megarl activity: rank {self.rank} ({self.role}) +{now - self.start:.1f}s: {text}",
+            file=self.stream,
+            flush=True,
+        )
 
 
 class Heartbeat:
@@ -52,6 +87,7 @@ class Heartbeat:
         self.timeout_s, self.min_interval_s = timeout_s, min_interval_s
         self.count, self.last = 0, 0.0
         self.host = socket.gethostname()
+        self.activity = ActivityLog(rank, role) if os.environ.get(LOG_ACTIVITY_ENV) == "1" else None
         self.beat("starting", force=True)
         failure.announce_role(role)  # the local launcher names a rank killed outright by this
         self._stop = threading.Event()
@@ -83,6 +119,8 @@ class Heartbeat:
 
     def beat(self, what: str, force: bool = False, waiting: bool = False) -> None:
         """Record progress; ``waiting``: about to wait for other ranks (quiet until they come)."""
+        if self.activity is not None:  # every beat, before the store's rate limit
+            self.activity.record(what)
         now = time.monotonic()
         if not force and now - self.last < self.min_interval_s:
             return

@@ -90,6 +90,9 @@ def test_gpu_check_runs_megarl_train_with_only_torch_and_megatron(tmp_path, back
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
+    # MEGARL_LOG_ACTIVITY: each rank said what it was doing as it went (trainer rank 0 trained)
+    assert "megarl activity: rank 0 (trainer) " in proc.stderr and ": training step 1" in proc.stderr
+    assert "(generator replica 0, TP rank 0) " in proc.stderr and ": decoding" in proc.stderr
     assert result["backend"] == backend
     assert result["preset"] == preset
     if backend == "torch":

@@ -90,3 +90,25 @@ def test_the_watcher_sees_a_stopped_pulse_through_the_store():
             time.sleep(0.1)
         beats[0]._stop.set()
     assert named and named[0].startswith("rank 1 (role1") and "stopped running" in named[0], named
+
+
+def test_activity_log_prints_changes_and_reminds_while_an_activity_lasts():
+    """MEGARL_LOG_ACTIVITY's log: a line per change of activity, and one every 30 s of the same
+    activity with its beat count (a slow step keeps counting decode steps; a hang stops printing)."""
+    import io
+
+    from megarl.runtime.heartbeat import ActivityLog
+
+    now, out = [100.0], io.StringIO()
+    log = ActivityLog(3, "generator", stream=out, clock=lambda: now[0])
+    for t, what in [(0, "starting"), (1, "decoding"), (2, "decoding"), (20, "decoding"), (31.5, "decoding")]:
+        now[0] = 100.0 + t
+        log.record(what)
+    now[0] = 140.0
+    log.record("waiting for the trainer's step")
+    assert out.getvalue().splitlines() == [
+        "megarl activity: rank 3 (generator) +0.0s: starting",
+        "megarl activity: rank 3 (generator) +1.0s: decoding",
+        "megarl activity: rank 3 (generator) +31.5s: still decoding (30 s, 4 beats)",
+        "megarl activity: rank 3 (generator) +40.0s: waiting for the trainer's step",
+    ]
