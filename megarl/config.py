@@ -56,6 +56,9 @@ class TrainerConfig:
     moe_z_loss_coeff: Optional[float] = None  # router z-loss (ST-MoE); None: off
     moe_token_dispatcher_type: str = "alltoall"  # alltoall | allgather (flex needs DeepEP: not offered)
     moe_grouped_gemm: bool = False  # Transformer Engine's grouped GEMM for the local experts (GPUs)
+    # R3: the routers take the experts the generator chose for each token (trainer/router_replay.py;
+    # Megatron's name, served by megarl's replay of the policy's routers, not Megatron's global one)
+    moe_enable_routing_replay: bool = False
     # Activation recomputation (Megatron-LM's --recompute-*): None | selective | full
     recompute_granularity: Optional[str] = None
     recompute_method: Optional[str] = None  # full: uniform | block

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 from megarl.errors import ConfigError
 
@@ -47,6 +47,10 @@ class Sample:
     # after a train step: log pi of each response token as the loss saw it (the other side of
     # each importance ratio); None for masked tokens and before training
     trainer_logprobs: Optional[List[Optional[float]]] = None
+    # mixture-of-experts models: the experts the generator routed each position to, an int16 tensor
+    # [len(self), num_layers, top_k] (-1 on dense layers; Completion.routed_experts); None: not
+    # recorded. The trainer replays them (trainer.moe_enable_routing_replay, trainer/router_replay.py)
+    routed_experts: Optional[Any] = None
 
     def __post_init__(self) -> None:
         if not self.loss_mask:
@@ -79,6 +83,11 @@ class Sample:
                 )
         if any(m not in (0, 1) for m in self.loss_mask):
             raise ConfigError(f"{name}: loss_mask holds values other than 0 and 1")
+        if self.routed_experts is not None and self.routed_experts.shape[0] != len(self):
+            raise ConfigError(
+                f"{name}: routed_experts has {self.routed_experts.shape[0]} positions for the {len(self)} the "
+                f"trainer feeds (prompt + response - 1)"
+            )
 
 
 def validate_samples(samples: Sequence[Sample]) -> None:

@@ -132,6 +132,68 @@ def make_samples(hf_dir, vocab_size: int, seed: int = 11):
     return samples
 
 
+def with_random_routes(samples, hf_dir, seed: int = 5):
+    """Copies of ``samples`` carrying routed experts as a generator records them ([positions,
+    num_layers, top_k] int16, -1 on dense layers), drawn at random: not the experts the model's own
+    routers choose, so a trainer that ignores them routes (and differentiates) differently."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(hf_dir)
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for sample in samples:
+        routes = torch.full((len(sample), config.num_hidden_layers, config.num_experts_per_tok), -1, dtype=torch.int16)
+        for layer in range(config.num_hidden_layers):
+            if layer in config.mlp_only_layers:
+                continue
+            for position in range(len(sample)):
+                experts = torch.randperm(config.num_experts, generator=g)[: config.num_experts_per_tok]
+                routes[position, layer] = experts.to(torch.int16)
+        out.append(replace(sample, routed_experts=routes))
+    return out
+
+
+class forced_routes:
+    """transformers' Qwen3-MoE routers take the given experts ([positions, num_layers, top_k]; a
+    position beyond them, or -1, keeps its own top-k) for one sample's forward: the reference of
+    routing replay, written on transformers' own router (its softmax, gather and renormalisation)."""
+
+    def __init__(self, model, routes):
+        self.model, self.routes = model, routes
+
+    def __enter__(self):
+        self.saved = []
+        for index, layer in enumerate(self.model.model.layers):
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is None or not hasattr(gate, "top_k"):
+                continue
+            self.saved.append((gate, gate.forward))
+            gate.forward = self._forced(gate, self.routes[:, index].long())
+        return self
+
+    def __exit__(self, *exc):
+        for gate, forward in self.saved:
+            gate.forward = forward
+
+    @staticmethod
+    def _forced(gate, routes):
+        def forward(hidden_states):
+            hidden_states = hidden_states.reshape(-1, gate.hidden_dim)
+            logits = torch.nn.functional.linear(hidden_states, gate.weight)
+            probs = torch.softmax(logits, dtype=torch.float, dim=-1)
+            _, own = torch.topk(probs, gate.top_k, dim=-1)
+            n = min(len(routes), len(own))
+            forced = own.clone()
+            given = routes[:n, 0] >= 0
+            forced[:n][given] = routes[:n][given]
+            values = probs.gather(1, forced)
+            if gate.norm_topk_prob:
+                values = values / values.sum(dim=-1, keepdim=True)
+            return logits, values.to(logits.dtype), forced
+
+        return forward
+
+
 def save_samples(samples, path):
     torch.save([asdict(s) for s in samples], path)
 
@@ -248,7 +310,11 @@ def reference_grads(hf_dir, samples, case=CASES["aipo"], moe_micro_batches=None)
     for s, adv, k in zip(samples, group_mean_advantages(samples), kept):
         if not k:
             continue
-        logp, entropy = response_logprobs(model, s.prompt_tokens, s.response_tokens, TEMPERATURE, entropy=True)
+        if s.routed_experts is not None:  # routing replay's reference: the recorded experts
+            with forced_routes(model, s.routed_experts):
+                logp, entropy = response_logprobs(model, s.prompt_tokens, s.response_tokens, TEMPERATURE, entropy=True)
+        else:
+            logp, entropy = response_logprobs(model, s.prompt_tokens, s.response_tokens, TEMPERATURE, entropy=True)
         k = torch.tensor(k)
         mu = torch.tensor(s.behaviour_logprobs)[k]
         terms, kind = _sequence_terms(case, logp[k], mu, adv, entropy[k])

@@ -130,6 +130,11 @@ class TrainerExecutor:
             if t.kl_coef
             else None
         )
+        routing = None
+        if self.spec.moe is not None:  # replayed, or with replay off the generator's routes only compared
+            from megarl.trainer.router_replay import RoutingReplay
+
+            routing = RoutingReplay(self.ddp, replay=t.moe_enable_routing_replay)
         self.trainer = PolicyTrainer(
             self.ddp,
             self.optimizer,
@@ -138,6 +143,7 @@ class TrainerExecutor:
             t.max_tokens_per_microbatch,
             ref_chunks=ref,
             lr_scheduler=self.lr_scheduler,
+            routing=routing,
         )
         # Transformer Engine's layer spec fuses the norms into the linears: other parameter names
         self.norm_names = "te" if transformer_engine_usable() else "local"

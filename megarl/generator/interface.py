@@ -100,6 +100,7 @@ class Completion:
             group_id=self.group_id,
             finish_reason=self.finish_reason,
             answer=self.meta.get("answer"),
+            routed_experts=self.routed_experts,
         )
 
 

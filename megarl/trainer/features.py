@@ -99,6 +99,8 @@ def check_model_trains(spec, cfg) -> None:
         expert_fields = {"trainer.ep": (t.ep, 1), "trainer.etp": (t.etp, None), "generator.ep": (g.ep, 1)}
         set_fields = [f"{name}={value}" for name, (value, default) in expert_fields.items() if value != default]
         set_fields += [f"trainer.{k}={v}" for k, v in moe_training_overrides(t).items()]
+        if t.moe_enable_routing_replay:
+            set_fields.append("trainer.moe_enable_routing_replay=true")
         if set_fields:
             raise ConfigError(f"{set_fields[0]}: model_type {spec.model_type!r} has no experts; leave it unset")
         return
@@ -107,6 +109,17 @@ def check_model_trains(spec, cfg) -> None:
         raise ConfigError(
             f"trainer.sequence_parallel: Megatron's MoE layers train at trainer.tp={t.tp} only with "
             "sequence parallelism; set trainer.sequence_parallel=true"
+        )
+    if t.moe_enable_routing_replay and g.backend != "torch":
+        # SGLang returns them (--enable-return-routed-experts) but megarl's client does not parse them yet
+        raise ConfigError(
+            f"trainer.moe_enable_routing_replay: generator.backend={g.backend!r} does not hand megarl its "
+            "routed experts yet (the torch engine does); set it to false or use generator.backend=torch"
+        )
+    if t.moe_enable_routing_replay and t.cp > 1:
+        raise ConfigError(
+            f"trainer.moe_enable_routing_replay: routes are not laid out for context parallelism "
+            f"(trainer.cp={t.cp}) yet"
         )
     if g.fp8:
         # SGLang block-quantises FusedMoE's w13/w2 per expert (scales [E, rows/128, cols/128]); megarl's

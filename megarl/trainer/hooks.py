@@ -44,6 +44,7 @@ from megarl.trainer.stats import BASE_FIELDS, micro_batch_stats
 
 if TYPE_CHECKING:
     from megarl.trainer.bound_loss import BoundLoss
+    from megarl.trainer.router_replay import RoutingReplay
 
 STAT_FIELDS = BASE_FIELDS  # without the lag buckets; stats.stat_fields(lag_bound) is the whole layout
 
@@ -53,14 +54,20 @@ def trained_positions(mb) -> torch.Tensor:
     return mb.loss_mask[0] > 0
 
 
-def make_forward_step(loss: BoundLoss, vocab_size: int):
+def make_forward_step(loss: BoundLoss, vocab_size: int, routing: Optional[RoutingReplay] = None):
+    """``routing``: the policy's routing replay (models with experts; trainer/router_replay.py)."""
+
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
+        # the generator's routes for this chunk's routers (replayed, or only compared with the trainer's)
+        routers = routing.begin_micro_batch(model, mb) if routing is not None else None
         # only trained positions matter: the output layer computes their logits alone
         # (trainer/response_logits.py); without it the loss selects them from every position's
         on = trained_positions(mb).to(_device_of(model))
         with logits_at(model, on) as selected:
             output = model(*model_inputs(mb, model), packed_seq_params=_packed_on_device(mb, model))
+        if routers is not None:  # its backward switches the routers to the backward's routes
+            output = routing.wrap_output(output, routers)
         return output, partial(_loss_func, loss, vocab_size, mb, on, selected)
 
     return forward_step

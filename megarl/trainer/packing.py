@@ -61,6 +61,9 @@ class MicroBatch:
     step_sequences: int = 0  # samples with a trained token in the whole step (all micro-batches, all DP ranks)
     step_tokens: int = 0  # trained tokens in the whole step
     trainer_logprobs: Optional[torch.Tensor] = None  # log pi of the trained tokens in row order, left by the hook
+    # [L, num_layers, top_k] int16: the generator's routed experts of each position (-1: none recorded,
+    # padding, dense layers); None when no sample of the row carries them (trainer/router_replay.py)
+    routes: Optional[torch.Tensor] = None
 
     @property
     def length(self) -> int:
@@ -157,6 +160,8 @@ def build_micro_batch(
     def row(values, dtype):
         return torch.tensor(values, dtype=dtype).unsqueeze(0)
 
+    routes = _packed_routes([samples[i] for i in indices], row_length)
+
     return MicroBatch(
         input_ids=row(ids, torch.long),
         position_ids=row(pos, torch.long),
@@ -173,7 +178,23 @@ def build_micro_batch(
         packed_seq_params=_packed_seq_params(seq_lengths) if thd and seq_lengths else None,
         sample_indices=list(indices),
         real_tokens=real,
+        routes=routes,
     )
+
+
+def _packed_routes(samples: Sequence[Sample], row_length: int) -> Optional[torch.Tensor]:
+    """The samples' routed experts laid end to end as their positions are in the row (-1 where a
+    sample has none, and on padding)."""
+    recorded = [s.routed_experts for s in samples if s.routed_experts is not None]
+    if not recorded:
+        return None
+    routes = torch.full((row_length, *recorded[0].shape[1:]), -1, dtype=torch.int16)
+    start = 0
+    for s in samples:
+        if s.routed_experts is not None:
+            routes[start : start + len(s)] = torch.as_tensor(s.routed_experts, dtype=torch.int16)
+        start += len(s)
+    return routes
 
 
 @dataclass

@@ -116,7 +116,10 @@ class PolicyTrainer:
         ref_chunks: Optional[list] = None,
         thd: Optional[bool] = None,
         lr_scheduler=None,
+        routing=None,
     ):
+        """``routing``: a RoutingReplay over ``ddp_chunks`` (models with experts: the generator's
+        routes replayed, or with replay off only compared; trainer/router_replay.py)."""
         if loss.kl_coef and ref_chunks is None:
             raise ValueError("loss.kl_coef > 0 needs a reference model (ref_chunks)")
         self.ddp_chunks = ddp_chunks
@@ -127,6 +130,7 @@ class PolicyTrainer:
         self.max_tokens = max_tokens_per_microbatch
         self.ref_chunks = ref_chunks
         self.lr_scheduler = lr_scheduler  # Megatron's OptimizerParamScheduler, stepped after each update
+        self.routing = routing
         self.thd = transformer_engine_usable() if thd is None else thd
 
     # -- data ------------------------------------------------------------------------------
@@ -174,16 +178,24 @@ class PolicyTrainer:
                     collect_non_loss_data=True,
                 )
         zero_grads(self.ddp_chunks, self.optimizer)
-        outputs = run_schedule(
-            self.ddp_chunks,
-            make_forward_step(self.loss, self.vocab_size),
-            plan.micro_batches,
-            plan.seq_length,
-            1,
-            forward_only=False,
-        )
+        if self.routing is not None:
+            self.routing.begin_step(plan.micro_batches)
+        try:
+            outputs = run_schedule(
+                self.ddp_chunks,
+                make_forward_step(self.loss, self.vocab_size, self.routing),
+                plan.micro_batches,
+                plan.seq_length,
+                1,
+                forward_only=False,
+            )
+        finally:
+            if self.routing is not None:
+                self.routing.end_step()
         self._hand_back_logprobs(kept, plan)
         self.moe_metrics = moe_loss_metrics(self.ddp_chunks[0].config, len(plan.micro_batches), self._device())
+        if self.routing is not None:
+            self.moe_metrics.update(self.routing.step_metrics(self._device()))
         return plan, [o["stats"] for o in outputs]
 
     def step(self, samples: Sequence[Sample], version: Optional[int] = None) -> dict:

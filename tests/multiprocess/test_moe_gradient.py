@@ -7,6 +7,7 @@ aux losses (moe_router_load_balancing_type "none", megarl's default) and, at EP2
 load-balancing and z losses, against a reference that adds them per micro-batch and layer."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from megarl.checkpointing.dist_checkpoint_reader import DistCheckpointReader
 from megarl.checkpointing.megatron_checkpoint import read_spec
 from megarl.convert.megatron_to_hf import hf_tensors
 from tests.conftest import make_tiny_family, run_ranks, run_tool
-from tests.rl_batch import CASES, make_samples, moe_router_terms, reference_grads, save_samples
+from tests.rl_batch import CASES, make_samples, moe_router_terms, reference_grads, save_samples, with_random_routes
 
 pytestmark = pytest.mark.slow
 
@@ -171,3 +172,57 @@ def test_aux_losses_reach_the_gradient_per_micro_batch_as_megatron_defines_them(
         logged = [metrics[f"{metric}/layer{layer}"] for layer in moe_layers]
         assert logged == pytest.approx(expected, rel=1e-5), (metric, logged, expected)
         assert metrics[metric] == pytest.approx(sum(expected) / len(expected), rel=1e-5)
+
+
+# routing replay (trainer/router_replay.py) of random routes: EP2 over DP4 at one micro-batch per DP
+# rank, and PP2 x EP2 (padded rows) without and with full recomputation at four micro-batches per rank
+# (1F1B runs two forwards before the first backward, whose recompute re-runs the routers)
+REPLAY_RUNS = ["1x1e2replay:32", "1x2e2rcreplay:16", "1x2e2replay:64"]
+
+
+@pytest.fixture(scope="module")
+def moe_replay(moe):
+    hf, base, samples = moe
+    routed = with_random_routes(samples, hf)
+    save_samples(routed, base / "routed_samples.pt")
+    run_ranks(
+        4,
+        "rl_grad_worker.py",
+        "--checkpoint",
+        base / "megatron",
+        "--samples",
+        base / "routed_samples.pt",
+        "--out",
+        base,
+        "--runs",
+        *REPLAY_RUNS,
+    )
+    return hf, base, routed
+
+
+@pytest.fixture(scope="module")
+def replay_reference(moe_replay):
+    hf, _, routed = moe_replay
+    weights = load_file(hf / "model.safetensors")
+    own = hub_names(reference_grads(hf, [replace(s, routed_experts=None) for s in routed])[0], weights)
+    return hub_names(reference_grads(hf, routed)[0], weights), own
+
+
+@pytest.mark.parametrize("run", REPLAY_RUNS)
+def test_routing_replay_gradient_is_the_reference_routed_by_the_generators_experts(run, moe_replay, replay_reference):
+    """With trainer.moe_enable_routing_replay the gradient equals transformers' model whose routers
+    are forced to the recorded experts (random ones, not the model's own: the reference routed by its
+    own top-k is far off), also under full recomputation with two micro-batches per rank (a recompute
+    that reused the last micro-batch's routes would differ) and PP2 x EP2."""
+    _, base, _ = moe_replay
+    ref, own = replay_reference
+    ours = megatron_grads(base, run)
+    overall, worst = errors(ours, ref)
+    apart, _ = errors(own, ref)
+    print(f"{run}: relative gradient error {overall:.2e} (worst {worst:.2e}); own routing vs replayed {apart:.2e}")
+    assert apart > 1e-2  # the recorded routes change the gradient
+    assert overall <= 1e-5 and worst <= 2e-5
+    metrics = record_of(base, run)["moe_metrics"]
+    assert metrics["moe_routes_replayed"] == 1.0
+    # 4 experts, top 2: a random pair is the router's own one time in six
+    assert 0.0 < metrics["moe_route_agreement"] < 0.5

@@ -30,6 +30,7 @@ from megarl.checkpointing.model_loading import load_megatron_model  # noqa: E402
 from megarl.runtime.distributed import init_distributed, init_megatron, shutdown  # noqa: E402
 from megarl.trainer.policy_trainer import PolicyTrainer  # noqa: E402
 from megarl.trainer.response_logits import _output_layer  # noqa: E402
+from megarl.trainer.router_replay import RoutingReplay  # noqa: E402
 from megarl.trainer.setup import OptimizerSettings, build_optimizer, unwrap, wrap_ddp  # noqa: E402
 from megarl.trainer.stats import metrics_from_totals  # noqa: E402
 from tests.rl_batch import CASES, MAX_LAG, MOE_AUX, VERSION, bound_loss, case_samples, load_samples  # noqa: E402
@@ -61,8 +62,16 @@ def main():
         layout_name, budget, *cases = run.split(":")
         # a layout ending in "aux": rl_batch.MOE_AUX's router losses on; then (or alone) "sp":
         # Megatron's sequence parallelism (norms over TP on CPU: megatron_patches/torch_norm_sp.py)
+        # "replay": routing replay of the samples' routed experts; "rc" before it: full recomputation
+        # (routers re-run in backward: each micro-batch's own routes must be popped)
         name = layout_name
-        settings = dict(MOE_AUX) if name.endswith("aux") else {}
+        replay = name.endswith("replay")
+        name = name.removesuffix("replay")
+        settings = {}
+        if name.endswith("rc"):
+            settings.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+            name = name.removesuffix("rc")
+        settings.update(MOE_AUX if name.endswith("aux") else {})
         name = name.removesuffix("aux")
         settings["sequence_parallel"] = name.endswith("sp")
         layout = parse_layout(name.removesuffix("sp"))
@@ -82,7 +91,10 @@ def main():
             if layer is not None:
                 layer.register_forward_hook(count_rows)
         for case in cases[0].split(",") if cases else ["aipo"]:
-            trainer = PolicyTrainer(ddp, optimizer, spec.vocab_size, bound_loss(CASES[case]), int(budget))
+            routing = RoutingReplay(ddp, replay=True) if replay else None
+            trainer = PolicyTrainer(
+                ddp, optimizer, spec.vocab_size, bound_loss(CASES[case]), int(budget), routing=routing
+            )
             batch = case_samples(samples, CASES[case])
             rows.zero_()
             plan, stats = trainer.forward_backward(batch, version=VERSION)
