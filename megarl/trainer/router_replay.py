@@ -55,8 +55,8 @@ class PositionRoutes(RouterReplay):
         RouterReplay.global_router_replay_instances.remove(self)
         self.replay = replay
         self.real: Optional[torch.Tensor] = None  # [tokens] bool: positions of real samples
-        self.counts = torch.zeros(3, dtype=torch.float64)  # real token x layers, with a route, agreeing
-        self.used: List[torch.Tensor] = []  # the experts each forward took (tests read them)
+        # real token x layers, with a route, agreeing: kept on the router's device (no sync per forward)
+        self.counts = torch.zeros(3, dtype=torch.float64)
 
     def set_micro_batch(self, routes: torch.Tensor, real: torch.Tensor) -> None:
         self.set_target_indices(routes)  # the target, and appended for backward's recompute
@@ -67,7 +67,6 @@ class PositionRoutes(RouterReplay):
         self.clear_indices()
         self.clear_router_replay_action()
         self.real = None
-        self.used = []
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
         own_probs, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
@@ -85,17 +84,14 @@ class PositionRoutes(RouterReplay):
         if not self.replay:
             return own_probs, own
         indices = torch.where(routed[:, None], target, own)
-        if action == RouterReplayAction.REPLAY_FORWARD:
-            self.used.append(indices.detach().cpu())
         return scores.gather(1, indices), indices
 
     def _count(self, own: torch.Tensor, target: torch.Tensor, routed: torch.Tensor) -> None:
         real = self.real.to(routed.device)
         with_route = routed & real
         same = (own.sort(dim=1).values == target.sort(dim=1).values).all(dim=1) & with_route
-        self.counts += torch.tensor(
-            [real.sum().item(), with_route.sum().item(), same.sum().item()], dtype=torch.float64
-        )
+        found = torch.stack([real.sum(), with_route.sum(), same.sum()]).to(torch.float64)
+        self.counts = self.counts.to(found.device) + found
 
 
 class _SwitchToBackward(torch.autograd.Function):
@@ -182,12 +178,11 @@ class RoutingReplay:
         """moe_routes_replayed (the fraction of real token x layer routes taken from the generator)
         and moe_route_agreement (the trainer's own top-k = the generator's, among routed ones),
         summed over every trainer rank's routers; then the counters restart."""
-        counts = torch.zeros(3, dtype=torch.float64)
+        counts = torch.zeros(3, dtype=torch.float64, device=device)
         for routers in self.routers.values():
             for _, state in routers:
-                counts += state.counts
-                state.counts.zero_()
-        counts = counts.to(device)
+                counts += state.counts.to(device)
+                state.counts = torch.zeros_like(state.counts)
         dist.all_reduce(counts)
         real, routed, same = counts.tolist()
         if routed == 0:
