@@ -60,7 +60,7 @@ import torch  # noqa: E402
 from tests import sglang_contract, sglang_source  # noqa: E402
 from tests.sglang_test_worker import TPWorker, present_tp_rank, serve  # noqa: E402
 
-BOOLEAN_FLAGS = {"skip_server_warmup", "skip_tokenizer_init"}
+BOOLEAN_FLAGS = {"skip_server_warmup", "skip_tokenizer_init", "enable_return_routed_experts"}
 
 
 def parse_args(argv: List[str]) -> Dict[str, List[str]]:
@@ -80,6 +80,16 @@ def parse_args(argv: List[str]) -> Dict[str, List[str]]:
         else:
             args[key].append(token)
     return args
+
+
+def sglang_routed_experts(routes: torch.Tensor, start_len: int) -> str:
+    """The engine's routes ([fed positions, layers, top_k], -1 on dense layers) as SGLang answers them:
+    int32 rows from ``start_len``, dense layers 0 (its capture buffer starts zeroed and only MoE
+    layers write it), base64 of the raw bytes (tokenizer_manager.py under --skip-tokenizer-init)."""
+    import base64
+
+    rows = routes[start_len:].to(torch.int32).clamp(min=0)
+    return base64.b64encode(rows.numpy().tobytes()).decode("utf-8")
 
 
 class NotModelled(Exception):
@@ -104,7 +114,7 @@ class ProcessWorkers:
     """TP > 1: one process per worker; every call goes to all of them at once (they run collectives
     together: the engine's all-reduces, the loader's sync group) and waits for every answer."""
 
-    def __init__(self, model_dir: str, tp: int, version: int, max_running: int, allowed: set):
+    def __init__(self, model_dir: str, tp: int, version: int, max_running: int, allowed: set, ep: int = 1):
         from megarl.runtime.ports import free_port
 
         ctx = multiprocessing.get_context("fork")  # before any thread of this process starts
@@ -114,7 +124,7 @@ class ProcessWorkers:
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=serve,
-                args=(child, model_dir, tp, rank, port, version, max_running, allowed),
+                args=(child, model_dir, tp, rank, port, version, max_running, allowed, ep),
                 name=f"sglang-test-tp{rank}",
                 daemon=True,
             )
@@ -145,8 +155,11 @@ class ProcessWorkers:
 class Server:
     def __init__(self, args: Dict[str, List[str]]):
         self.tp = int((args.get("tp_size") or ["1"])[0])
+        ep = int((args.get("ep_size") or ["1"])[0])
         self.version = (args.get("weight_version") or ["default"])[0]
         self.loaders = set(args.get("custom_weight_loader", []))
+        # SGLang captures routes only when started so; a request asking without it gets none, silently
+        self.routed_experts = "enable_return_routed_experts" in args
         max_running = int((args.get("max_running_requests") or ["64"])[0])
         model_dir = args["model_path"][0]
         self.allowed = sglang_source.safe_unpickler_globals()
@@ -158,7 +171,7 @@ class Server:
             present_tp_rank(0)
             self.workers = LocalWorkers(TPWorker(model_dir, 1, 0, None, version, max_running, self.allowed))
         else:
-            self.workers = ProcessWorkers(model_dir, self.tp, version, max_running, self.allowed)
+            self.workers = ProcessWorkers(model_dir, self.tp, version, max_running, self.allowed, ep)
         self.lock = threading.Condition()
         self.paused = False
         self.session = False
@@ -291,6 +304,9 @@ class Server:
         self.spans["add_weight_versions_to_meta_info"](
             meta, self.spans["compute_weight_version_spans"](events, current, n), n
         )
+        if body.get("return_routed_experts") and self.routed_experts and c.routed_experts is not None:
+            meta["routed_experts"] = sglang_routed_experts(c.routed_experts, body.get("routed_experts_start_len", 0))
+            self.stats["routed_experts_answers"] = self.stats.get("routed_experts_answers", 0) + 1
         self.stats["generated"] += n
         self.stats["two_version_samples"] += bool(events)
         return {"text": "", "output_ids": c.output_ids, "meta_info": meta}

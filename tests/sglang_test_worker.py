@@ -33,7 +33,9 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 
 
-def load_served_params(model_dir: Path, tp: int = 1, rank: int = 0) -> Tuple[dict, Dict[str, torch.Tensor], bool]:
+def load_served_params(
+    model_dir: Path, tp: int = 1, rank: int = 0, ep: int = 1
+) -> Tuple[dict, Dict[str, torch.Tensor], bool]:
     """(HF config, SGLang parameters of TP rank ``rank`` of ``tp``, fp8) from a Hugging Face directory
     (fp8 weights dequantised and re-quantised per SGLang parameter, as SGLang's block-fp8 loader ends
     up holding them)."""
@@ -57,7 +59,7 @@ def load_served_params(model_dir: Path, tp: int = 1, rank: int = 0) -> Tuple[dic
     if fp8:
         dtype = torch.bfloat16
     params = {}
-    for name, t in sglang_shard(full, config, tp=tp, rank=rank).items():
+    for name, t in sglang_shard(full, config, tp=tp, rank=rank, ep=ep).items():
         if fp8 and name.endswith(("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight")):
             params[name], params[name + "_scale_inv"] = block_fp8(t)
         else:
@@ -83,11 +85,21 @@ def present_tp_rank(rank: int) -> None:
 
 
 class TPWorker:
-    def __init__(self, model_dir: str, tp: int, rank: int, group, version: int, max_running: int, allowed_globals: set):
+    def __init__(
+        self,
+        model_dir: str,
+        tp: int,
+        rank: int,
+        group,
+        version: int,
+        max_running: int,
+        allowed_globals: set,
+        ep: int = 1,
+    ):
         from megarl.generator.torch_engine.engine import TorchEngine
         from megarl.models.spec import ModelSpec
 
-        config, self.params, self.fp8 = load_served_params(Path(model_dir), tp, rank)
+        config, self.params, self.fp8 = load_served_params(Path(model_dir), tp, rank, ep)
         spec = ModelSpec.from_hf_config(config, source="sglang_test_server")
         self.rank = rank
         self.model = ServedModel(self.params)
@@ -102,6 +114,7 @@ class TPWorker:
             tp_rank=rank,
             group=group,
             version=version,
+            ep=ep,  # --ep-size: experts over ep of the TP ranks (SGLang's FusedMoE layout)
         )
 
     def tick(self, submits: Sequence, aborts: Sequence[str]) -> Tuple[List, bool]:
@@ -143,7 +156,9 @@ class TPWorker:
         return path
 
 
-def serve(conn, model_dir: str, tp: int, rank: int, port: int, version: int, max_running: int, allowed) -> None:
+def serve(
+    conn, model_dir: str, tp: int, rank: int, port: int, version: int, max_running: int, allowed, ep: int = 1
+) -> None:
     """A worker process: join the workers' TP world (its default process group, as in an SGLang TP
     worker), load its shard, then run the front's calls until the front goes away."""
     import torch.distributed as dist
@@ -157,7 +172,7 @@ def serve(conn, model_dir: str, tp: int, rank: int, port: int, version: int, max
         torch.set_num_threads(1)
         present_tp_rank(rank)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
-        worker = TPWorker(model_dir, tp, rank, dist.group.WORLD, version, max_running, allowed)
+        worker = TPWorker(model_dir, tp, rank, dist.group.WORLD, version, max_running, allowed, ep)
     except Exception as e:
         conn.send(("error", f"start-up failed: {type(e).__name__}: {e}"))
         return

@@ -12,12 +12,14 @@ The generator executor above never knows which one it drives.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from megarl.generator.interface import GeneratorBackend
 from megarl.generator.sglang.http_backend import SglangBackend
 from megarl.generator.sglang.launch import serving_model, start_replica_server
+from megarl.generator.sglang.protocol import RoutedExpertsLayout
 from megarl.generator.sglang.server import wait_for_attached
 from megarl.generator.torch_engine.engine import TorchEngine
 from megarl.parallel_dims import GeneratorDims
@@ -53,15 +55,27 @@ def torch_engine_backend(g, spec, p: GeneratorRank) -> GeneratorBackend:
     )
 
 
-def sglang_backend(g, p: GeneratorRank, samples_per_prompt: int, run_dir, store, on_failure) -> GeneratorBackend:
-    """An SGLang server driven over HTTP: attached (generator.sglang_urls) or launched here."""
+def sglang_backend(
+    g,
+    p: GeneratorRank,
+    samples_per_prompt: int,
+    run_dir,
+    store,
+    on_failure,
+    routes: Optional[RoutedExpertsLayout] = None,
+) -> GeneratorBackend:
+    """An SGLang server driven over HTTP: attached (generator.sglang_urls) or launched here;
+    ``routes``: the samples carry their routed experts (routing replay; an attached server must
+    have been started with --enable-return-routed-experts: `megarl sglang-command` adds it)."""
     server = None
     if g.sglang_urls:
         url = g.sglang_urls[p.replica]
         wait_for_attached(url, f"SGLang server of generator replica {p.replica} ({url})", g.sglang_startup_timeout_s)
     else:
         model_dir = serving_model(run_dir, store, p.replica, g.fp8, g.dtype, timeout_s=g.sglang_startup_timeout_s)
-        server = start_replica_server(g, p.replica, model_dir, run_dir, base_gpu_id=p.local_rank)
+        server = start_replica_server(
+            g, p.replica, model_dir, run_dir, base_gpu_id=p.local_rank, routed_experts=routes is not None
+        )
         url = server.url
     # the executor keeps max_running samples in flight plus one group queued: one thread each
     return SglangBackend(
@@ -72,4 +86,5 @@ def sglang_backend(g, p: GeneratorRank, samples_per_prompt: int, run_dir, store,
         health_timeout_s=g.sglang_health_timeout_s,
         server=server,
         on_failure=on_failure,
+        routes=routes,
     )

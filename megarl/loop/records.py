@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from megarl.loop.batch import Batch
+from megarl.loop.routes_json import encode_routes
 from megarl.rollout import Sample
 
 
@@ -91,5 +92,7 @@ def log_rollouts(path: Path, step: int, version: int, samples: Sequence[Sample])
                 "loss_mask": s.loss_mask,
                 # log pi of each response token as the trainer's loss saw it: ratios, ESS, replays
                 "trainer_logprobs": s.trainer_logprobs,
+                # mixture-of-experts: the generator's experts per position and layer (routes_json.py)
+                "routed_experts": encode_routes(s.routed_experts),
             }
             f.write(json.dumps(line) + "\n")

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from megarl.errors import ConfigError
 from megarl.executors.trainer import TrainerExecutor
+from megarl.loop.routes_json import decode_routes
 from megarl.loop.wiring import concrete_config, lag_bound
 from megarl.metrics import MetricsWriter
 from megarl.rollout import Sample
@@ -54,6 +55,7 @@ def load_recorded_batches(path: Path) -> Dict[int, dict]:
                 group_id=r["group"],
                 finish_reason=r.get("finish_reason"),
                 loss_mask=r.get("loss_mask") or [],  # rollouts logged before the mask existed: all trained
+                routed_experts=decode_routes(r.get("routed_experts"), f"{path}:{n}"),
             )
         )
     if not by_step:

@@ -263,8 +263,16 @@ def _wire_generator(parts: Rank, prepared) -> None:
     )
     g = cfg.generator
     if _server_backend(cfg):
+        from megarl.generator.sglang.protocol import RoutedExpertsLayout
+
         backend = backends.sglang_backend(
-            g, place, cfg.rollout.samples_per_prompt, run_dir=parts.out, store=job.store, on_failure=fail_rank
+            g,
+            place,
+            cfg.rollout.samples_per_prompt,
+            run_dir=parts.out,
+            store=job.store,
+            on_failure=fail_rank,
+            routes=RoutedExpertsLayout.of(parts.spec) if cfg.trainer.moe_enable_routing_replay else None,
         )
     else:
         backend = backends.torch_engine_backend(g, parts.spec, place)

@@ -110,12 +110,6 @@ def check_model_trains(spec, cfg) -> None:
             f"trainer.sequence_parallel: Megatron's MoE layers train at trainer.tp={t.tp} only with "
             "sequence parallelism; set trainer.sequence_parallel=true"
         )
-    if t.moe_enable_routing_replay and g.backend != "torch":
-        # SGLang returns them (--enable-return-routed-experts) but megarl's client does not parse them yet
-        raise ConfigError(
-            f"trainer.moe_enable_routing_replay: generator.backend={g.backend!r} does not hand megarl its "
-            "routed experts yet (the torch engine does); set it to false or use generator.backend=torch"
-        )
     if t.moe_enable_routing_replay and t.cp > 1:
         raise ConfigError(
             f"trainer.moe_enable_routing_replay: routes are not laid out for context parallelism "

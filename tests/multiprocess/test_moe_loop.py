@@ -47,3 +47,47 @@ def test_tiny_moe_trains_async_with_verified_expert_sync(tmp_path):
         assert layers == [f"moe_load_balancing_loss/layer{i}" for i in (1, 2, 3)], m
         # 1 when balanced, E / top_k = 2 at most (every token and all probability on one expert)
         assert 0.5 < m["moe_load_balancing_loss"] <= 2 and m["moe_z_loss"] > 0, m
+
+
+def _check_replayed(hf, metrics, rollouts, num_layers=4, top_k=2, experts=4):
+    """Routing replay end to end: every step took every real token x MoE layer route from the generator;
+    the routes in rollouts.jsonl are per fed position ([prompt + response - 1, layers, top_k], -1 on the
+    dense layer 0); and step 1's trainer log-probs (weights = the checkpoint's) are transformers' model
+    forced to exactly those routes: an off-by-one in the routes' positions or a lost layer moves them."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from megarl.loop.routes_json import decode_routes
+    from tests.rl_batch import forced_routes, response_logprobs
+
+    assert [m["moe_routes_replayed"] for m in metrics] == [1.0] * len(metrics), metrics
+    assert metrics[0]["kl_mu_pi"] < 1e-5, metrics[0]
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    first = [r for r in rollouts if r["step"] == 1]
+    assert first
+    for r in rollouts:
+        routes = decode_routes(r["routed_experts"], "rollouts.jsonl")
+        assert tuple(routes.shape) == (len(r["prompt_tokens"]) + len(r["response_tokens"]) - 1, num_layers, top_k)
+        assert (routes[:, 0] == -1).all() and routes[:, 1:].min() >= 0 and routes[:, 1:].max() < experts
+    worst = 0.0
+    for r in first:
+        routes = decode_routes(r["routed_experts"], "rollouts.jsonl")
+        with torch.no_grad(), forced_routes(model, routes):
+            ref = response_logprobs(model, r["prompt_tokens"], r["response_tokens"], 1.0)
+        worst = max(worst, (torch.tensor(r["trainer_logprobs"]) - ref).abs().max().item())
+    assert worst < 1e-4, worst
+
+
+def test_tiny_moe_trains_with_the_generators_routes_replayed(tmp_path):
+    """trainer.moe_enable_routing_replay with the torch engine (TP2, SGLang's EP2 layout)."""
+    hf = make_tiny_family("qwen3_moe", tmp_path / "hf", norm_topk_prob=True, vocab_size=49152)
+    summary, metrics, rollouts = _train(
+        tmp_path / "moe",
+        f"model.source={hf}",
+        f"model.cache_dir={tmp_path / 'cache'}",
+        f"reward.function={REWARD}",
+        "trainer.moe_enable_routing_replay=true",
+        config=str(ROOT / "configs" / "tiny_moe_cpu.yaml"),
+    )
+    assert [m["step"] for m in metrics] == [1, 2, 3] and all(m["weight_sync_verified"] for m in metrics)
+    _check_replayed(hf, metrics, rollouts)

@@ -292,3 +292,91 @@ def test_parser_names_the_fault():
     assert aborted.finish_reason == ABORTED  # the backend checks that megarl asked for it
     with pytest.raises(MegarlError, match="not a megarl policy version"):
         protocol.parse_generate_output(_sglang_answer([4], [-1.0], {"weight_version": "default"}), REQUEST, 0)
+
+
+# routing replay: SGLang's --enable-return-routed-experts and the request's return_routed_experts
+LAYOUT = protocol.RoutedExpertsLayout(num_layers=3, top_k=2, num_experts=4, moe_layers=(1, 2))
+
+
+def test_routed_experts_request_and_flag_are_sglangs():
+    payload = protocol.generate_payload(REQUEST, 0, routed_experts=True)
+    sglang_contract.check_request("/generate", "POST", payload)  # GenerateReqInput has both fields
+    assert payload["return_routed_experts"] is True and payload["routed_experts_start_len"] == 0
+    assert "return_routed_experts" not in protocol.generate_payload(REQUEST, 0)  # a host gather per request
+    fields = sglang_source.server_arg_fields()
+    args = serving.server_args("/m", 30001, tp=4, base_gpu_id=0, ep=2, routed_experts=True)
+    flags = [a[2:].replace("-", "_") for a in args if a.startswith("--")]
+    assert "enable_return_routed_experts" in flags and set(flags) <= fields, set(flags) - fields
+    assert "--enable-return-routed-experts" not in serving.server_args("/m", 30001, tp=4, base_gpu_id=0, ep=2)
+    # SGLang's answer covers [routed_experts_start_len, seqlen - 1) and is int32 base64 (what the parser assumes)
+    io_struct = sglang_source.sglang_file("managers/io_struct.py").read_text()
+    assert "`[routed_experts_start_len, seqlen - 1)`" in io_struct
+    batch = sglang_source.sglang_file("managers/scheduler_components/batch_result_processor.py").read_text()
+    assert "seqlen = len(req.origin_input_ids) + len(req.output_ids_through_stop)" in batch
+    tokenizer = sglang_source.sglang_file("managers/tokenizer_manager.py").read_text()
+    assert 'pybase64.b64encode(val.numpy().tobytes()).decode("utf-8")' in tokenizer
+    capturer = sglang_source.sglang_file("state_capturer/base.py").read_text()
+    assert (
+        "dtype=torch.int32" in capturer
+        and "num_hidden_layers" in sglang_source.sglang_file("state_capturer/routed_experts.py").read_text()
+    )
+
+
+def _sglangs_decoder():
+    """SGLang's own extract_routed_experts_from_meta_info, executed (numpy int32 from base64)."""
+    import numpy as np
+
+    module = sglang_source.tree("state_capturer/routed_experts.py")
+    (func,) = [
+        n for n in module.body if isinstance(n, ast.FunctionDef) and n.name == "extract_routed_experts_from_meta_info"
+    ]
+    ns = {"np": np, "pybase64": base64}
+    exec(compile(ast.Module(body=[func], type_ignores=[]), "routed_experts.py", "exec"), ns)
+    return ns["extract_routed_experts_from_meta_info"]
+
+
+def test_routed_experts_are_parsed_as_sglang_decodes_them():
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    output = [4, 2, 9]
+    positions = len(REQUEST.prompt_ids) + len(output) - 1  # 5: the last output token is never fed
+    captured = torch.randint(0, 4, (positions, 3, 2), generator=g, dtype=torch.int32)
+    captured[:, 0] = 0  # the dense layer: SGLang's zeroed buffer, never written
+    meta = {"weight_version": "1", "routed_experts": base64.b64encode(captured.numpy().tobytes()).decode()}
+    c = protocol.parse_generate_output(_sglang_answer(output, [-1.0] * 3, meta), REQUEST, 0, "http://g0", routes=LAYOUT)
+    sglangs = torch.as_tensor(_sglangs_decoder()({"meta_info": meta}).copy()).view(positions, 3, 2)
+    assert c.routed_experts.dtype == torch.int16 and tuple(c.routed_experts.shape) == (positions, 3, 2)
+    assert torch.equal(c.routed_experts[:, 1:].int(), sglangs[:, 1:])
+    assert (c.routed_experts[:, 0] == -1).all()  # megarl's mark for "no router here"
+    assert c.to_sample().routed_experts is c.routed_experts
+    # without routes asked, none parsed
+    assert protocol.parse_generate_output(_sglang_answer(output, [-1.0] * 3, meta), REQUEST, 0).routed_experts is None
+
+
+def test_routed_experts_faults_are_named():
+    output = [4, 2]
+    with pytest.raises(
+        MegarlError, match=r"http://g0, request q7#0: .*no meta_info.routed_experts.*--enable-return-routed-experts"
+    ):
+        protocol.parse_generate_output(
+            _sglang_answer(output, [-1.0] * 2, {"weight_version": "1"}), REQUEST, 0, "http://g0", routes=LAYOUT
+        )
+    short = base64.b64encode(bytes(4 * 3 * 3 * 2)).decode()  # 3 positions, the sample fed 4
+    with pytest.raises(MegarlError, match="routed_experts has 72 bytes, not the 4 positions"):
+        protocol.parse_generate_output(
+            _sglang_answer(output, [-1.0] * 2, {"routed_experts": short}), REQUEST, 0, "http://g0", routes=LAYOUT
+        )
+    import torch
+
+    wrong = torch.full((4, 3, 2), 7, dtype=torch.int32)  # expert 7 of a 4-expert model
+    with pytest.raises(MegarlError, match=r"outside \[0, 4\)"):
+        protocol.parse_generate_output(
+            _sglang_answer(output, [-1.0] * 2, {"routed_experts": base64.b64encode(wrong.numpy().tobytes()).decode()}),
+            REQUEST,
+            0,
+            routes=LAYOUT,
+        )
+    # an abort megarl asked for carries no routes and is never trained: not an error
+    aborted = protocol.parse_generate_output(_sglang_answer(output, [-1.0] * 2, {}, "abort"), REQUEST, 0, routes=LAYOUT)
+    assert aborted.finish_reason == ABORTED and aborted.routed_experts is None

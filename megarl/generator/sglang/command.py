@@ -46,7 +46,9 @@ def replica_commands(
     for r in range(g.replicas):
         first_gpu = cfg.trainer_dims().world_size + r * g.tp
         base = first_gpu % gpus_per_node if hosts else 0
-        cmd = serving.replica_command(g, r, model_path, base_gpu_id=base, host=host)
+        cmd = serving.replica_command(
+            g, r, model_path, base_gpu_id=base, host=host, routed_experts=cfg.trainer.moe_enable_routing_replay
+        )
         port = g.sglang_port + r
         if g.sglang_urls:  # the port the job will call
             port = urlparse(g.sglang_urls[r]).port

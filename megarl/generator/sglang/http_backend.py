@@ -75,10 +75,13 @@ class SglangBackend(GeneratorBackend):
         health_timeout_s: float = 60.0,
         server=None,
         on_failure: Optional[Callable[[str], None]] = None,
+        routes: Optional[protocol.RoutedExpertsLayout] = None,
     ):
         """``server``: the SglangServer this job launched for the replica (None when attached);
-        ``on_failure(message)``: what the watchdog does about a dead server (default: end the rank)."""
+        ``on_failure(message)``: what the watchdog does about a dead server (default: end the rank);
+        ``routes``: ask for every sample's routed experts (routing replay), laid out so."""
         self.url = url.rstrip("/")
+        self.routes = routes
         self.replica = replica
         self.name = f"SGLang server of generator replica {replica} ({self.url})"
         self.request_timeout_s = request_timeout_s
@@ -115,10 +118,9 @@ class SglangBackend(GeneratorBackend):
     def _generate(self, request: GenerationRequest, index: int) -> None:
         rid = protocol.sample_rid(request, index)
         try:
-            out = post(
-                self.url, "/generate", protocol.generate_payload(request, index), self.request_timeout_s, self.name
-            )
-            c = protocol.parse_generate_output(out, request, index, self.url, self.version or 0)
+            payload = protocol.generate_payload(request, index, routed_experts=self.routes is not None)
+            out = post(self.url, "/generate", payload, self.request_timeout_s, self.name)
+            c = protocol.parse_generate_output(out, request, index, self.url, self.version or 0, self.routes)
             if c.finish_reason == ABORTED and rid not in self.aborting:
                 raise SglangServerError(
                     f"{self.name}: request {rid} was aborted by the server, not by megarl: "

@@ -73,11 +73,11 @@ def serving_model(run_dir, store, replica: int, fp8: bool, dtype: str, timeout_s
     return out
 
 
-def start_replica_server(g, replica: int, model_dir: Path, run_dir, base_gpu_id: int):
+def start_replica_server(g, replica: int, model_dir: Path, run_dir, base_gpu_id: int, routed_experts: bool = False):
     """Start replica ``replica``'s server (``g``: the generator config section); wait for health."""
     url = f"http://127.0.0.1:{g.sglang_port + replica}"
     server = SglangServer(
-        serving.replica_command(g, replica, str(model_dir), base_gpu_id),
+        serving.replica_command(g, replica, str(model_dir), base_gpu_id, routed_experts=routed_experts),
         serving.server_env(str(serving.sync_config_path(run_dir))),
         serving.sglang_dir(run_dir) / f"replica{replica}.log",
         url,

@@ -30,14 +30,23 @@ its output tokens.
 Requests whose group can no longer be trained within ``max_lag`` are stopped
 with ``POST /abort_request {"rid": ...}``; their ``/generate`` call then
 answers with ``finish_reason.type == "abort"``.
+
+Routing replay (``trainer.moe_enable_routing_replay``): the server runs with
+``--enable-return-routed-experts`` and each request asks ``return_routed_experts``
+from ``routed_experts_start_len: 0``; ``meta_info.routed_experts`` is then the
+base64 of an int32 array [prompt + output - 1, num_hidden_layers, top_k]
+(state_capturer/routed_experts.py: every hidden layer, dense ones never written,
+so 0), the experts of the forward that wrote each position's KV (a prefix-cache
+hit keeps the routes of the forward that computed it).
 """
 
 from __future__ import annotations
 
 import base64
 import io
+from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.multiprocessing  # noqa: F401  (registers torch's ForkingPickler reductions)
@@ -50,6 +59,21 @@ PAUSE_IN_PLACE = {"mode": "in_place"}
 
 class SglangResponseError(MegarlError):
     """An SGLang server answered something megarl cannot use; names the server and request."""
+
+
+@dataclass(frozen=True)
+class RoutedExpertsLayout:
+    """What ``meta_info.routed_experts`` holds per position, for a model: SGLang records every
+    hidden layer; megarl marks the dense ones -1 (Completion.routed_experts)."""
+
+    num_layers: int
+    top_k: int
+    num_experts: int
+    moe_layers: Tuple[int, ...]
+
+    @classmethod
+    def of(cls, spec) -> "RoutedExpertsLayout":
+        return cls(spec.num_layers, spec.moe.top_k, spec.moe.num_experts, tuple(spec.moe.layers))
 
 
 def sampling_params(p: SamplingParams, sample_index: int) -> Dict:
@@ -77,16 +101,17 @@ def sample_rid(request: GenerationRequest, sample_index: int) -> str:
     return f"{request.request_id}#{sample_index}"
 
 
-def generate_payload(request: GenerationRequest, sample_index: int) -> Dict:
+def generate_payload(request: GenerationRequest, sample_index: int, routed_experts: bool = False) -> Dict:
     """Body of ``POST /generate`` for one sample.
 
     ``return_logprob`` with ``logprob_start_len: -1`` returns the log-prob of
     every output token only. SGLang's sampled-token log-prob is
     log_softmax(logits / temperature) -- the behaviour log-prob AIPO needs as
     long as top_p = 1 and top_k = 0 (megarl's RL defaults); with truncation
-    SGLang does not renormalise, megarl's torch engine does.
+    SGLang does not renormalise, megarl's torch engine does. ``routed_experts``:
+    every fed position's experts too (routing replay), from position 0.
     """
-    return {
+    payload = {
         "rid": sample_rid(request, sample_index),
         "input_ids": list(request.prompt_ids),
         "sampling_params": sampling_params(request.params, sample_index),
@@ -94,6 +119,38 @@ def generate_payload(request: GenerationRequest, sample_index: int) -> Dict:
         "logprob_start_len": -1,
         "stream": False,
     }
+    if routed_experts:
+        payload.update(return_routed_experts=True, routed_experts_start_len=0)
+    return payload
+
+
+def parse_routed_experts(meta: Dict, layout: RoutedExpertsLayout, positions: int, where: str) -> torch.Tensor:
+    """``meta_info.routed_experts`` -> int16 [positions, num_layers, top_k], -1 on dense layers."""
+    encoded = meta.get("routed_experts")
+    if encoded is None:
+        raise SglangResponseError(
+            f"{where}: the answer has no meta_info.routed_experts although return_routed_experts was sent "
+            f"(SGLang drops it silently unless started with --enable-return-routed-experts)"
+        )
+    raw = base64.b64decode(encoded)
+    per_position = layout.num_layers * layout.top_k
+    if len(raw) != 4 * positions * per_position:
+        raise SglangResponseError(
+            f"{where}: routed_experts has {len(raw)} bytes, not the {positions} positions x "
+            f"{layout.num_layers} layers x top-{layout.top_k} int32 of the prompt and output "
+            f"(was routed_experts_start_len 0, or does the server serve another model?)"
+        )
+    routes = torch.frombuffer(bytearray(raw), dtype=torch.int32).view(positions, layout.num_layers, layout.top_k)
+    moe = torch.zeros(layout.num_layers, dtype=torch.bool)
+    moe[list(layout.moe_layers)] = True
+    bad = routes[:, moe]
+    if bad.numel() and (bad.min() < 0 or bad.max() >= layout.num_experts):
+        raise SglangResponseError(
+            f"{where}: routed_experts has expert ids outside [0, {layout.num_experts}) on MoE layers"
+        )
+    out = routes.to(torch.int16)
+    out[:, ~moe] = -1
+    return out
 
 
 def parse_version(version) -> int:
@@ -123,9 +180,15 @@ def token_versions(meta_info: Dict, n_tokens: int, server_version: int) -> List[
 
 
 def parse_generate_output(
-    out: Dict, request: GenerationRequest, sample_index: int, server: str = "?", server_version: int = 0
+    out: Dict,
+    request: GenerationRequest,
+    sample_index: int,
+    server: str = "?",
+    server_version: int = 0,
+    routes: Optional[RoutedExpertsLayout] = None,
 ) -> Completion:
-    """One ``/generate`` answer -> a Completion (tokens, behaviour log-probs, versions)."""
+    """One ``/generate`` answer -> a Completion (tokens, behaviour log-probs, versions; with ``routes``
+    the routed experts of every fed position)."""
     rid = sample_rid(request, sample_index)
     meta = out.get("meta_info")
     if meta is None or "output_ids" not in out:
@@ -153,6 +216,10 @@ def parse_generate_output(
     # an abort megarl asked for (the caller checks that it did); its tokens are never trained on
     reason = ABORTED if kind == "abort" else "length" if kind == "length" else "stop"
     versions = token_versions(meta, len(output_ids), server_version)
+    routed = None
+    if routes is not None and reason != ABORTED:  # an aborted sample is never trained
+        positions = len(request.prompt_ids) + len(output_ids) - 1
+        routed = parse_routed_experts(meta, routes, positions, f"server {server}, request {rid}")
     return Completion(
         request.request_id,
         sample_index,
@@ -163,6 +230,7 @@ def parse_generate_output(
         versions,
         reason,
         dict(request.meta),
+        routed,
     )
 
 

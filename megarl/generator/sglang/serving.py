@@ -99,10 +99,13 @@ def server_args(
     mem_fraction: float = 0.85,
     host: str = "127.0.0.1",
     ep: int = 1,
+    routed_experts: bool = False,
 ) -> List[str]:
     """``sglang.launch_server`` arguments for one generator replica (token ids in and out); ``ep``:
-    its experts over ``--ep-size`` of its TP ranks (the layout megarl's weight sync writes)."""
+    its experts over ``--ep-size`` of its TP ranks (the layout megarl's weight sync writes);
+    ``routed_experts``: answers may carry every position's experts (routing replay)."""
     expert_parallel = ["--ep-size", str(ep)] if ep > 1 else []
+    expert_parallel += ["--enable-return-routed-experts"] if routed_experts else []
     return [
         "--model-path",
         str(model_dir),
@@ -131,8 +134,11 @@ def launcher(command: str) -> List[str]:
     return shlex.split(command) if command else [sys.executable, "-m", "sglang.launch_server"]
 
 
-def replica_command(g, replica: int, model_dir: str, base_gpu_id: int, host: str = "127.0.0.1") -> List[str]:
-    """The full command line of replica ``replica``'s server (``g``: the generator config section)."""
+def replica_command(
+    g, replica: int, model_dir: str, base_gpu_id: int, host: str = "127.0.0.1", routed_experts: bool = False
+) -> List[str]:
+    """The full command line of replica ``replica``'s server (``g``: the generator config section;
+    ``routed_experts``: trainer.moe_enable_routing_replay)."""
     return (
         launcher(g.sglang_launcher)
         + server_args(
@@ -143,6 +149,7 @@ def replica_command(g, replica: int, model_dir: str, base_gpu_id: int, host: str
             mem_fraction=g.sglang_mem_fraction,
             host=host,
             ep=g.ep,
+            routed_experts=routed_experts,
         )
         + list(g.sglang_args)
     )
