@@ -28,6 +28,7 @@ Config = Mapping[str, Any]
 @dataclass(frozen=True)
 class Family:
     model_type: str
+    architecture: str  # transformers' (and SGLang's) model class, written into exported configs
     qkv_bias: Callable[[Config, str], bool]
     qk_norm: bool
     moe: Callable[[Config, str], Optional[MoeSpec]]
@@ -105,10 +106,12 @@ def _no_sliding_window(read: Callable[[Config, str], bool]) -> Callable[[Config,
 
 
 FAMILIES = {
-    "llama": Family("llama", _no_biases, qk_norm=False, moe=_no_experts),
-    "qwen2": Family("qwen2", _no_sliding_window(_qkv_biases), qk_norm=False, moe=_no_experts),
-    "qwen3": Family("qwen3", _no_sliding_window(_no_biases), qk_norm=True, moe=_no_experts),
-    "qwen3_moe": Family("qwen3_moe", _no_sliding_window(_no_biases), qk_norm=True, moe=_qwen3_moe_experts),
+    "llama": Family("llama", "LlamaForCausalLM", _no_biases, qk_norm=False, moe=_no_experts),
+    "qwen2": Family("qwen2", "Qwen2ForCausalLM", _no_sliding_window(_qkv_biases), qk_norm=False, moe=_no_experts),
+    "qwen3": Family("qwen3", "Qwen3ForCausalLM", _no_sliding_window(_no_biases), qk_norm=True, moe=_no_experts),
+    "qwen3_moe": Family(
+        "qwen3_moe", "Qwen3MoeForCausalLM", _no_sliding_window(_no_biases), qk_norm=True, moe=_qwen3_moe_experts
+    ),
 }
 
 # Known, not built: what each lacks, so the refusal says it

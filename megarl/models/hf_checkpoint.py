@@ -176,11 +176,14 @@ def smollm2_gguf_path() -> Path:
 
 def write_config(spec: ModelSpec, dest: Path, dtype: torch.dtype, quantization_config: Optional[dict] = None) -> None:
     """config.json for an exported model: the original config with this export's dtype
-    (and ``quantization_config`` for a block-fp8 export)."""
+    (and ``quantization_config`` for a block-fp8 export), labelled with the spec's family: a
+    Qwen3-MoE export must load as Qwen3-MoE in transformers and SGLang, not as a Llama."""
+    from megarl.models.families import FAMILIES
+
     config = dict(spec.hf_config)
     config.update(
-        architectures=["LlamaForCausalLM"],
-        model_type="llama",
+        architectures=[FAMILIES[spec.model_type].architecture],
+        model_type=spec.model_type,
         vocab_size=spec.vocab_size,
         tie_word_embeddings=spec.tie_embeddings,
         dtype=str(dtype).removeprefix("torch."),

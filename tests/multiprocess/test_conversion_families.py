@@ -59,6 +59,21 @@ def test_export_is_bitwise_the_original(converted):
         assert "model.layers.3.mlp.experts.3.down_proj.weight" in back and "model.layers.0.mlp.gate.weight" not in back
     for name, tensor in original.items():
         assert torch.equal(back[name], tensor), name
+    # labelled as its family (SGLang picks its model class by architectures), and transformers
+    # builds the same model from it
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    config = json.loads((base / "back" / "config.json").read_text())
+    want = json.loads((hf / "config.json").read_text())
+    assert (config["model_type"], config["architectures"]) == (want["model_type"], want["architectures"])
+    model = AutoModelForCausalLM.from_pretrained(base / "back", dtype=torch.float32).eval()
+    assert type(model).__name__ == want["architectures"][0]
+    tokens = torch.randint(0, 300, (1, 12), generator=torch.Generator().manual_seed(3))
+    reference = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.equal(model(tokens).logits, reference(tokens).logits)
 
 
 def test_logits_match_transformers(converted):
