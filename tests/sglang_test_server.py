@@ -28,6 +28,11 @@ own installed source (tests/sglang_source.py, tests/sglang_contract.py):
   inside begin/end_weight_update; per-token versions are reported with
   SGLang's own span code (``weight_versions`` spans, ``weight_version``).
 
+With ``--ep-size`` the workers hold SGLang's FusedMoE expert layout; with
+``--enable-return-routed-experts`` an answer to a request with
+``return_routed_experts`` carries ``meta_info.routed_experts`` as SGLang encodes it
+(int32 base64, dense layers 0).
+
 It decodes with megarl's torch engine at each TP rank over the SGLang-layout
 shards, loaded from --model-path by tests/sglang_reference.py (written from
 SGLang's loaders, independently of megarl's layouts). Routes SGLang serves but

@@ -91,3 +91,36 @@ def test_tiny_moe_trains_with_the_generators_routes_replayed(tmp_path):
     )
     assert [m["step"] for m in metrics] == [1, 2, 3] and all(m["weight_sync_verified"] for m in metrics)
     _check_replayed(hf, metrics, rollouts)
+
+
+def test_tiny_moe_replays_routes_sglang_returned(tmp_path):
+    """The same through generator.backend=sglang: the job launches the protocol test server with
+    --ep-size 2 and --enable-return-routed-experts (flags checked against SGLang's ServerArgs), every
+    /generate asks return_routed_experts, and the answers' routed_experts (SGLang's int32 base64, dense
+    layers 0) are what the trainer replays."""
+    import json
+    import sys
+
+    from tests.conftest import _env, server_port
+
+    hf = make_tiny_family("qwen3_moe", tmp_path / "hf", norm_topk_prob=True, vocab_size=49152)
+    stats = tmp_path / "stats.json"
+    env = dict(_env(), SGLANG_TEST_STATS=str(stats))
+    summary, metrics, rollouts = _train(
+        tmp_path / "moe",
+        f"model.source={hf}",
+        f"model.cache_dir={tmp_path / 'cache'}",
+        f"reward.function={REWARD}",
+        "trainer.moe_enable_routing_replay=true",
+        "generator.backend=sglang",
+        f"generator.sglang_launcher={sys.executable} {ROOT / 'tests' / 'sglang_test_server.py'}",
+        f"generator.sglang_port={server_port()}",
+        config=str(ROOT / "configs" / "tiny_moe_cpu.yaml"),
+        env=env,
+    )
+    log = (tmp_path / "moe" / "sglang" / "replica0.log").read_text()
+    assert "--ep-size 2" in log and "--enable-return-routed-experts" in log
+    served = json.loads(stats.read_text())
+    assert served["routed_experts_answers"] >= summary["samples"], served
+    assert [m["step"] for m in metrics] == [1, 2, 3] and all(m["weight_sync_verified"] for m in metrics)
+    _check_replayed(hf, metrics, rollouts)

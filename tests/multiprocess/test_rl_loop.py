@@ -23,7 +23,7 @@ from megarl.config import load_config
 from tests.unit.test_rl_loop import ROOT, TINY
 
 
-def _train(out: Path, *overrides, timeout=900, config=TINY):
+def _train(out: Path, *overrides, timeout=900, config=TINY, env=None):
     verify = [] if "run.mode=sync" in overrides else ["generator.verify_sync=true"]
     cmd = [
         sys.executable,
@@ -36,7 +36,7 @@ def _train(out: Path, *overrides, timeout=900, config=TINY):
         *verify,
         *overrides,
     ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     # every trainer rank saves the same common state (rank 0's clock for the time budget): Megatron
     # warned on every multi-rank save while the ranks' train_seconds differed
