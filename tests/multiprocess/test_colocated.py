@@ -77,10 +77,14 @@ def test_every_rank_gets_the_whole_model_bitwise(tiny_megatron, tiny_hf, tied_me
         # No full-model temporary: the live temporaries (one gathered Megatron parameter, plus
         # an fp32 band of an fp8 weight next to the smaller gathered fc1) stay far below one
         # copy of the model, by copy_colocated's own count and by a dispatch-mode count of
-        # every tensor allocated during the call.
+        # every tensor allocated during the call. The dispatch-mode count gets the room of one
+        # more gathered parameter: gloo drops a finished collective's tensors from its own
+        # thread, so a buffer can outlive its last Python reference by a moment (CI saw 163852
+        # bytes, 131072 + a 32768-byte band, where copy_colocated counted 131072). A full-model
+        # temporary is model_bytes on its own and still fails both bounds.
         assert r["peak_temp_bytes"] <= largest_gathered, r
         assert r["peak_temp_bytes"] < r["model_bytes"] / 4, r
-        assert r["tracked_peak_bytes"] < r["model_bytes"] / 4, r
+        assert r["tracked_peak_bytes"] <= 2 * largest_gathered < r["model_bytes"] / 2, r
         tp, pp = (int(x) for x in r["layout"].split("x"))
         assert (r["pp_bytes_received"] == 0) == (pp == 1), r
         assert (r["tp_bytes_received"] == 0) == (tp == 1), r
