@@ -176,8 +176,9 @@ def test_aux_losses_reach_the_gradient_per_micro_batch_as_megatron_defines_them(
 
 # routing replay (trainer/router_replay.py) of random routes: EP2 over DP4 at one micro-batch per DP
 # rank, and PP2 x EP2 (padded rows) without and with full recomputation at four micro-batches per rank
-# (1F1B runs two forwards before the first backward, whose recompute re-runs the routers)
-REPLAY_RUNS = ["1x1e2replay:32", "1x2e2rcreplay:16", "1x2e2replay:64"]
+# (1F1B runs two forwards before the first backward, whose recompute re-runs the routers), and PP2 x
+# VPP2 (one layer per virtual stage: interleaved 1F1B runs each chunk's micro-batches at other times)
+REPLAY_RUNS = ["1x1e2replay:32", "1x2e2rcreplay:16", "1x2e2replay:64", "1x2x2e2rcreplay:16"]
 
 
 @pytest.fixture(scope="module")

@@ -91,7 +91,8 @@ def main():
             if layer is not None:
                 layer.register_forward_hook(count_rows)
         for case in cases[0].split(",") if cases else ["aipo"]:
-            routing = RoutingReplay(ddp, replay=True) if replay else None
+            # replay off: the same objects only observe (moe_route_agreement) when samples carry routes
+            routing = RoutingReplay(ddp, replay=replay)
             trainer = PolicyTrainer(
                 ddp, optimizer, spec.vocab_size, bound_loss(CASES[case]), int(budget), routing=routing
             )
