@@ -143,7 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     ws.add_argument(
         "--model",
         default=None,
-        help="preset (llama3-8b/70b/405b, llama-mini, tiny), smollm2, or a path (default llama-mini)",
+        help="preset (llama3-8b/70b/405b, llama-mini, tiny, qwen3-30b-a3b, qwen3-235b-a22b, ...), smollm2, "
+        "or a path (default llama-mini)",
     )
     ws.add_argument("--src-tp", type=int, default=None, help="trainer TP (default 4)")
     ws.add_argument("--src-pp", type=int, default=None, help="trainer PP (default 1)")
@@ -151,8 +152,15 @@ def build_parser() -> argparse.ArgumentParser:
     ws.add_argument(
         "--src-vpp", type=int, default=None, help="trainer virtual pipeline stages per PP rank (default 1; --plan-only)"
     )
+    ws.add_argument("--src-ep", type=int, default=None, help="trainer expert parallel (default 1; --plan-only)")
+    ws.add_argument(
+        "--src-etp", type=int, default=None, help="trainer expert tensor parallel (default: --src-tp; --plan-only)"
+    )
     ws.add_argument("--dst-tp", type=int, default=None, help="generator TP (default 2)")
     ws.add_argument("--dst-replicas", type=int, default=None, help="generator replicas (default 2)")
+    ws.add_argument(
+        "--dst-ep", type=int, default=None, help="SGLang --ep-size inside a replica's TP (default 1; --plan-only)"
+    )
     ws.add_argument("--fp8", action="store_true", help="generators serve block fp8 (senders quantise)")
     ws.add_argument("--verify", action="store_true", help="checksum every destination shard")
     ws.add_argument("--iters", type=int, default=3)
@@ -166,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     ws.add_argument(
         "--config",
         default=None,
-        help="with --plan-only: take the model, trainer tp/pp/dp, generator tp/replicas, fp8 and "
+        help="with --plan-only: take the model, trainer tp/pp/dp/ep/etp, generator tp/replicas/ep, fp8 and "
         "links from a megarl run config (flags given override it)",
     )
     ws.add_argument("--gpus-per-node", type=int, default=None, help="default 8 (or the config's plan section)")
@@ -286,8 +294,11 @@ def dispatch(args: argparse.Namespace) -> None:
                 src_pp=args.src_pp,
                 src_dp=args.src_dp,
                 src_vpp=args.src_vpp,
+                src_ep=args.src_ep,
+                src_etp=args.src_etp,
                 dst_tp=args.dst_tp,
                 dst_replicas=args.dst_replicas,
+                dst_ep=args.dst_ep,
                 fp8=args.fp8,
                 verify=args.verify,
                 iters=args.iters,

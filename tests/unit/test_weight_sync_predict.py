@@ -105,8 +105,59 @@ def test_plan_only_plans_the_configs_virtual_stages(tmp_path, monkeypatch):
     real = planner.build_plan
     monkeypatch.setattr(weight_sync_bench, "build_plan", lambda spec, t, g, *a: seen.append(t) or real(spec, t, g, *a))
     result = run(WeightSyncBench(plan_only=True, config=str(config)))
-    assert result["trainer"] == "TP1 x PP2 (VPP2) x DP1 = 2 GPUs"
+    assert result["trainer"] == "TP1 x PP2 x DP1 x VPP2 = 2 GPUs"
     assert [(t.pp, t.vpp) for t in seen] == [(2, 2)]
     # the measured run builds one chunk per PP rank: refused, naming the flag, before any process starts
     with pytest.raises(ConfigError, match="--src-vpp 2"):
         run(WeightSyncBench(model="tiny", src_tp=1, src_pp=2, src_vpp=2))
+
+
+def test_plan_only_plans_the_configs_experts(tmp_path, monkeypatch):
+    # configs/tiny_moe_cpu.yaml: trainer EP2 over DP2, one generator replica at TP2 with SGLang's
+    # --ep-size 2. The plan must be built at those expert layouts, and every receiving GPU gets
+    # exactly its SGLang shard: the bytes of tests/sglang_reference.py's shards of the HF tensors.
+    import transformers
+    from safetensors.torch import load_file
+
+    import megarl.bench.weight_sync as weight_sync_bench
+    import megarl.weight_sync.planner as planner
+    from megarl.bench.weight_sync import WeightSyncBench, run
+    from megarl.models.presets import preset_config
+    from tests.sglang_reference import sglang_shard
+
+    seen = []
+    real = planner.build_plan
+    monkeypatch.setattr(
+        weight_sync_bench, "build_plan", lambda spec, t, g, *a: seen.append((t, g)) or real(spec, t, g, *a)
+    )
+    result = run(WeightSyncBench(plan_only=True, config="configs/tiny_moe_cpu.yaml"))
+    assert result["model"] == "tiny-moe"
+    assert result["trainer"] == "TP1 x PP1 x DP2 x EP2 = 2 GPUs" and result["generator"] == "1 x TP2 (EP2) = 2 GPUs"
+    assert [(t.ep, t.expert_tp, g.ep) for t, g in seen] == [(2, 1, 2)]
+
+    config = preset_config("tiny-moe")
+    hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
+    hf.save_pretrained(tmp_path)  # the hub layout (one tensor per expert), as SGLang loads it
+    full = {n: t for f in sorted(tmp_path.glob("*.safetensors")) for n, t in load_file(f).items()}
+
+    def received(rank):  # bf16 bytes of the shard, less SGLang's vocabulary padding (no trainer holds it)
+        total = 0
+        for name, t in sglang_shard(full, config, tp=2, rank=rank, ep=2).items():
+            rows = t.shape[0]
+            if name in ("model.embed_tokens.weight", "lm_head.weight"):
+                rows = max(0, min(rows, config["vocab_size"] - rank * rows))
+            total += rows * t[0].numel() * 2
+        return total
+
+    shard_bytes = [received(r) for r in (0, 1)]
+    assert shard_bytes[0] > shard_bytes[1]  # 300 rows of 320: rank 1 holds the 20 padding rows
+    assert result["min_bytes_per_receiving_gpu"] == min(shard_bytes)
+    assert result["max_bytes_per_receiving_gpu"] == max(shard_bytes)
+
+    # the measured run's baseline does not gather experts: refused before any process starts
+    from megarl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="models with experts go with --plan-only"):
+        run(WeightSyncBench(model="tiny-moe", src_tp=1, src_dp=2, src_ep=2, dst_tp=2, dst_ep=2, dst_replicas=1))
+    with pytest.raises(ConfigError, match="--fp8 with tiny-moe's experts"):
+        run(WeightSyncBench(plan_only=True, config="configs/tiny_moe_cpu.yaml", fp8=True))
