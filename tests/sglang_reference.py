@@ -118,8 +118,27 @@ def sglang_shard(full: dict, config: dict, tp: int, rank: int, ep: int = 1) -> d
     return out
 
 
+# The weights a block-fp8 checkpoint serves in fp8 (SGLang's Fp8LinearMethod on QKV / merged / row
+# parallel linears, Fp8MoEMethod on FusedMoE); the router (a ReplicatedLinear built with
+# quant_config=None), norms, embeddings and lm_head stay unquantised.
+SGLANG_FP8_WEIGHTS = (
+    "self_attn.qkv_proj.weight",
+    "self_attn.o_proj.weight",
+    "mlp.gate_up_proj.weight",
+    "mlp.down_proj.weight",
+    "mlp.experts.w13_weight",
+    "mlp.experts.w2_weight",
+)
+
+
 def block_fp8(weight: torch.Tensor, block: int = 128):
-    """Block-fp8 of a 2-D weight, block by block: scale_inv = max(amax, 1e-4) / 448, q = w / scale_inv."""
+    """Block-fp8 of a 2-D weight, block by block: scale_inv = max(amax, 1e-4) / 448, q = w / scale_inv.
+    FusedMoE's stacked experts [E, R, C] (w13_weight, w2_weight) expert by expert, scales
+    [E, ceil(R/128), ceil(C/128)], as SGLang's Fp8MoEMethod allocates w13/w2_weight_scale_inv and
+    its loader fills them from each expert's own HF weight_scale_inv."""
+    if weight.dim() == 3:
+        pairs = [block_fp8(w, block) for w in weight]
+        return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
     rows, cols = weight.shape
     rb, cb = -(-rows // block), -(-cols // block)
     q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)

@@ -40,7 +40,7 @@ def load_generator_params(
             full = full if full.dim() == 2 else full.view(-1, 1)
             local[b.local_row : b.local_row + b.num_rows] = full[b.rows[0] : b.rows[1], b.cols[0] : b.cols[1]].to(dtype)
         if fp8 and fp8_format.is_fp8_param(t.name):
-            q, scale_inv = fp8_format.quantize(local)
+            q, scale_inv = fp8_format.quantize(local.view(params[t.name].shape))
             params[t.name].copy_(q)
             params[fp8_format.scale_name(t.name)].copy_(scale_inv)
         else:

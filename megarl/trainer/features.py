@@ -116,9 +116,13 @@ def check_model_trains(spec, cfg) -> None:
             f"(trainer.cp={t.cp}) yet"
         )
     if g.fp8:
-        # SGLang block-quantises FusedMoE's w13/w2 per expert (scales [E, rows/128, cols/128]); megarl's
-        # fp8 sync quantises 2-D linears only so far, and experts served in bf16 would not be SGLang's
-        raise ConfigError(
-            f"generator.fp8: model_type {spec.model_type!r} has experts, whose block-fp8 layout megarl's "
-            "weight sync does not write yet; set generator.fp8=false"
-        )
+        from megarl.weight_sync.fp8 import check_fp8_experts
+
+        if cfg.run.mode == "sync":
+            # colocated.py quantises an fp8 engine weight right after the one Megatron parameter that
+            # writes it; a stacked w13 / w2 is written by every expert's fc1 / fc2
+            raise ConfigError(
+                "generator.fp8: sync (colocated) mode does not block-quantise stacked experts yet; "
+                "run a model with experts in fp8 with run.mode=async, or set generator.fp8=false"
+            )
+        check_fp8_experts(spec, g.tp, g.ep)

@@ -19,7 +19,6 @@ from typing import Dict, List, Optional, Set
 
 import torch
 
-from megarl.errors import ConfigError
 from megarl.models.spec import ModelSpec
 from megarl.parallel_dims import GeneratorDims, ParallelDims, generator_rank
 from megarl.weight_sync import fp8 as fp8_format
@@ -50,13 +49,8 @@ def allocate_generator_params(
 ) -> Dict[str, torch.Tensor]:
     """Zero-filled parameters of SGLang TP rank ``tp_rank`` (``ep``: its --ep-size), named and
     shaped as SGLang holds them."""
-    if fp8 and spec.moe is not None:
-        # SGLang block-quantises FusedMoE's w13/w2 per expert (weight_scale_inv [E, rows/128, cols/128]);
-        # megarl's fp8 sync quantises 2-D linears only so far: served unquantised would differ from SGLang
-        raise ConfigError(
-            f"generator.fp8: model_type {spec.model_type!r} has experts, whose block-fp8 layout megarl "
-            "does not write yet; set generator.fp8=false"
-        )
+    if fp8:
+        fp8_format.check_fp8_experts(spec, tp, ep)
     params = {}
     for t in sglang_rank_layout(spec, tp, tp_rank, ep):
         if fp8 and fp8_format.is_fp8_param(t.name):

@@ -20,7 +20,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Set, Tuple
 
-from megarl.weight_sync.fp8 import BLOCK, is_fp8_param
+from megarl.weight_sync.fp8 import BLOCK, is_fp8_param, matrix_shape
 from megarl.weight_sync.layouts import Range
 from megarl.weight_sync.planner import SyncPlan, Transfer
 
@@ -80,7 +80,8 @@ def sender_quantised_boxes(plan: SyncPlan) -> Dict[Tuple[int, str], Dict[int, Li
     A box is a 128-aligned region of the destination weight that one sender fills
     completely; blocks never straddle two boxes, so each sender quantises its own.
     """
-    shapes = {(dst, t.name): t.shape for dst, layout in plan.dst_layouts.items() for t in layout}
+    # the [rows, cols] view transfers index (stacked experts [E, R, C] as [E x R, C])
+    shapes = {(dst, t.name): matrix_shape(t.shape) for dst, layout in plan.dst_layouts.items() for t in layout}
     by_param: Dict[Tuple[int, str], Dict[int, List[Transfer]]] = defaultdict(lambda: defaultdict(list))
     for (src, dst), transfers in plan.transfers.items():
         for t in transfers:

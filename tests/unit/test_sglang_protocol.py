@@ -233,6 +233,33 @@ def test_block_fp8_scales_are_renamed_by_sglangs_loader():
     assert serving.block_fp8_hf_config({"a": 1})["quantization_config"]["weight_block_size"] == [128, 128]
 
 
+def test_fp8_expert_parameters_are_sglangs_fp8_moe_ones():
+    """The block-fp8 expert tensors megarl's receiver writes are the ones SGLang's Fp8MoEMethod
+    registers (by name, with one scale grid per expert), and the shard rule megarl refuses by is
+    the one SGLang raises on."""
+    from transformers import Qwen3MoeConfig
+
+    from megarl.models.spec import ModelSpec
+    from megarl.weight_sync.endpoints import allocate_generator_params
+
+    src = sglang_source.sglang_file("layers/quantization/fp8.py").read_text()
+    assert 'layer.register_parameter("w13_weight_scale_inv", w13_weight_scale)' in src
+    assert 'layer.register_parameter("w2_weight_scale_inv", w2_weight_scale)' in src
+    assert "* ((intermediate_size_per_partition + block_n - 1) // block_n)," in src  # w13: per shard, per expert
+    assert "if intermediate_size_per_partition % block_n != 0:" in src
+    config = Qwen3MoeConfig(
+        vocab_size=300, hidden_size=256, head_dim=128, num_attention_heads=4, num_key_value_heads=4,
+        intermediate_size=256, moe_intermediate_size=512, num_experts=8, num_experts_per_tok=2, num_hidden_layers=2,
+    )  # fmt: skip
+    params = allocate_generator_params(ModelSpec.from_hf_config(config), 4, 1, fp8=True, ep=2)
+    p = "model.layers.1.mlp.experts."
+    # SGLang at --tp 4 --ep-size 2: 4 local experts, intermediate_size_per_partition 512 / 2 = 256
+    assert params[p + "w13_weight"].shape == (4, 2 * 256, 256)
+    assert params[p + "w13_weight_scale_inv"].shape == (4, 2 * ((256 + 127) // 128), (256 + 127) // 128)
+    assert params[p + "w2_weight_scale_inv"].shape == (4, (256 + 127) // 128, (256 + 127) // 128)
+    assert "model.layers.1.mlp.gate.weight_scale_inv" not in params  # the router stays unquantised
+
+
 def test_each_tp_worker_reads_its_own_entry_of_the_trigger():
     """SGLang's TP worker deserialises serialized_named_tensors[tp_rank] (tp_worker.py): the trigger
     has one entry per worker, and megarl's loader path is what SGLang imports and calls."""

@@ -198,9 +198,10 @@ def test_every_shipped_config_loads(path):
     assert load_config(str(path)).run.output_dir
 
 
-def test_expert_settings_need_experts_and_fp8_experts_are_refused():
-    """Every family trains; expert parallelism on a dense model and fp8 generators of a MoE model are
-    refused naming the field (a check that lets them through, or names another field, fails)."""
+def test_expert_settings_need_experts_and_fp8_expert_shapes_are_checked():
+    """Every family trains; expert parallelism on a dense model, fp8 generators of a MoE model whose
+    expert shards SGLang cannot block-quantise, and fp8 experts in sync mode are refused naming the
+    field (a check that lets them through, or names another field, fails)."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     from megarl.models.spec import ModelSpec
@@ -225,8 +226,23 @@ def test_expert_settings_need_experts_and_fp8_experts_are_refused():
     with pytest.raises(ConfigError, match=r"trainer.sequence_parallel: Megatron's MoE layers train at trainer.tp=2"):
         check_model_trains(moe, load_config(TINY, ep_fields))
     check_model_trains(moe, load_config(TINY, [*ep_fields, "trainer.tp=1", "trainer.dp=2"]))
-    with pytest.raises(ConfigError, match=r"generator.fp8: model_type 'qwen3_moe' has experts"):
-        check_model_trains(moe, load_config(TINY, ["generator.fp8=true", "trainer.sequence_parallel=true"]))
+    # fp8 experts: SGLang's block-fp8 FusedMoE needs each expert's shard in whole 128-row blocks (16 is not)
+    fp8 = load_config(TINY, ["generator.fp8=true", "trainer.sequence_parallel=true"])
+    with pytest.raises(
+        ConfigError, match=r"generator.fp8: each expert's intermediate shard is moe_intermediate_size 16"
+    ):
+        check_model_trains(moe, fp8)
+    aligned = dict(shape, hidden_size=128, num_attention_heads=2, head_dim=128)
+    aligned_moe = ModelSpec.from_hf_config(
+        Qwen3MoeConfig(**aligned, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256)
+    )
+    check_model_trains(aligned_moe, fp8)
+    with pytest.raises(
+        ConfigError, match=r"generator.fp8: sync \(colocated\) mode does not block-quantise stacked experts"
+    ):
+        check_model_trains(
+            aligned_moe, load_config(TINY, ["generator.fp8=true", "run.mode=sync", "trainer.sequence_parallel=true"])
+        )
 
 
 def test_sync_mode_refuses_expert_parallelism():

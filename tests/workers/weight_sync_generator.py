@@ -29,7 +29,7 @@ from megarl.weight_sync.baseline import gather_broadcast_receive  # noqa: E402
 from megarl.weight_sync.endpoints import GeneratorSync, allocate_generator_params  # noqa: E402
 from megarl.weight_sync.planner import build_plan  # noqa: E402
 from megarl.weight_sync.transport import SyncStats, WeightReceiver  # noqa: E402
-from tests.sglang_reference import block_fp8, sglang_shard  # noqa: E402
+from tests.sglang_reference import SGLANG_FP8_WEIGHTS, block_fp8, sglang_shard  # noqa: E402
 
 
 @functools.lru_cache(maxsize=None)  # read once per model, not once per case (SmolLM2: 0.5 GB per read)
@@ -61,7 +61,16 @@ def main():
         if args.baseline:
             groups = [stage_group(store, version, s, args.generators, 1 + rank) for s in range(trainer.pp)]
             got = gather_broadcast_receive(
-                spec, trainer, case.dst_tp, tp_rank, params, groups, case.dtype, args.bucket_bytes, fp8=case.fp8
+                spec,
+                trainer,
+                case.dst_tp,
+                tp_rank,
+                params,
+                groups,
+                case.dtype,
+                args.bucket_bytes,
+                fp8=case.fp8,
+                ep=case.dst_ep,
             )
             for g in groups:
                 destroy_sync_group(g)
@@ -123,9 +132,18 @@ def main():
             else:
                 real += ref.numel()
         record["expected_bytes"] = real * case.dtype.itemsize
+        if case.fp8:  # every fp8 weight as e4m3 bytes plus its fp32 block scales, the rest as before
+            fp8_names = [n for n in reference if n.endswith(SGLANG_FP8_WEIGHTS)]
+            linear = sum(reference[n].numel() for n in fp8_names)
+            # one fp32 scale per 128 x 128 block of each 2-D weight, of each expert of a stacked one
+            scales = sum(
+                reference[n][..., 0, 0].numel() * -(-reference[n].shape[-2] // 128) * -(-reference[n].shape[-1] // 128)
+                for n in fp8_names
+            )
+            record["expected_fp8_bytes"] = (real - linear) * case.dtype.itemsize + linear + 4 * scales
         for name, ref in reference.items():
             got = params[name]
-            if case.fp8 and fp8_format.is_fp8_param(name):
+            if case.fp8 and name.endswith(SGLANG_FP8_WEIGHTS):
                 want_q, want_scale = block_fp8(ref.to(case.dtype))
                 scale = params[fp8_format.scale_name(name)]
                 if not torch.equal(scale, want_scale):

@@ -143,6 +143,13 @@ class SglangLayoutModel:
             return fp8_format.dequantize(w, self.params[fp8_format.scale_name(name)]).to(self.dtype)
         return w
 
+    def _expert_weight(self, name: str, j: int) -> torch.Tensor:
+        """Local expert ``j`` of a stacked w13 / w2, dequantised (its own scales) when block fp8."""
+        w = self.params[name][j]
+        if w.dtype == fp8_format.FP8_DTYPE:
+            return fp8_format.dequantize(w, self.params[fp8_format.scale_name(name)][j]).to(self.dtype)
+        return w
+
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         if self.params[name].dtype == fp8_format.FP8_DTYPE:
             return F.linear(x, self._weight(name))
@@ -277,14 +284,14 @@ class SglangLayoutModel:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = weights.to(h.dtype)
         self.routes[:, layer] = experts.to(torch.int16)
-        w13, w2 = self.params[p + "mlp.experts.w13_weight"], self.params[p + "mlp.experts.w2_weight"]
+        w13, w2 = p + "mlp.experts.w13_weight", p + "mlp.experts.w2_weight"
         out = torch.zeros_like(h)
-        for j in range(w13.shape[0]):
+        for j in range(self.params[w13].shape[0]):
             rows, slot = torch.nonzero(experts == self.first_expert + j, as_tuple=True)
             if rows.numel() == 0:
                 continue
-            gate, up = F.linear(h[rows], w13[j]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, w2[j]) * weights[rows, slot, None]
+            gate, up = F.linear(h[rows], self._expert_weight(w13, j)).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self._expert_weight(w2, j)) * weights[rows, slot, None]
             out.index_add_(0, rows, y)
         return out
 
