@@ -152,15 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
     ws.add_argument(
         "--src-vpp", type=int, default=None, help="trainer virtual pipeline stages per PP rank (default 1; --plan-only)"
     )
-    ws.add_argument("--src-ep", type=int, default=None, help="trainer expert parallel (default 1; --plan-only)")
-    ws.add_argument(
-        "--src-etp", type=int, default=None, help="trainer expert tensor parallel (default: --src-tp; --plan-only)"
-    )
+    ws.add_argument("--src-ep", type=int, default=None, help="trainer expert parallel (default 1)")
+    ws.add_argument("--src-etp", type=int, default=None, help="trainer expert tensor parallel (default: --src-tp)")
     ws.add_argument("--dst-tp", type=int, default=None, help="generator TP (default 2)")
     ws.add_argument("--dst-replicas", type=int, default=None, help="generator replicas (default 2)")
-    ws.add_argument(
-        "--dst-ep", type=int, default=None, help="SGLang --ep-size inside a replica's TP (default 1; --plan-only)"
-    )
+    ws.add_argument("--dst-ep", type=int, default=None, help="SGLang --ep-size inside a replica's TP (default 1)")
     ws.add_argument("--fp8", action="store_true", help="generators serve block fp8 (senders quantise)")
     ws.add_argument("--verify", action="store_true", help="checksum every destination shard")
     ws.add_argument("--iters", type=int, default=3)

@@ -48,8 +48,15 @@ from megarl.runtime.distributed import free_port, init_distributed, init_megatro
 from megarl.runtime.launch import run_worlds
 from megarl.runtime.rendezvous import init_sync_group
 from megarl.weight_sync import fp8 as fp8_format
-from megarl.weight_sync.baseline import fp8_supported, gather_broadcast_receive, gather_broadcast_send
+from megarl.weight_sync.baseline import (
+    fp8_supported,
+    gather_broadcast_receive,
+    gather_broadcast_send,
+    is_expert_param,
+)
 from megarl.weight_sync.endpoints import GeneratorSync, TrainerSync, allocate_generator_params, megatron_params
+from megarl.weight_sync.fp8 import check_fp8_experts
+from megarl.weight_sync.layouts import check_sglang_tp
 from megarl.weight_sync.planner import build_plan
 from megarl.weight_sync.predict import Links, predict, rank_bytes, transfer_bytes
 
@@ -166,14 +173,18 @@ def links_of(b: WeightSyncBench):
     return Links(**values)
 
 
+def _check_fp8_flag(spec: ModelSpec, gdims) -> None:
+    try:
+        check_fp8_experts(spec, gdims.tp, gdims.ep)
+    except ConfigError as err:  # named by this command's flag
+        raise ConfigError(str(err).replace("generator.fp8:", "--fp8:", 1)) from None
+
+
 def plan_only(b: WeightSyncBench) -> dict:
     b = resolved(b)
     spec = model_spec(b.model)
-    if b.fp8 and spec.moe is not None:
-        raise ConfigError(
-            f"--fp8 with {b.model}'s experts: the weight sync does not write SGLang's per-expert block-fp8 "
-            "scales yet (megarl train refuses generator.fp8 for it too), so there is no fp8 plan to predict"
-        )
+    if b.fp8:
+        _check_fp8_flag(spec, b.generator_dims())
     dims, gdims = b.trainer_dims(), b.generator_dims()
     # interleaved stages change which PP rank holds (and sends) which layers: the job's own plan
     trainer, generator = dims, gdims
@@ -270,7 +281,7 @@ def _groups(b: WeightSyncBench, port: int, sync_rank: int, stage_member):
 def _baseline_fp8(b: WeightSyncBench, spec: ModelSpec) -> bool:
     """The baseline quantises like SGLang's block-fp8 checkpoints, per HF weight: only for shapes
     whose shards are whole 128x128 blocks (real Llamas, llama-mini); else it sends bf16."""
-    return b.fp8 and fp8_supported(spec, b.generator_dims().tp)
+    return b.fp8 and fp8_supported(spec, b.generator_dims().tp, b.generator_dims().ep)
 
 
 def _trainer_rank(b: WeightSyncBench, port: int, out_dir: str) -> None:
@@ -286,17 +297,28 @@ def _trainer_rank(b: WeightSyncBench, port: int, out_dir: str) -> None:
             f"trainer world of {dist.get_world_size()} ranks, the layout {dims.describe()} has {dims.world_size}"
         )
     init_megatron(dims)
-    config = transformer_config(spec, dims.tp, dims.pp, params_dtype=torch.bfloat16, perform_initialization=False)
+    config = transformer_config(
+        spec, dims.tp, dims.pp, params_dtype=torch.bfloat16, perform_initialization=False, ep=dims.ep, etp=dims.etp
+    )
     chunks = build_model_chunks(spec, config)
     tp_rank, pp_rank = (
         parallel_state.get_tensor_model_parallel_rank(),
         parallel_state.get_pipeline_model_parallel_rank(),
     )
+    experts = dims.ep * dims.expert_tp > 1
+    expert_shard = (
+        parallel_state.get_expert_model_parallel_rank() * dims.expert_tp
+        + parallel_state.get_expert_tensor_parallel_rank()
+    )
     with torch.no_grad():  # any finite values do for timing (Megatron's initialiser is slow on CPU), but
-        # consistent ones: replicated tensors (norms) equal on every TP rank, DP replicas equal
-        for i, p in enumerate(chunks[0].parameters()):
-            sharded = getattr(p, "tensor_model_parallel", False)
-            seed = (pp_rank * 1000 + i) * 1000 + (tp_rank if sharded else 0)
+        # consistent ones: replicated tensors (norms, routers) equal on every TP rank, DP replicas equal;
+        # an expert shard set by its EP and ETP ranks (equal over the experts' data parallel group)
+        for i, (name, p) in enumerate(chunks[0].named_parameters()):
+            if is_expert_param(name):
+                shard = expert_shard
+            else:
+                shard = tp_rank if getattr(p, "tensor_model_parallel", False) else 0
+            seed = (pp_rank * 1000 + i) * 1000 + shard
             p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)) * 0.02)
     trainer, generator = dims, gdims
     sources = {dims.rank(pp_rank=s): s for s in range(dims.pp)}  # each stage's TP-0 / DP-0 rank broadcasts
@@ -317,6 +339,7 @@ def _trainer_rank(b: WeightSyncBench, port: int, out_dir: str) -> None:
     )
     params = megatron_params(chunks)
     tp_group = parallel_state.get_tensor_model_parallel_group()
+    expert_group = parallel_state.get_expert_tensor_and_model_parallel_group() if experts else None
     stage_group = stages.get(sources.get(rank))
     times, base_times, stats, base = [], [], None, None
     for i in range(b.iters + 1):  # the first round of each warms up; the two alternate
@@ -337,6 +360,7 @@ def _trainer_rank(b: WeightSyncBench, port: int, out_dir: str) -> None:
             torch.bfloat16,
             b.bucket_bytes,
             fp8=_baseline_fp8(b, spec),
+            expert_group=expert_group,
         )
         dist.barrier(group=sync)
         base_times.append(time.perf_counter() - start)
@@ -362,7 +386,7 @@ def _generator_rank(b: WeightSyncBench, port: int, out_dir: str) -> None:
     sync_rank = dims.world_size + rank
     sync, stages = _groups(b, port, sync_rank, lambda s: 1 + rank)
     replica, tp_rank = gdims.replica_of(rank)
-    params = allocate_generator_params(spec, gdims.tp, tp_rank, torch.bfloat16, b.fp8)
+    params = allocate_generator_params(spec, gdims.tp, tp_rank, torch.bfloat16, b.fp8, ep=gdims.ep)
     ours = GeneratorSync(
         spec,
         trainer,
@@ -377,7 +401,9 @@ def _generator_rank(b: WeightSyncBench, port: int, out_dir: str) -> None:
         plan=build_plan(spec, trainer, generator),
         bucket_bytes=b.bucket_bytes,
     )
-    base_params = allocate_generator_params(spec, gdims.tp, tp_rank, torch.bfloat16, _baseline_fp8(b, spec))
+    base_params = allocate_generator_params(
+        spec, gdims.tp, tp_rank, torch.bfloat16, _baseline_fp8(b, spec), ep=gdims.ep
+    )
     stats, base = None, None
     for i in range(b.iters + 1):
         dist.barrier(group=sync)
@@ -394,6 +420,7 @@ def _generator_rank(b: WeightSyncBench, port: int, out_dir: str) -> None:
             torch.bfloat16,
             b.bucket_bytes,
             fp8=_baseline_fp8(b, spec),
+            ep=gdims.ep,
         )
         dist.barrier(group=sync)
     Path(out_dir, f"generator{rank}.json").write_text(
@@ -451,12 +478,10 @@ def run(b: WeightSyncBench) -> dict:
         )
 
     spec = model_spec(b.model)
-    if spec.moe is not None or dims.ep > 1 or dims.etp is not None or gdims.ep > 1:
-        raise ConfigError(
-            f"--model {b.model}, --src-ep, --src-etp, --dst-ep: the measured run's baseline does not gather "
-            "experts yet (tests/multiprocess/test_weight_sync_families.py checks megarl's expert sync); models with "
-            "experts go with --plan-only"
-        )
+    spec.check_parallelism(dims.tp, dims.pp, None, dims.ep, dims.etp)
+    check_sglang_tp(spec, gdims.tp, gdims.ep)
+    if b.fp8:
+        _check_fp8_flag(spec, gdims)
     trainer_size, generators = dims.world_size, gdims.world_size
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="megarl_bench_") as out:

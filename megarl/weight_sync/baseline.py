@@ -4,7 +4,10 @@ slime (THUDM/slime, ``update_weight_from_distributed.py``), the strongest
 widely used Megatron -> SGLang path, per pipeline stage:
 
 1. every trainer rank all-gathers each TP-sharded parameter over its Megatron
-   TP group (norms are replicated: no gather); every DP replica does it too;
+   TP group (norms are replicated: no gather), and each expert parameter over
+   its expert-tensor x expert-model-parallel group (``local_experts.j`` of
+   every EP rank, each ETP shard: slime gathers experts over ETP, then EP);
+   every DP replica does it too;
 2. the stage's first rank (TP rank 0, DP rank 0) converts the gathered
    tensors to full Hugging Face tensors (vocabulary padding dropped; with
    block fp8 it quantises each linear weight to e4m3 + 128x128 scales) and
@@ -37,7 +40,13 @@ from megarl.models.megatron_model import DEFAULT_VOCAB_DIVISIBLE_BY
 from megarl.models.spec import ModelSpec
 from megarl.parallel_dims import ParallelDims
 from megarl.weight_sync import fp8 as fp8_format
-from megarl.weight_sync.layouts import LocalTensor, logical_shapes, megatron_rank_layout, sglang_rank_layout
+from megarl.weight_sync.layouts import (
+    ExpertShard,
+    LocalTensor,
+    logical_shapes,
+    megatron_rank_layout,
+    sglang_rank_layout,
+)
 from megarl.weight_sync.transport import DEFAULT_BUCKET_BYTES, as_2d
 
 # Hugging Face weights a block-fp8 checkpoint stores as e4m3 + weight_scale_inv.
@@ -85,9 +94,57 @@ def _hf_names(t: LocalTensor) -> List[str]:
     return list(dict.fromkeys(b.logical for b in t.blocks))
 
 
+def is_expert_param(name: str) -> bool:
+    return ".mlp.experts." in name
+
+
+@dataclass(frozen=True)
+class StageLayouts:
+    """Stage ``pp_rank``'s parameters as every rank of it holds them: by TP rank (the dense part) and
+    by (EP rank, ETP rank) (the experts); ``holders(name)`` are the coordinates a gather collects."""
+
+    dense: Tuple[Dict[str, LocalTensor], ...]  # [tp_rank] -> name -> layout
+    experts: Dict[Tuple[int, int], Dict[str, LocalTensor]]  # (ep_rank, etp_rank) -> name -> layout
+
+    def of(self, name: str, holder) -> LocalTensor:
+        return self.experts[holder][name] if is_expert_param(name) else self.dense[holder][name]
+
+    def hf_names(self, name: str, holders) -> List[str]:
+        return list(dict.fromkeys(b.logical for h in holders for b in self.of(name, h).blocks))
+
+
+def stage_layouts(
+    spec: ModelSpec,
+    trainer: ParallelDims,
+    pp_rank: int,
+    vocab_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY,
+    norm_names: str = "local",
+) -> StageLayouts:
+    def layout(tp_rank, ep_rank=0, etp_rank=0):
+        experts = ExpertShard(trainer.ep, ep_rank, trainer.expert_tp, etp_rank)
+        tensors = megatron_rank_layout(
+            spec, trainer.tp, trainer.pp, tp_rank, pp_rank, vocab_divisible_by, norm_names, experts=experts
+        )
+        return {t.name: t for t in tensors}
+
+    dense = tuple(layout(r) for r in range(trainer.tp))
+    experts = {
+        (e, t): layout(0, e, t) if (e, t) != (0, 0) else dense[0]
+        for e in range(trainer.ep)
+        for t in range(trainer.expert_tp)
+    }
+    return StageLayouts(dense, experts)
+
+
+def _all_holders(trainer: ParallelDims, name: str) -> List:
+    if is_expert_param(name):
+        return [(e, t) for e in range(trainer.ep) for t in range(trainer.expert_tp)]
+    return list(range(trainer.tp))
+
+
 def stage_buckets(
     spec: ModelSpec,
-    pp: int,
+    trainer: ParallelDims,
     pp_rank: int,
     wire_dtype: torch.dtype,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -95,30 +152,34 @@ def stage_buckets(
 ) -> List[Bucket]:
     """The buckets stage ``pp_rank`` broadcasts, in order (a function of shapes only).
 
-    Parameters are taken in Megatron's order; like slime, a parameter's HF tensors go
-    into the current bucket unless that would overflow it, which then goes out first.
+    Parameters are taken in Megatron's order (a rank's own names: with EP, ``local_experts.j``
+    stands for expert j of every EP rank, all of which its gather collects); like slime, a
+    parameter's HF tensors go into the current bucket unless that would overflow it, which
+    then goes out first.
     """
     shapes = logical_shapes(spec)
-    layout = megatron_rank_layout(spec, 1, pp, 0, pp_rank)  # TP-independent: names and order
+    layouts = stage_layouts(spec, trainer, pp_rank)
     buckets, params, entries, size = [], [], [], 0
-    for t in layout:
-        if spec.tie_embeddings and t.name == "output_layer.weight":
+    for name in layouts.dense[0]:
+        if spec.tie_embeddings and name == "output_layer.weight":
             continue  # the embedding's copy (stage 0 sends the embedding)
         new = []
-        for name in _hf_names(t):
-            shape = shapes[name] if len(shapes[name]) == 2 else (shapes[name][0], 1)
-            if fp8 and name.endswith(HF_FP8_LINEARS):
-                new.append(Entry(name, name, shape, torch.uint8, "fp8"))
+        for logical in layouts.hf_names(name, _all_holders(trainer, name)):
+            shape = shapes[logical] if len(shapes[logical]) == 2 else (shapes[logical][0], 1)
+            if fp8 and logical.endswith(HF_FP8_LINEARS):
+                new.append(Entry(logical, logical, shape, torch.uint8, "fp8"))
                 new.append(
-                    Entry(fp8_format.scale_name(name), name, fp8_format.scale_shape(shape), torch.float32, "scale")
+                    Entry(
+                        fp8_format.scale_name(logical), logical, fp8_format.scale_shape(shape), torch.float32, "scale"
+                    )
                 )
             else:
-                new.append(Entry(name, name, shape, wire_dtype))
+                new.append(Entry(logical, logical, shape, wire_dtype))
         n = sum(e.nbytes for e in new)
         if entries and size + n > bucket_bytes:
             buckets.append(Bucket(tuple(params), tuple(entries)))
             params, entries, size = [], [], 0
-        params.append(t.name)
+        params.append(name)
         entries += new
         size += n
     if entries:
@@ -151,26 +212,30 @@ def gather_broadcast_send(
     fp8: bool = False,
     norm_names: str = "local",
     vocab_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY,
+    expert_group=None,
 ) -> dict:
     """Trainer side, on every trainer rank. ``tp_group``: Megatron's TP group of this rank;
-    ``stage_group``: the stage's broadcast group (stage source = its rank 0, generator
-    worker w = rank 1 + w) on the stage source, None elsewhere. ``sync_rank`` numbers the
-    trainer ranks in Megatron's order (ParallelDims.coords)."""
+    ``expert_group``: its expert-tensor x expert-model-parallel group (Megatron's
+    ``get_expert_tensor_and_model_parallel_group``; needed when EP x ETP > 1); ``stage_group``:
+    the stage's broadcast group (stage source = its rank 0, generator worker w = rank 1 + w) on
+    the stage source, None elsewhere. ``sync_rank`` numbers the trainer ranks in Megatron's order
+    (ParallelDims.coords), as the default process group does."""
     start = time.perf_counter()
     coords = trainer.coords(sync_rank)
-    tp_rank, pp_rank = coords["tp"], coords["pp"]
-    source = tp_rank == 0 and coords["dp"] == 0 and coords["cp"] == 0
+    pp_rank = coords["pp"]
+    source = coords["tp"] == 0 and coords["dp"] == 0 and coords["cp"] == 0
     if source != (stage_group is not None):
         raise MegarlError(f"trainer rank {sync_rank}: the stage broadcast group belongs to TP rank 0 of DP rank 0 only")
-    layouts = [
-        {
-            t.name: t
-            for t in megatron_rank_layout(spec, trainer.tp, trainer.pp, r, pp_rank, vocab_divisible_by, norm_names)
-        }
-        for r in range(trainer.tp)
-    ]
+    layouts = stage_layouts(spec, trainer, pp_rank, vocab_divisible_by, norm_names)
+    expert_holders = [(0, 0)]
+    if trainer.ep * trainer.expert_tp > 1:
+        if expert_group is None:
+            raise MegarlError(f"trainer rank {sync_rank}: experts at EP x ETP > 1 are gathered over an expert group")
+        expert_holders = [
+            (c["ep"], c["etp"]) for c in map(trainer.expert_coords, dist.get_process_group_ranks(expert_group))
+        ]
     stats = {"gathered_bytes": 0, "all_gathers": 0, "broadcast_bytes": 0, "broadcasts": 0}
-    for bucket in stage_buckets(spec, trainer.pp, pp_rank, wire_dtype, bucket_bytes, fp8):
+    for bucket in stage_buckets(spec, trainer, pp_rank, wire_dtype, bucket_bytes, fp8):
         flats = {
             dtype: torch.empty(_flat_numel(es), dtype=dtype, device=_device(params)) for dtype, es in bucket.flats()
         }
@@ -182,24 +247,23 @@ def gather_broadcast_send(
             by_logical[e.logical].append(e)
         for name in bucket.params:
             local = as_2d(params[name])
-            sharded = trainer.tp > 1 and any(
-                layouts[r][name].blocks != layouts[0][name].blocks for r in range(1, trainer.tp)
-            )
-            if sharded:
-                shards = [torch.empty_like(local) for _ in range(trainer.tp)]
-                dist.all_gather(shards, local.contiguous(), group=tp_group)
-                stats["all_gathers"] += 1
-                stats["gathered_bytes"] += (trainer.tp - 1) * local.numel() * local.element_size()
+            if is_expert_param(name):
+                holders, group = expert_holders, expert_group
             else:
-                shards = [local] * trainer.tp
+                holders, group = list(range(trainer.tp)), tp_group
+                if all(layouts.dense[r][name].blocks == layouts.dense[0][name].blocks for r in holders):
+                    holders = [0]  # replicated over TP (norms, the router): nothing to gather
+            if len(holders) > 1:
+                shards = [torch.empty_like(local) for _ in holders]
+                dist.all_gather(shards, local.contiguous(), group=group)
+                stats["all_gathers"] += 1
+                stats["gathered_bytes"] += (len(holders) - 1) * local.numel() * local.element_size()
+            else:
+                shards = [local]
             if not source:
                 continue
             # Convert: place every shard's row blocks into the full HF tensors.
-            names = (
-                _hf_names(layouts[0][name])
-                if not sharded
-                else list(dict.fromkeys(b.logical for r in range(trainer.tp) for b in layouts[r][name].blocks))
-            )
+            names = layouts.hf_names(name, holders)
             full = {}
             for logical in names:
                 kinds = {e.kind: e for e in by_logical[logical]}
@@ -208,9 +272,9 @@ def gather_broadcast_send(
                     if "full" in kinds
                     else torch.empty(kinds["fp8"].shape, dtype=wire_dtype, device=local.device)
                 )
-            for r in range(trainer.tp if sharded else 1):
-                for b in layouts[r][name].blocks:
-                    full[b.logical][b.rows[0] : b.rows[1], b.cols[0] : b.cols[1]] = shards[r][
+            for holder, shard in zip(holders, shards):
+                for b in layouts.of(name, holder).blocks:
+                    full[b.logical][b.rows[0] : b.rows[1], b.cols[0] : b.cols[1]] = shard[
                         b.local_row : b.local_row + b.num_rows
                     ]
             for logical in names:
@@ -231,19 +295,20 @@ def _device(params: Dict[str, torch.Tensor]):
     return next(iter(params.values())).device
 
 
-def _cut_index(spec: ModelSpec, tp: int, tp_rank: int):
-    """HF tensor -> [(SGLang parameter, block)] of this TP rank."""
+def _cut_index(spec: ModelSpec, tp: int, tp_rank: int, ep: int = 1):
+    """HF tensor -> [(SGLang parameter, block)] of this TP rank (``ep``: its --ep-size)."""
     index: Dict[str, List] = {}
-    for t in sglang_rank_layout(spec, tp, tp_rank):
+    for t in sglang_rank_layout(spec, tp, tp_rank, ep):
         for b in t.blocks:
             index.setdefault(b.logical, []).append((t.name, b))
     return index
 
 
-def fp8_supported(spec: ModelSpec, tp: int) -> bool:
+def fp8_supported(spec: ModelSpec, tp: int, ep: int = 1) -> bool:
     """Whether every SGLang TP shard of every fp8 weight is whole 128x128 blocks of the HF
-    weights (head_dim and shard sizes multiples of 128, as in real Llamas): what cutting
-    block-fp8 tensors and their scales needs."""
+    weights (head_dim and shard sizes multiples of 128, as in real Llamas; each expert's shard,
+    rows of the stacked [experts x rows, cols] view): what cutting block-fp8 tensors and their
+    scales needs."""
     shapes = logical_shapes(spec)
 
     def ok(lo, hi, size):
@@ -252,9 +317,9 @@ def fp8_supported(spec: ModelSpec, tp: int) -> bool:
     return all(
         ok(b.rows[0], b.rows[1], shapes[b.logical][0])
         and ok(b.cols[0], b.cols[1], shapes[b.logical][1])
-        and ok(b.local_row, b.local_row + b.num_rows, t.shape[0])
+        and ok(b.local_row, b.local_row + b.num_rows, fp8_format.matrix_shape(t.shape)[0])
         for r in range(tp)
-        for t in sglang_rank_layout(spec, tp, r)
+        for t in sglang_rank_layout(spec, tp, r, ep)
         if fp8_format.is_fp8_param(t.name)
         for b in t.blocks
     )
@@ -279,16 +344,18 @@ def gather_broadcast_receive(
     wire_dtype: torch.dtype,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     fp8: bool = False,
+    ep: int = 1,
 ) -> dict:
     """Generator side: receive every stage's buckets in stage order (``stage_groups[s]``:
-    stage s's broadcast group), keep this rank's SGLang shard of each full tensor."""
+    stage s's broadcast group), keep this rank's SGLang shard of each full tensor (``ep``: the
+    generator's --ep-size)."""
     start = time.perf_counter()
-    index = _cut_index(spec, tp, tp_rank)
+    index = _cut_index(spec, tp, tp_rank, ep)
     shapes = logical_shapes(spec)
     device = _device(params)
     stats = {"received_bytes": 0, "broadcasts": 0}
     for pp_rank, group in enumerate(stage_groups):
-        for bucket in stage_buckets(spec, trainer.pp, pp_rank, wire_dtype, bucket_bytes, fp8):
+        for bucket in stage_buckets(spec, trainer, pp_rank, wire_dtype, bucket_bytes, fp8):
             views = {}
             for dtype, es in bucket.flats():
                 flat = torch.empty(_flat_numel(es), dtype=dtype, device=device)
@@ -304,14 +371,15 @@ def gather_broadcast_receive(
                             b.rows[0] : b.rows[1], b.cols[0] : b.cols[1]
                         ]
                     elif e.kind == "fp8":
-                        params[pname].view(torch.uint8)[b.local_row : b.local_row + b.num_rows] = full[
+                        as_2d(params[pname]).view(torch.uint8)[b.local_row : b.local_row + b.num_rows] = full[
                             b.rows[0] : b.rows[1], b.cols[0] : b.cols[1]
                         ]
-                    else:  # this shard's block scales; blocks never straddle shards
+                    else:  # this shard's block scales; blocks never straddle shards (nor experts)
                         rows, cols = shapes[e.logical]
                         r0, r1 = _block_range(b.rows[0], b.rows[1], rows, e.logical)
                         c0, c1 = _block_range(b.cols[0], b.cols[1], cols, e.logical)
-                        l0, _ = _block_range(b.local_row, b.local_row + b.num_rows, params[pname].shape[0], pname)
-                        params[fp8_format.scale_name(pname)][l0 : l0 + r1 - r0] = full[r0:r1, c0:c1]
+                        local_rows = as_2d(params[pname]).shape[0]
+                        l0, _ = _block_range(b.local_row, b.local_row + b.num_rows, local_rows, pname)
+                        as_2d(params[fp8_format.scale_name(pname)])[l0 : l0 + r1 - r0] = full[r0:r1, c0:c1]
     stats["seconds"] = time.perf_counter() - start
     return stats

@@ -83,3 +83,31 @@ def test_fp8_on_tiny_says_the_formats_differ_and_still_compares_the_weights(caps
     assert out["bytes_moved"] == fp8_shard_bytes(2)
     assert out["baseline_gathered_bytes"] == 0  # TP1: nothing to gather
     assert out["baseline_broadcast_bytes_received"] == 2 * BF16 * hf_numel()
+
+
+# the tiny-moe preset (megarl/models/presets.py HF_CONFIGS): the tiny shape with Qwen3's q/k norms, a
+# dense first layer, then 3 MoE layers of 4 experts (intermediate 32) and a router each
+E, MOE_F, MOE_LAYERS, QK_NORMS = 4, 32, 3, 2 * HEAD_DIM * LAYERS
+
+
+def moe_hf_numel() -> int:
+    q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    attention = LAYERS * (q * H + 2 * kv * H + H * q) + QK_NORMS
+    mlp = 3 * F * H + MOE_LAYERS * (E * H + E * 3 * MOE_F * H)
+    return attention + mlp + 2 * VOCAB * H + NORMS
+
+
+@pytest.mark.slow
+def test_experts_megarl_shard_to_shard_baseline_gathers_over_ep():
+    # trainer EP2 (each rank 2 of the 4 experts) -> one replica at TP2 x EP2 (each rank 2 experts whole)
+    out = run(
+        WeightSyncBench(model="tiny-moe", src_tp=1, src_dp=2, src_ep=2, dst_tp=2, dst_ep=2, dst_replicas=1, iters=1)
+    )
+    assert out["baseline_same_weights"] is True and out["same_wire_format"] is True
+    # megarl: each worker its shard once; norms, q/k norms and routers are whole on both workers
+    replicated = NORMS + QK_NORMS + MOE_LAYERS * E * H
+    assert out["bytes_moved"] == out["min_bytes"] == BF16 * (moe_hf_numel() + replicated)
+    # the baseline: each EP rank all-gathers the other's 2 experts of every MoE layer (TP1: nothing
+    # dense), then both workers receive every full HF tensor
+    assert out["baseline_gathered_bytes"] == BF16 * MOE_LAYERS * E * 3 * MOE_F * H
+    assert out["baseline_broadcast_bytes_received"] == 2 * BF16 * moe_hf_numel()

@@ -60,3 +60,31 @@ def test_baseline_delivers_sglangs_shard_at_pp2(tmp_path_factory, tmp_path):
     for r in results:
         whole = "->tp1:" in r["case"]
         assert r["bytes_received"] == r["expected_bytes"] if whole else r["bytes_received"] > r["expected_bytes"], r
+
+
+def test_baseline_gathers_experts_over_ep_and_etp(tmp_path):
+    """slime's expert path: each expert parameter all-gathered over the expert-tensor x expert-model
+    parallel group, the stage source broadcasting every expert whole; the workers' FusedMoE shards
+    (TP1, TP2's moe_tp 2, TP2 x EP2) equal SGLang's, in bf16 and in block fp8 (whole-block shapes)."""
+    from tests.multiprocess.test_weight_sync_families import converted as converted_family
+
+    moe = converted_family(tmp_path / "moe", "qwen3_moe")
+    aligned = converted_family(
+        tmp_path / "aligned_moe",
+        "qwen3_moe",
+        hidden_size=128,
+        head_dim=128,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=256,
+        moe_intermediate_size=256,
+    )
+    layouts, dsts = ["1x1e4", "1x1e2t2", "2x1e2", "1x2e2"], ["1", "2", "2e2"]
+    bf16 = run_baseline([moe], tmp_path / "bf16", layouts, dsts, extra=["--dtypes", "bf16"])
+    fp8 = run_baseline([aligned], tmp_path / "fp8", ["1x1e2t2", "2x1e2"], ["2", "2e2"], extra=["--fp8"])
+    assert len(bf16) == 4 * 3 * 4 and len(fp8) == 2 * 2 * 4
+    bad = [(r["case"], r["rank"], r["mismatches"] + r["scale_mismatches"]) for r in bf16 + fp8]
+    assert not [b for b in bad if b[2]], [b for b in bad if b[2]][:5]
+    for r in bf16:  # a TP1 worker keeps every full tensor it was sent: the whole model, once
+        whole = "->tp1:" in r["case"]
+        assert r["bytes_received"] == r["expected_bytes"] if whole else r["bytes_received"] > r["expected_bytes"], r

@@ -124,6 +124,7 @@ def run_baseline(args, spec, trainer, chunks, rank, case, version, store):
         case.dtype,
         args.bucket_bytes,
         fp8=case.fp8,
+        expert_group=parallel_state.get_expert_tensor_and_model_parallel_group(check_initialized=False),
     )
     if group is not None:
         destroy_sync_group(group)
