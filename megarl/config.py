@@ -166,6 +166,14 @@ class RolloutConfig:
     max_lag: int = 2  # steps a token may be behind the trained policy (async); sync is always 0
     # dynamic sampling (DAPO): groups whose samples all got one reward are not trained; more are generated
     filter_groups: bool = False
+    # multi-turn episodes (megarl/environments, docs/multi-turn.md): > 1 with tools or an env
+    max_turns: int = 1
+    # tools answered between turns: "calculator", "python", or dotted paths 'package.module:factory'
+    tools: List[str] = field(default_factory=list)
+    # an environment factory 'package.module:factory', called as factory(tokenizer) for each episode
+    env: Optional[str] = None
+    env_timeout_s: float = 60.0  # one environment step (a tool call); past it the episode ends
+    env_workers: int = 4  # environment steps in flight beside generation, per replica
 
 
 @dataclass
@@ -261,6 +269,7 @@ class Config:
         self._validate_optimizer()
         self._validate_sglang()
         self._validate_tokenizer_free()
+        self._validate_episodes()
         if self.run.mode == "async" and r.prompts_per_step % g.replicas:
             raise ConfigError(
                 f"rollout.prompts_per_step={r.prompts_per_step} must be a multiple of "
@@ -430,6 +439,40 @@ class Config:
                 "reward.function: math grades text answers; with model.tokenizer=none the responses "
                 "are token ids (use synthetic_parity or a reward of your own)"
             )
+
+    def _validate_episodes(self) -> None:
+        r = self.rollout
+        _positive("rollout.max_turns", r.max_turns)
+        _positive("rollout.env_workers", r.env_workers)
+        if r.env_timeout_s <= 0:
+            raise ConfigError(f"rollout.env_timeout_s: must be > 0, got {r.env_timeout_s}")
+        if r.tools and r.env is not None:
+            raise ConfigError(
+                "rollout.tools: an environment (rollout.env) answers its own tool calls; set one of the two"
+            )
+        multi_turn = bool(r.tools) or r.env is not None
+        if multi_turn and r.max_turns < 2:
+            name = "rollout.tools" if r.tools else "rollout.env"
+            raise ConfigError(f"{name}: needs rollout.max_turns >= 2 (the turns its answers go into)")
+        if r.max_turns > 1 and not multi_turn:
+            raise ConfigError("rollout.max_turns: > 1 needs rollout.tools or rollout.env (what answers a turn)")
+        if multi_turn and self.model.tokenizer == "none":
+            raise ConfigError("rollout.tools / rollout.env: episodes need a tokenizer (model.tokenizer is none)")
+        if multi_turn and self.trainer.moe_enable_routing_replay:
+            raise ConfigError(
+                "trainer.moe_enable_routing_replay: routes of multi-turn episodes are not assembled across "
+                "turns yet; leave it off with rollout.tools / rollout.env"
+            )
+        if r.tools:
+            from megarl.dotted_path import is_dotted_path
+
+            builtin = ("calculator", "python")
+            unknown = [t for t in r.tools if not is_dotted_path(t) and t not in builtin]
+            if unknown:
+                raise ConfigError(
+                    f"rollout.tools: no tool {unknown[0]!r}; built in: {', '.join(builtin)}, "
+                    "or a dotted path 'package.module:factory'"
+                )
 
     def _validate_sglang(self) -> None:
         g = self.generator

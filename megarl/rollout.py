@@ -24,6 +24,19 @@ MASKED_LOGPROB = math.nan  # a masked token's behaviour log-prob: NaN, so a sum 
 MASKED_VERSION = -1  # a masked token's policy version: older than any real one, so a check that read it would fail
 
 
+@dataclass(frozen=True)
+class EpisodeStats:
+    """A multi-turn sample's episode (megarl/environments): its turns, tool calls, the tool calls
+    that failed, seconds its environment stepped, and why it ended (done | max_turns | length |
+    max_context | env_timeout | env_error)."""
+
+    turns: int
+    tool_calls: int = 0
+    tool_errors: int = 0
+    env_seconds: float = 0.0
+    finish: str = ""
+
+
 @dataclass
 class Sample:
     prompt_tokens: List[int]
@@ -51,8 +64,11 @@ class Sample:
     # [len(self), num_layers, top_k] (-1 on dense layers; Completion.routed_experts); None: not
     # recorded. The trainer replays them (trainer.moe_enable_routing_replay, trainer/router_replay.py)
     routed_experts: Optional[Any] = None
+    episode: Optional[EpisodeStats] = None  # multi-turn samples: their episode; None for one completion
 
     def __post_init__(self) -> None:
+        if isinstance(self.episode, dict):  # read back from a checkpoint (dataclasses.asdict)
+            self.episode = EpisodeStats(**self.episode)
         if not self.loss_mask:
             self.loss_mask = [1] * len(self.response_tokens)
 
@@ -88,6 +104,24 @@ class Sample:
                 f"{name}: routed_experts has {self.routed_experts.shape[0]} positions for the {len(self)} the "
                 f"trainer feeds (prompt + response - 1)"
             )
+
+
+def episode_metrics(samples: Sequence[Sample]) -> dict:
+    """Per-step metrics of a batch's multi-turn samples (none when it has none): means per episode of
+    turns, tool calls, failed tool calls and environment seconds; the fractions ended by
+    rollout.max_turns and by a failed or timed-out environment step."""
+    episodes = [s.episode for s in samples if s.episode is not None]
+    if not episodes:
+        return {}
+    n = len(episodes)
+    return {
+        "episode_turns": sum(e.turns for e in episodes) / n,
+        "episode_tool_calls": sum(e.tool_calls for e in episodes) / n,
+        "episode_tool_errors": sum(e.tool_errors for e in episodes) / n,
+        "episode_env_s": sum(e.env_seconds for e in episodes) / n,
+        "episode_turn_limit_frac": sum(e.finish == "max_turns" for e in episodes) / n,
+        "episode_env_failed_frac": sum(e.finish in ("env_error", "env_timeout") for e in episodes) / n,
+    }
 
 
 def validate_samples(samples: Sequence[Sample]) -> None:

@@ -62,6 +62,7 @@ def train(
         config_plan.check_config_fits(cfg)
     if not replay:  # (torchrun's ranks are checked by the --prepare-only that precedes them: scripts/launch.sh)
         _check_data(cfg)  # a replay trains on recorded token ids: it reads no data source
+        _check_episodes(cfg)
     prepared = model_source.prepare_model(cfg.model)
     check_model_trains(ModelSpec.from_dict(prepared.spec), cfg)
     if prepare_only:
@@ -100,6 +101,19 @@ def check_loss(cfg, config_path: Optional[str] = None) -> None:
         bind_loss(cfg.trainer, cfg.rollout, lag_bound=0)  # the lag bound changes nothing that is checked
     except ConfigError as e:
         raise ConfigError(f"{config_path or 'config'}: {e}") from None
+
+
+def _check_episodes(cfg) -> None:
+    """rollout.tools and rollout.env resolved before any rank starts: a tool or factory that does not
+    import, or does not make a tool, is named by its field here, not by the first generator rank."""
+    if cfg.rollout.tools:
+        from megarl.environments.tool import resolve_tools
+
+        resolve_tools(cfg.rollout.tools)
+    if cfg.rollout.env is not None:
+        from megarl.dotted_path import resolve_dotted_path
+
+        resolve_dotted_path(cfg.rollout.env, "rollout.env")
 
 
 def _check_data(cfg) -> None:

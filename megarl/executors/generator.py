@@ -254,7 +254,7 @@ class GeneratorExecutor:
             steps += 1
 
     def _fresh(self, group: List[Completion], train_version: int, drain: bool) -> bool:
-        oldest = min(min(c.versions) for c in group)
+        oldest = min(min(c.trained_versions(), default=train_version) for c in group)
         if drain or train_version - oldest <= self.rollout.max_lag:
             return True
         self.stale_dropped += 1  # too old to train on: dropped, a fresh prompt takes its slot

@@ -79,6 +79,16 @@ class Completion:
     # [len(prompt_ids) + len(output_ids) - 1, num_layers, top_k] (-1 on dense layers), as SGLang's
     # --enable-return-routed-experts returns them from routed_experts_start_len = 0; None otherwise
     routed_experts: Optional[Any] = None
+    # multi-turn episodes (environments/multi_turn.py): 1 on sampled ids, 0 on the ids the environment
+    # inserted (their logprobs / versions are rollout.MASKED_LOGPROB / MASKED_VERSION); None: all sampled
+    loss_mask: Optional[List[int]] = None
+    episode: Optional[Any] = None  # rollout.EpisodeStats of a multi-turn sample
+
+    def trained_versions(self) -> List[int]:
+        """The policy versions of the tokens the loss trains on (what max_lag judges)."""
+        if self.loss_mask is None:
+            return self.versions
+        return [v for v, m in zip(self.versions, self.loss_mask) if m]
 
     def version_spans(self) -> List[Tuple[int, int, int]]:
         """(version, first token, end) runs, e.g. [(0, 0, 17), (1, 17, 40)]."""
@@ -101,6 +111,8 @@ class Completion:
             finish_reason=self.finish_reason,
             answer=self.meta.get("answer"),
             routed_experts=self.routed_experts,
+            loss_mask=list(self.loss_mask) if self.loss_mask is not None else [],
+            episode=self.episode,
         )
 
 

@@ -8,6 +8,7 @@ metrics, what its batch cost, and what the generators did meanwhile (async: the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Optional, Sequence
@@ -94,5 +95,7 @@ def log_rollouts(path: Path, step: int, version: int, samples: Sequence[Sample])
                 "trainer_logprobs": s.trainer_logprobs,
                 # mixture-of-experts: the generator's experts per position and layer (routes_json.py)
                 "routed_experts": encode_routes(s.routed_experts),
+                # multi-turn samples: turns, tool calls, tool errors, environment seconds, how it ended
+                "episode": dataclasses.asdict(s.episode) if s.episode is not None else None,
             }
             f.write(json.dumps(line) + "\n")

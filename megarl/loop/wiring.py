@@ -233,6 +233,7 @@ def _wire_generator(parts: Rank, prepared) -> None:
     import torch
     import torch.distributed as dist
 
+    from megarl.environments.factory import episode_backend
     from megarl.executors.evaluator import ReplicaEvaluator
     from megarl.executors.generator import GeneratorExecutor
     from megarl.executors.reward import RewardExecutor
@@ -277,6 +278,7 @@ def _wire_generator(parts: Rank, prepared) -> None:
     else:
         backend = backends.torch_engine_backend(g, parts.spec, place)
     tokenizer = load_tokenizer(prepared.tokenizer)
+    backend = episode_backend(cfg.rollout, backend, tokenizer, g.max_seq_len)  # multi-turn: episodes over it
     generator = GeneratorExecutor(
         cfg.rollout,
         g.max_running,

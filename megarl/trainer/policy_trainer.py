@@ -33,7 +33,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
 from megarl.models.megatron_model import transformer_engine_usable
-from megarl.rollout import Sample, validate_samples
+from megarl.rollout import Sample, episode_metrics, validate_samples
 from megarl.trainer.advantages import compute_advantages
 from megarl.trainer.aggregation import overlong_penalty
 from megarl.trainer.bound_loss import BoundLoss
@@ -77,6 +77,7 @@ def shape_batch(samples: Sequence[Sample], loss: BoundLoss) -> Tuple[List[Sample
         "truncated_frac": sum(truncated) / len(samples),
         "overlong_masked": sum(overlong_masked),
         "overlong_penalty_mean": sum(penalties) / len(samples),
+        **episode_metrics(samples),
     }
     return [samples[i] for i in keep], [advantages[i] for i in keep], info
 

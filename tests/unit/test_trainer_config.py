@@ -310,3 +310,35 @@ def test_moe_training_settings_reach_megatron_and_dense_models_refuse_them():
         ConfigError, match="trainer.moe_grouped_gemm: runs the local experts through Transformer Engine"
     ):
         check_trainer_runs_here(load_config(TINY, ["trainer.moe_grouped_gemm=true"]))
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["rollout.max_turns=3"], r"rollout.max_turns: > 1 needs rollout.tools or rollout.env"),
+        (["rollout.tools=[calculator]"], r"rollout.tools: needs rollout.max_turns >= 2"),
+        (["rollout.env=tests.episode_envs_for_tests:two_tool_turns"], r"rollout.env: needs rollout.max_turns >= 2"),
+        (
+            [
+                "rollout.tools=[calculator]",
+                "rollout.env=tests.episode_envs_for_tests:two_tool_turns",
+                "rollout.max_turns=3",
+            ],
+            r"rollout.tools: an environment \(rollout.env\) answers its own tool calls",
+        ),
+        (
+            ["rollout.tools=[search]", "rollout.max_turns=3"],
+            r"rollout.tools: no tool 'search'; built in: calculator, python",
+        ),
+        (["rollout.tools=[calculator]", "rollout.max_turns=0"], r"rollout.max_turns: must be >= 1"),
+        (["rollout.tools=[calculator]", "rollout.max_turns=3", "rollout.env_timeout_s=0"], r"rollout.env_timeout_s"),
+        (
+            ["rollout.tools=[calculator]", "rollout.max_turns=3", "trainer.moe_enable_routing_replay=true"],
+            r"trainer.moe_enable_routing_replay: routes of multi-turn episodes",
+        ),
+    ],
+)
+def test_episode_settings_that_mean_nothing_are_refused(overrides, message):
+    load_config(TINY, ["rollout.tools=[calculator]", "rollout.max_turns=3"])  # the valid combination loads
+    with pytest.raises(ConfigError, match=message):
+        load_config(TINY, overrides)

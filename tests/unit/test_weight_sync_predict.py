@@ -154,11 +154,11 @@ def test_plan_only_plans_the_configs_experts(tmp_path, monkeypatch):
     assert result["min_bytes_per_receiving_gpu"] == min(shard_bytes)
     assert result["max_bytes_per_receiving_gpu"] == max(shard_bytes)
 
-    # the measured run's baseline does not gather experts: refused before any process starts
     from megarl.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="models with experts go with --plan-only"):
-        run(WeightSyncBench(model="tiny-moe", src_tp=1, src_dp=2, src_ep=2, dst_tp=2, dst_ep=2, dst_replicas=1))
+    # a measured layout that cannot shard the experts is refused before any process starts
+    with pytest.raises(ConfigError, match=r"--dst-ep=3 must divide --dst-tp=2"):
+        run(WeightSyncBench(model="tiny-moe", src_tp=1, src_dp=2, src_ep=2, dst_tp=2, dst_ep=3, dst_replicas=1))
     # fp8: SGLang's block-fp8 FusedMoE refuses tiny-moe's 32-row expert shards; qwen3-moe-mini's experts
     # (768 rows) are planned in fp8: they are 61% of its weights, so counted bf16 the fp8 plan would
     # move 0.96 of the bf16 bytes, counted fp8 0.66

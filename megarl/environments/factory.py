@@ -1,0 +1,56 @@
+"""Which backend a replica's generator executor gets: the plain one, or episodes over it.
+
+``episode_backend(rollout, inner, tokenizer, max_context)``: with ``rollout.tools`` each sample is
+an episode of :class:`~megarl.environments.tool_env.ToolEnvironment` (its tool calls answered in
+the tokenizer's ChatML turns); with ``rollout.env`` one of ``factory(tokenizer)``; otherwise the
+inner backend unchanged.
+"""
+
+from __future__ import annotations
+
+from megarl.dotted_path import resolve_dotted_path
+from megarl.environments.episode import EpisodeSettings
+from megarl.environments.multi_turn import MultiTurnBackend
+from megarl.environments.tool import resolve_tools
+from megarl.environments.tool_env import ChatMLToolFormat, ToolEnvironment
+from megarl.errors import ConfigError
+from megarl.generator.interface import GeneratorBackend
+
+IM_END = "<|im_end|>"
+
+
+def chatml_format(tokenizer) -> ChatMLToolFormat:
+    im_end = tokenizer.convert_tokens_to_ids(IM_END)
+    if not isinstance(im_end, int) or im_end == tokenizer.unk_token_id or im_end is None:
+        raise ConfigError(
+            f"rollout.tools: the tokenizer has no {IM_END} token; megarl answers tool calls in ChatML turns "
+            "(Qwen, SmolLM2) so far: give other families an environment of their own (rollout.env)"
+        )
+    return ChatMLToolFormat(lambda text: tokenizer.encode(text, add_special_tokens=False), im_end)
+
+
+def episode_backend(rollout, inner: GeneratorBackend, tokenizer, max_context: int) -> GeneratorBackend:
+    if not rollout.tools and rollout.env is None:
+        return inner
+    settings = EpisodeSettings(
+        max_turns=rollout.max_turns,
+        max_context=max_context,
+        env_timeout_s=rollout.env_timeout_s,
+        env_workers=rollout.env_workers,
+    )
+    if rollout.tools:
+        tools, fmt = resolve_tools(rollout.tools), chatml_format(tokenizer)
+
+        def make_env(i):
+            return ToolEnvironment(tools, fmt)
+
+    else:
+        factory = resolve_dotted_path(rollout.env, "rollout.env")
+
+        def make_env(i):
+            return factory(tokenizer)
+
+    def decode(ids):
+        return tokenizer.decode(ids, skip_special_tokens=False)
+
+    return MultiTurnBackend(inner, make_env, decode, settings)

@@ -1,0 +1,219 @@
+"""Multi-turn episodes, token in and token out: the trajectory is exactly the sampled and inserted
+ids (never a re-encoding), environment ids are masked, behaviour log-probs and versions are the
+sampler's, an in-flight update mid-episode gives two versions; through a scripted backend with
+the calculator, and through megarl's torch engine against transformers' own log-probs."""
+
+import math
+import re
+from typing import List
+
+import pytest
+import torch
+
+from megarl.environments.calculator import Calculator
+from megarl.environments.episode import (
+    GENERATED,
+    INSERTED,
+    EpisodeRunner,
+    EpisodeSettings,
+    StepResult,
+    Trajectory,
+    Turn,
+)
+from megarl.environments.tool_env import ChatMLToolFormat, ToolEnvironment
+from megarl.errors import MegarlError
+from megarl.generator.interface import Completion, GeneratorBackend, SamplingParams
+
+SPECIALS = {"<|im_start|>": 1, "<|im_end|>": 2}
+
+
+def encode(text: str) -> List[int]:
+    """A character tokenizer with ChatML's two special tokens (written independently of megarl)."""
+    ids, pattern = [], re.compile("|".join(map(re.escape, SPECIALS)))
+    pos = 0
+    for m in pattern.finditer(text):
+        ids += [10 + ord(c) for c in text[pos : m.start()]] + [SPECIALS[m.group()]]
+        pos = m.end()
+    return ids + [10 + ord(c) for c in text[pos:]]
+
+
+def decode(ids: List[int]) -> str:
+    names = {v: k for k, v in SPECIALS.items()}
+    return "".join(names.get(i, chr(i - 10) if i >= 10 else "") for i in ids)
+
+
+class ScriptedBackend(GeneratorBackend):
+    """Answers each episode's k-th turn with its k-th scripted text; log-prob of the j-th token of a
+    turn -0.01 (j + 1); the version bumps after ``bump_after`` tokens in all (an in-flight update)."""
+
+    def __init__(self, scripts, bump_after=None):
+        self.scripts, self.bump_after, self.emitted, self.version = scripts, bump_after, 0, 1
+        self.pending, self.prompts = [], {}
+
+    def submit(self, requests):
+        self.pending += requests
+
+    def step(self):
+        out = []
+        for r in self.pending:
+            turn = int(r.request_id.split("/turn")[1])
+            self.prompts[(r.group_id, turn)] = list(r.prompt_ids)
+            script = self.scripts[r.group_id][turn]
+            ids = encode(script)[: r.params.max_new_tokens]
+            versions = []
+            for _ in ids:
+                versions.append(self.version)
+                self.emitted += 1
+                if self.bump_after and self.emitted == self.bump_after:
+                    self.version += 1
+            finish = "stop" if len(ids) == len(encode(script)) else "length"
+            logprobs = [-0.01 * (j + 1) for j in range(len(ids))]
+            out.append(Completion(r.request_id, 0, r.group_id, list(r.prompt_ids), ids, logprobs, versions, finish))
+        self.pending = []
+        return out
+
+    def abort(self, request_ids):
+        pass
+
+    def update_weights(self, apply):
+        return apply()
+
+    def stats(self):
+        return {}
+
+
+CALL = '<tool_call>{{"name": "calculator", "arguments": {{"expression": "{}"}}}}</tool_call><|im_end|>'
+GLUE = "\n<|im_start|>user\n<tool_response>\n{}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+
+
+def reward_84(text, trajectory):
+    return 1.0 if "84" in text else 0.0
+
+
+def runner(backend, **settings):
+    tools = {"calculator": Calculator()}
+    fmt = ChatMLToolFormat(encode, SPECIALS["<|im_end|>"])
+    params = SamplingParams(max_new_tokens=200)
+    return EpisodeRunner(
+        backend, lambda i: ToolEnvironment(tools, fmt, reward_84), decode, params, EpisodeSettings(**settings)
+    )
+
+
+def test_three_turn_tool_episode_is_exactly_the_sampled_and_inserted_ids():
+    turns = [CALL.format("12 * 7"), CALL.format("1 / 0"), "The answer is 84.<|im_end|>"]
+    prompt = encode("<|im_start|>user\nWhat is 12 times 7?<|im_end|>\n<|im_start|>assistant\n")
+    backend = ScriptedBackend([turns], bump_after=len(encode(turns[0])) + 5)  # lands inside turn 2
+    [t] = runner(backend).run([prompt])
+    inserted = [encode(GLUE.format("84")), encode(GLUE.format("error: division by zero"))]
+    want = prompt + encode(turns[0]) + inserted[0] + encode(turns[1]) + inserted[1] + encode(turns[2])
+    assert t.context() == want and t.finish == "done" and t.turns == 3
+    assert [s.kind for s in t.segments] == [GENERATED, INSERTED, GENERATED, INSERTED, GENERATED]
+    # every turn was generated from exactly the episode's context so far
+    assert backend.prompts[(0, 1)] == prompt + encode(turns[0]) + inserted[0]
+    assert backend.prompts[(0, 2)] == want[: len(want) - len(encode(turns[2]))]
+    assert (t.tool_calls, t.tool_errors, t.reward) == (2, 1, 1.0)
+
+    sample = t.to_sample()
+    sample.validate()
+    assert sample.prompt_tokens == prompt and sample.response_tokens == want[len(prompt) :]
+    n = [len(encode(x)) for x in (turns[0], GLUE.format("84"), turns[1], GLUE.format("error: division by zero"))]
+    mask = [1] * n[0] + [0] * n[1] + [1] * n[2] + [0] * n[3] + [1] * len(encode(turns[2]))
+    assert sample.loss_mask == mask and sample.trained_tokens == sum(mask)
+    trained_logprobs = sample.trained(sample.behaviour_logprobs)
+    assert trained_logprobs == [-0.01 * (j + 1) for x in turns for j in range(len(encode(x)))]
+    assert all(math.isnan(v) for v, m in zip(sample.behaviour_logprobs, mask) if not m)
+    versions = sample.trained(sample.policy_versions)
+    assert sorted(set(versions)) == [1, 2] and versions.index(2) == n[0] + 5  # two versions, one trajectory
+    assert t.oldest_version == 1
+
+
+def test_episode_limits_end_it_with_the_reason():
+    forever = [CALL.format("1 + 1")] * 10
+    [t] = runner(ScriptedBackend([forever]), max_turns=3).run([encode("q")])
+    assert t.finish == "max_turns" and t.turns == 3 and t.tool_calls == 3
+    [t] = runner(ScriptedBackend([forever]), max_context=150).run([encode("q")])
+    assert t.finish == "length" and len(t.context()) == 150  # the last turn cut at the context limit
+
+
+class Stuck:
+    def reset(self, trajectory):
+        return []
+
+    def step(self, turn):
+        import time
+
+        time.sleep(5)
+        return StepResult(done=True)
+
+
+class Broken:
+    def reset(self, trajectory):
+        return []
+
+    def step(self, turn):
+        raise RuntimeError("environment bug")
+
+
+def test_a_stuck_or_failing_environment_ends_its_episode_not_the_job():
+    backend = ScriptedBackend([["a<|im_end|>"], ["b<|im_end|>"], ["c<|im_end|>"]])
+    envs = [Stuck(), Broken(), ToolEnvironment({}, ChatMLToolFormat(encode, 2), reward_84)]
+    r = EpisodeRunner(backend, lambda i: envs[i], decode, SamplingParams(), EpisodeSettings(env_timeout_s=0.3))
+    done = {t.group_id: t for t in r.run([encode("x")] * 3)}
+    assert done[0].finish == "env_timeout" and done[1].finish == "env_error"
+    assert done[1].meta["env_error"] == "RuntimeError: environment bug" and done[2].finish == "done"
+    assert r.counters["env_timeouts"] == 1 and r.counters["env_errors"] == 1
+
+
+def test_a_context_changed_by_the_backend_is_refused():
+    t = Trajectory("p0#0", [5, 6])
+    bad = Completion("p0#0/turn0", 0, 0, [5, 7], [8], [-0.1], [1], "stop")
+    with pytest.raises(MegarlError, match="a context other than the episode's"):
+        t.add_generated(bad)
+
+
+class InsertFixed:
+    """Inserts fixed ids after each turn, for two turns."""
+
+    def __init__(self):
+        self.turns = 0
+
+    def reset(self, trajectory):
+        return [7, 8]
+
+    def step(self, turn: Turn):
+        self.turns += 1
+        return StepResult(insert_ids=[11, 12, 13], done=self.turns == 3)
+
+
+def test_torch_engine_episode_logprobs_are_transformers_on_the_final_context(tmp_path):
+    """Three sampled turns on megarl's engine (temperature 1, each turn prefilled from the whole
+    context); transformers' log-softmax of the final trajectory at every generated token equals
+    the behaviour log-prob the sampler recorded: the ids are the ones that were scored."""
+    from transformers import AutoModelForCausalLM
+
+    from megarl.generator.torch_engine.engine import TorchEngine
+    from megarl.generator.weights import load_generator_params
+    from megarl.models.hf_checkpoint import SafetensorsCheckpoint
+    from tests.conftest import make_tiny_llama
+
+    model_dir = make_tiny_llama(tmp_path / "hf")
+    hf = SafetensorsCheckpoint(model_dir)
+    engine = TorchEngine(hf.spec, load_generator_params(hf, 1, 0, torch.float32), max_running=2, max_seq_len=128)
+    # a third of the vocabulary stops a turn: turns of ~3 tokens, none near the 30-token cap
+    params = SamplingParams(temperature=1.0, max_new_tokens=30, seed=3, stop_token_ids=tuple(range(0, 300, 3)))
+    r = EpisodeRunner(engine, lambda i: InsertFixed(), lambda ids: "", params, EpisodeSettings(max_turns=5))
+    trajectories = r.run([[3, 4, 5, 6], [9, 10]])
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for t in trajectories:
+        assert t.finish == "done" and [s.kind for s in t.segments] == [INSERTED] + [GENERATED, INSERTED] * 2 + [
+            GENERATED
+        ]
+        ids = t.context()
+        with torch.no_grad():
+            logp = torch.log_softmax(ref(torch.tensor([ids])).logits[0].float(), -1)
+        pos = len(t.prompt_ids)
+        for s in t.segments:
+            if s.kind == GENERATED:
+                want = [logp[pos + j - 1, tok].item() for j, tok in enumerate(s.token_ids)]
+                assert max(abs(a - b) for a, b in zip(s.logprobs, want)) < 1e-4, t.episode_id
+            pos += len(s.token_ids)
