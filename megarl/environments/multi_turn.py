@@ -78,12 +78,6 @@ class MultiTurnBackend(GeneratorBackend):
             "env_seconds": 0.0,
         }
 
-    @property
-    def params(self):
-        """The inner torch engine's parameters, which the in-world weight receiver and sync mode's
-        colocated copy fill in place (weights go to the inner backend; episodes only see versions)."""
-        return self.inner.params
-
     # -- GeneratorBackend ------------------------------------------------------------------------
 
     def submit(self, requests: List[GenerationRequest]) -> None:

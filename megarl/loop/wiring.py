@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from megarl.executors.generator import GeneratorExecutor
     from megarl.executors.reward import RewardExecutor
     from megarl.executors.trainer import TrainerExecutor
+    from megarl.generator.interface import GeneratorBackend
     from megarl.loop.batch import BatchMaker
     from megarl.loop.channels import Channel
     from megarl.loop.loop_state import ResumePoint
@@ -136,6 +137,8 @@ class Rank:
     weights: "WeightSynchronizer"
     trainer: Optional["TrainerExecutor"] = None
     generator: Optional["GeneratorExecutor"] = None  # this rank's generator executor (None: none here)
+    # the engine the weights go into: the generator's backend, or the one under its episodes (multi-turn)
+    engine: Optional["GeneratorBackend"] = None
     reward: Optional["RewardExecutor"] = None
     batch_maker: Optional["BatchMaker"] = None
     evaluator: Optional["ReplicaEvaluator"] = None
@@ -278,6 +281,7 @@ def _wire_generator(parts: Rank, prepared) -> None:
     else:
         backend = backends.torch_engine_backend(g, parts.spec, place)
     tokenizer = load_tokenizer(prepared.tokenizer)
+    parts.engine = backend
     backend = episode_backend(cfg.rollout, backend, tokenizer, g.max_seq_len)  # multi-turn: episodes over it
     generator = GeneratorExecutor(
         cfg.rollout,
@@ -324,13 +328,13 @@ def _weight_synchronizer(parts: Rank) -> "WeightSynchronizer":
     g = cfg.generator
     norm_names = trainer.norm_names if trainer is not None else "local"
     if _colocated(cfg):
-        return weights.colocated_copy(spec, trainer.chunks, parts.generator.backend, norm_names)
+        return weights.colocated_copy(spec, trainer.chunks, parts.engine, norm_names)
     dims, gen = topo.trainer, topo.generator
     if not _server_backend(cfg):
         if trainer is not None:
             return weights.in_world_sender(spec, dims, gen, trainer.chunks, job, g, norm_names)
         replica, tp_rank = topo.replica_of(job.rank)
-        return weights.in_world_receiver(spec, dims, gen, parts.generator.backend, job, replica, tp_rank, g, norm_names)
+        return weights.in_world_receiver(spec, dims, gen, parts.engine, job, replica, tp_rank, g, norm_names)
     if trainer is not None:
         host, port = sglang_rendezvous(cfg)
         group_backend = "nccl" if job.device == "cuda" and not job.shared_devices else "gloo"
@@ -370,5 +374,5 @@ def _weight_synchronizer(parts: Rank) -> "WeightSynchronizer":
             sglang_serving.SYNC_GROUP_NAME,
         )
     if parts.generator is not None:
-        return SglangShardReceiver(parts.generator.backend, g.tp, sglang_serving.WORKER_LOADER)
+        return SglangShardReceiver(parts.engine, g.tp, sglang_serving.WORKER_LOADER)
     return NoWeights()

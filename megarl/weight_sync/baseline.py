@@ -90,10 +90,6 @@ class Bucket:
         return list(groups.items())
 
 
-def _hf_names(t: LocalTensor) -> List[str]:
-    return list(dict.fromkeys(b.logical for b in t.blocks))
-
-
 def is_expert_param(name: str) -> bool:
     return ".mlp.experts." in name
 
@@ -101,7 +97,7 @@ def is_expert_param(name: str) -> bool:
 @dataclass(frozen=True)
 class StageLayouts:
     """Stage ``pp_rank``'s parameters as every rank of it holds them: by TP rank (the dense part) and
-    by (EP rank, ETP rank) (the experts); ``holders(name)`` are the coordinates a gather collects."""
+    by (EP rank, ETP rank) (the experts); ``of(name, holder)`` is one holder's layout of a parameter."""
 
     dense: Tuple[Dict[str, LocalTensor], ...]  # [tp_rank] -> name -> layout
     experts: Dict[Tuple[int, int], Dict[str, LocalTensor]]  # (ep_rank, etp_rank) -> name -> layout

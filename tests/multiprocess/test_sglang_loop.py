@@ -191,3 +191,29 @@ def test_killed_server_ends_the_job_naming_it(tmp_path):
     assert proc.returncode != 0
     assert elapsed < 60, elapsed
     assert "generator replica 0" in stderr and f"http://127.0.0.1:{port}" in stderr, stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_multi_turn_episodes_through_sglang(tmp_path):
+    """Episodes on the SGLang backend: every turn is a /generate of input_ids (validated against
+    SGLang's GenerateReqInput by the test server) continuing the episode's exact ids; at step 1 the
+    trainer's log-probs at the sampled positions equal the server's behaviour log-probs."""
+    out, stats = tmp_path / "episodes", tmp_path / "stats.json"
+    metrics, rollouts = _train(
+        out,
+        _env_with(stats),
+        f"generator.sglang_launcher={SERVER}",
+        f"generator.sglang_port={server_port()}",
+        "rollout.env=tests.episode_envs_for_tests:two_tool_turns",
+        "rollout.max_turns=3",
+        "generator.max_seq_len=192",
+    )
+    assert metrics[0]["kl_mu_pi"] < 1e-5 and all(m["weight_sync_verified"] for m in metrics), metrics[0]
+    assert all(m["episode_turns"] == 3 and m["episode_tool_calls"] == 2 for m in metrics)
+    for r in rollouts:
+        mask = r["loss_mask"]
+        assert [mask[0]] + [m for a, m in zip(mask, mask[1:]) if m != a] == [1, 0, 1, 0, 1]
+        trained = [r["trained_version"] - v for v, m in zip(r["versions"], mask) if m]
+        assert 0 <= min(trained) and max(trained) <= MAX_LAG, r
+    generates = json.loads(stats.read_text())["requests"]["/generate"]
+    assert generates >= 3 * len(rollouts)  # a request per turn (aborted and untrained episodes add more)
