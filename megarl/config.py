@@ -178,8 +178,16 @@ class RolloutConfig:
 
 @dataclass
 class RewardConfig:
-    function: str = "math"
-    timeout_s: float = 5.0
+    function: Optional[str] = None  # a registered name or dotted path; None: "math" (unless reward.url)
+    timeout_s: float = 5.0  # per sample (function) or per HTTP request (url)
+    url: Optional[str] = None  # a remote reward service (megarl/rewards/remote.py) instead of a function
+    retries: int = 2  # reward.url: retries of a failed request, with exponential backoff
+    # a sample whose reward failed (timeout, error, service down): scored 0 | its group not trained | the job ends
+    on_error: str = "zero"
+
+    @property
+    def resolved_function(self) -> str:
+        return self.function or "math"
 
 
 @dataclass
@@ -270,6 +278,7 @@ class Config:
         self._validate_sglang()
         self._validate_tokenizer_free()
         self._validate_episodes()
+        self._validate_reward()
         if self.run.mode == "async" and r.prompts_per_step % g.replicas:
             raise ConfigError(
                 f"rollout.prompts_per_step={r.prompts_per_step} must be a multiple of "
@@ -434,11 +443,29 @@ class Config:
                 f"data.train: with model.tokenizer=none the prompts must be token ids "
                 f"(random:<n>:<seed>:<length>), got {self.data.train!r}"
             )
-        if self.reward.function == "math":
+        if self.reward.resolved_function == "math" and self.reward.url is None:
             raise ConfigError(
                 "reward.function: math grades text answers; with model.tokenizer=none the responses "
                 "are token ids (use synthetic_parity or a reward of your own)"
             )
+
+    def _validate_reward(self) -> None:
+        w = self.reward
+        _choice("reward.on_error", w.on_error, ("zero", "drop", "fail"))
+        if w.timeout_s <= 0:
+            raise ConfigError(f"reward.timeout_s: must be > 0, got {w.timeout_s}")
+        if w.retries < 0:
+            raise ConfigError(f"reward.retries: must be >= 0, got {w.retries}")
+        if w.url is not None:
+            if w.function is not None:
+                raise ConfigError(
+                    f"reward.url: a reward service scores the samples; reward.function={w.function!r} would "
+                    "too: set one of the two"
+                )
+            if not w.url.startswith(("http://", "https://")):
+                raise ConfigError(f"reward.url: {w.url!r} is not an http:// or https:// URL")
+        elif w.retries != RewardConfig().retries:
+            raise ConfigError("reward.retries: used only with reward.url (a function's worker is not retried)")
 
     def _validate_episodes(self) -> None:
         r = self.rollout

@@ -43,7 +43,7 @@ class ReplicaEvaluator:
         groups = self.generator.evaluate(str(step), self.prompts, self.cfg.eval_max_new_tokens, self.cfg.eval_samples)
         if not self.report:
             return
-        scored = self.reward.score(groups).samples
+        scored = self.reward.score(groups, on_error="zero").samples  # every prompt scored, failures as 0
         k = self.cfg.eval_samples
         per = 1 + (k if k > 1 else 0)
         sums = {

@@ -1,9 +1,18 @@
-"""The reward executor: decodes responses and scores them with the configured reward function.
+"""The reward executor: decodes responses and scores them with the configured reward function
+or the remote reward service.
 
 Runs on each generator replica's first rank, right after its groups finish,
-so scoring overlaps the trainer's step in async mode. Scoring goes through
+so scoring overlaps the trainer's step in async mode. A function scores through
 megarl.rewards.scoring (a worker process with a per-sample timeout), so a
-pathological answer costs at most ``reward.timeout_s``, never the loop.
+pathological answer costs at most ``reward.timeout_s``, never the loop; a service
+(``reward.url``, megarl.rewards.remote) is asked in batches with a timeout per request
+and retries with backoff.
+
+``reward.on_error`` says what a sample whose reward failed (timeout, error, service
+down) becomes: ``zero`` scores it 0 and trains it (counted in ``reward_timeouts``);
+``drop`` leaves its whole group out of the batch (counted in ``reward_dropped_groups``;
+the batch maker generates more); ``fail`` ends the job with the reason, naming the
+service's URL or the function.
 """
 
 from __future__ import annotations
@@ -12,9 +21,11 @@ import time
 from dataclasses import dataclass
 from typing import List
 
+from megarl.errors import MegarlError
 from megarl.generator.interface import Completion
 from megarl.rewards.registry import reward_spec
-from megarl.rewards.scoring import score_batch
+from megarl.rewards.remote import RemoteReward
+from megarl.rewards.scoring import OK, score_batch
 from megarl.rollout import Sample
 
 
@@ -22,13 +33,18 @@ from megarl.rollout import Sample
 class ScoredSamples:
     samples: List[Sample]  # the groups' samples in order, each with its reward
     time_reward: float  # seconds of scoring
-    reward_timeouts: int  # samples scored 0 because their reward timed out or failed
+    reward_timeouts: int  # samples scored 0 because their reward timed out or failed (on_error zero)
+    dropped_groups: int = 0  # groups left out because a sample's reward failed (on_error drop)
 
 
 class RewardExecutor:
     def __init__(self, cfg, tokenizer):
-        self.fn = reward_spec(cfg.reward.function)  # resolves now: a bad name fails at start
-        self.timeout_s = cfg.reward.timeout_s
+        w = cfg.reward
+        self.on_error = w.on_error
+        self.remote = RemoteReward(w.url, w.timeout_s, w.retries) if w.url is not None else None
+        # resolves now: a bad name fails at start
+        self.fn = reward_spec(w.resolved_function) if self.remote is None else None
+        self.timeout_s = w.timeout_s
         self.tokenizer = tokenizer
 
     def decode(self, c: Completion) -> str:
@@ -36,14 +52,37 @@ class RewardExecutor:
             return " ".join(map(str, c.output_ids))
         return self.tokenizer.decode(c.output_ids, skip_special_tokens=True)
 
-    def score(self, groups: List[List[Completion]]) -> ScoredSamples:
+    def score(self, groups: List[List[Completion]], on_error: str = "") -> ScoredSamples:
+        """``on_error``: this call's policy instead of reward.on_error (evaluation scores failures 0)."""
+        on_error = on_error or self.on_error
         start = time.perf_counter()
         flat = [c for g in groups for c in g]
         texts = [self.decode(c) for c in flat]
-        results = score_batch(texts, [c.meta["answer"] for c in flat], self.fn, self.timeout_s)
+        answers = [c.meta["answer"] for c in flat]
+        if self.remote is not None:
+            metas = [{k: v for k, v in c.meta.items() if k != "answer"} for c in flat]
+            results = self.remote.score(texts, answers, metas)
+        else:
+            results = score_batch(texts, answers, self.fn, self.timeout_s)
+        failed = [r.reason != OK for r in results]
+        if on_error == "fail" and any(failed):
+            reason = results[failed.index(True)].reason
+            source = f"reward.url {self.remote.url}" if self.remote is not None else f"reward.function {self.fn!r}"
+            raise MegarlError(f"reward.on_error=fail: {source}: {sum(failed)} of {len(flat)} samples failed: {reason}")
         samples: List[Sample] = []
         for c, text, res in zip(flat, texts, results):
             s = c.to_sample(reward=res.score)
             s.response_text, s.reward_reason = text, res.reason
             samples.append(s)
-        return ScoredSamples(samples, time.perf_counter() - start, sum(r.reason != "ok" for r in results))
+        dropped = 0
+        if on_error == "drop" and any(failed):
+            kept, i = [], 0
+            for g in groups:
+                if any(failed[i : i + len(g)]):
+                    dropped += 1
+                else:
+                    kept += samples[i : i + len(g)]
+                i += len(g)
+            samples = kept
+        timeouts = sum(failed) if on_error == "zero" else 0
+        return ScoredSamples(samples, time.perf_counter() - start, timeouts, dropped)

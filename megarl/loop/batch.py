@@ -41,7 +41,8 @@ class Batch:
     time_reward: float = 0.0  # seconds they scored (the slowest's)
     stale_dropped: int = 0  # groups dropped or aborted by admission control (running totals)
     stale_aborted: int = 0
-    reward_timeouts: int = 0  # samples whose reward timed out or failed
+    reward_timeouts: int = 0  # samples whose reward timed out or failed, scored 0 (reward.on_error zero)
+    reward_dropped_groups: int = 0  # groups left out because a reward failed (reward.on_error drop)
     filtered_groups: int = 0  # rollout.filter_groups: groups of one reward not trained ...
     filter_extra_samples: int = 0  # ... and the samples refilling them cost
     in_flight: int = 0  # samples still in the generators when the batch was handed over
@@ -61,6 +62,7 @@ class Batch:
             stale_dropped=sum(p.stale_dropped for p in parts),
             stale_aborted=sum(p.stale_aborted for p in parts),
             reward_timeouts=sum(p.reward_timeouts for p in parts),
+            reward_dropped_groups=sum(p.reward_dropped_groups for p in parts),
             filtered_groups=sum(p.filtered_groups for p in parts),
             filter_extra_samples=sum(p.filter_extra_samples for p in parts),
             in_flight=sum(p.in_flight for p in parts),
@@ -94,12 +96,18 @@ class BatchMaker:
                 extra = len(groups) * self.n if batch is not None else 0
                 batch = self._accumulate(batch, out, scored)
                 batch.filtered_groups += len(groups) - len(informative)
+                batch.reward_dropped_groups += scored.dropped_groups
                 batch.filter_extra_samples += extra
                 kept += informative
             missing = self._broadcast(n_groups - len(kept) if self.reward is not None else 0)
             if missing == 0:
                 break
         else:
+            if batch is not None and batch.reward_dropped_groups:
+                raise MegarlError(
+                    f"reward.on_error=drop: after {MAX_ROUNDS} rounds groups still failed their reward "
+                    f"({batch.reward_dropped_groups} dropped); is the reward service or function working?"
+                )
             raise MegarlError(
                 f"rollout.filter_groups: after {MAX_ROUNDS} rounds every new group still had one reward "
                 f"for all its samples; the reward does not vary (turn filter_groups off?)"

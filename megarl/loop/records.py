@@ -57,6 +57,7 @@ def step_record(
         "stale_dropped": trained.stale_dropped,
         "stale_aborted": trained.stale_aborted,
         "reward_timeouts": trained.reward_timeouts,
+        "reward_dropped_groups": trained.reward_dropped_groups,
         # rollout.filter_groups: groups of one reward not trained, and the samples refilling cost
         "filtered_groups": trained.filtered_groups,
         "filter_extra_samples": trained.filter_extra_samples,

@@ -1,0 +1,50 @@
+"""`megarl train` scored by a remote reward service (reward.url): a live service's rewards are what the
+run trains on; a dead one ends the job naming its URL (on_error fail) or is counted and scored 0
+(on_error zero), never a hang."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import ROOT, _env, server_port
+from tests.reward_test_server import even_length
+
+TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
+
+
+def _train(out, *overrides):
+    cmd = [sys.executable, "-m", "megarl.cli", "train", "--config", TINY, f"run.output_dir={out}", "run.steps=2",
+           "reward.function=null", *overrides]  # fmt: skip
+    return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_live_and_dead_reward_services(tmp_path):
+    port = server_port()
+    server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "reward_test_server.py"), str(port)])
+    try:
+        time.sleep(1.0)
+        proc = _train(tmp_path / "live", f"reward.url=http://127.0.0.1:{port}/score")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    finally:
+        server.kill()
+        server.wait()
+    rollouts = [json.loads(line) for line in (tmp_path / "live" / "rollouts.jsonl").read_text().splitlines()]
+    assert rollouts and all(r["reward"] == even_length(r["response"]) for r in rollouts)
+    assert 0 < sum(r["reward"] for r in rollouts) < len(rollouts)  # both outcomes: the service was asked
+
+    dead = f"http://127.0.0.1:{port}/score"  # the server is gone: connection refused
+    proc = _train(tmp_path / "fail", f"reward.url={dead}", "reward.on_error=fail", "reward.retries=1")
+    assert proc.returncode != 0 and f"reward.on_error=fail: reward.url {dead}" in proc.stderr, proc.stderr[-3000:]
+
+    proc = _train(tmp_path / "zero", f"reward.url={dead}", "reward.retries=0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = [json.loads(line) for line in (tmp_path / "zero" / "metrics.jsonl").read_text().splitlines()]
+    rollouts = [json.loads(line) for line in (tmp_path / "zero" / "rollouts.jsonl").read_text().splitlines()]
+    assert all(m["reward_timeouts"] == len(rollouts) // len(metrics) for m in metrics)
+    assert all(r["reward"] == 0.0 and dead in r["reward_reason"] for r in rollouts)
