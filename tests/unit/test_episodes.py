@@ -217,3 +217,67 @@ def test_torch_engine_episode_logprobs_are_transformers_on_the_final_context(tmp
                 want = [logp[pos + j - 1, tok].item() for j, tok in enumerate(s.token_ids)]
                 assert max(abs(a - b) for a, b in zip(s.logprobs, want)) < 1e-4, t.episode_id
             pos += len(s.token_ids)
+
+
+def test_an_episodes_loss_and_gradient_are_the_float64_reference_over_its_sampled_tokens():
+    """Two 3-turn calculator episodes of one group (one answers 84: reward 1, one does not: 0) through
+    the trainer's path (shape_batch, packing, the hook's trained positions and micro-batch loss, AIPO,
+    token mean): the loss and its gradient with respect to every response token's log pi equal the
+    definitions (tests/loss_references.py) in float64 over the sampled tokens alone; the inserted tool
+    responses, which hold log pi = +3 here, get exactly no gradient."""
+    from megarl.config import RolloutConfig, TrainerConfig
+    from megarl.trainer.bound_loss import bind_loss
+    from megarl.trainer.hooks import micro_batch_loss, trained_positions
+    from megarl.trainer.packing import plan_micro_batches
+    from megarl.trainer.policy_trainer import shape_batch
+    from tests.loss_references import RefSample, objective
+
+    prompt = encode("<|im_start|>user\nWhat is 12 times 7?<|im_end|>\n<|im_start|>assistant\n")
+    scripts = [
+        [CALL.format("12 * 7"), CALL.format("1 / 0"), "The answer is 84.<|im_end|>"],
+        [CALL.format("12 + 7"), CALL.format("2 ** 3"), "It is 19.<|im_end|>"],
+    ]
+    trajectories = {t.group_id: t for t in runner(ScriptedBackend(scripts)).run([prompt, prompt])}
+    samples = []
+    for k in (0, 1):
+        s = trajectories[k].to_sample()
+        s.group_id = 0
+        samples.append(s)
+    assert [s.reward for s in samples] == [1.0, 0.0] and all(s.loss_mask.count(0) > 40 for s in samples)
+
+    bound = bind_loss(TrainerConfig(loss="aipo"), RolloutConfig(temperature=1.0, max_new_tokens=200), lag_bound=4)
+    kept, advantages, _ = shape_batch(samples, bound)
+    assert advantages == [0.5, -0.5]
+    f32 = [[torch.tensor(x, dtype=torch.float32).item() for x in s.trained(s.behaviour_logprobs)] for s in samples]
+    # log pi of each sampled token off its log mu by up to 0.3 (ratios 0.74 .. 1.35), +3 at inserted ones
+    logp, it = [], 0
+    for k, s in enumerate(samples):
+        values, mu = [], iter(f32[k])
+        for m in s.loss_mask:
+            it += 1
+            values.append(next(mu) + 0.3 * math.sin(it) if m else 3.0)
+        logp.append(torch.tensor(values, dtype=torch.float64, requires_grad=True))
+    [mb] = plan_micro_batches(kept, advantages, 0, 1, 4096, False, False, version=1).micro_batches
+    parts = [torch.full((0,), 0.0, dtype=torch.float64)]
+    for i in mb.sample_indices:
+        parts += [torch.full((len(kept[i].prompt_tokens) - 1,), 3.0, dtype=torch.float64), logp[i]]
+    parts.append(torch.full((mb.length - sum(len(kept[i]) for i in mb.sample_indices),), 3.0, dtype=torch.float64))
+    row = torch.cat(parts)
+    on = trained_positions(mb)
+    loss_sum, count, _ = micro_batch_loss(bound, mb, on, row[on], torch.zeros_like(row[on]))
+    value = loss_sum / count
+    value.backward()
+
+    trained = [[v for v, m in zip(x.tolist(), s.loss_mask) if m] for x, s in zip(logp, samples)]
+    batch = [RefSample(trained[k], f32[k], advantages[k]) for k in (0, 1)]
+    ref = objective("aipo", {}, "token_mean", batch, 200)
+    assert int(count) == sum(s.trained_tokens for s in samples)
+    assert value.item() == pytest.approx(ref.value, rel=1e-10, abs=1e-12)
+    for k, s in enumerate(samples):
+        grad = logp[k].grad.tolist()
+        assert [g for g, m in zip(grad, s.loss_mask) if not m] == [0.0] * s.loss_mask.count(0)
+        assert [g for g, m in zip(grad, s.loss_mask) if m] == pytest.approx(ref.grad_logp[k], rel=1e-10, abs=1e-13)
+    # the mask is what the reference turns on: over every response token the loss would be another
+    everything = [RefSample(x.tolist(), [v if m else 3.0 for v, m in zip(s.behaviour_logprobs, s.loss_mask)],
+                            a) for x, s, a in zip(logp, samples, advantages)]  # fmt: skip
+    assert abs(objective("aipo", {}, "token_mean", everything, 200).value - ref.value) > 1e-3
