@@ -31,7 +31,8 @@ setup(
         # (https://github.com/NVIDIA/apex); the PyPI package named "apex" is an
         # unrelated project. Megatron-Core falls back to torch without it.
         "gpu": ["transformer-engine[pytorch]", "sglang"],
-        "dev": ["pytest>=8", "pytest-timeout", "ruff==0.17.6", "import-linter==2.17"],
+        # openai: the client the OpenAI-compatible endpoint (rollout.agent) is tested with
+        "dev": ["pytest>=8", "pytest-timeout", "ruff==0.17.6", "import-linter==2.17", "openai>=1.40"],
         # run.wandb: Weights & Biases logging (offline mode needs no network); imported only when configured
         "wandb": ["wandb>=0.19"],
     },

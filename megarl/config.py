@@ -172,7 +172,10 @@ class RolloutConfig:
     tools: List[str] = field(default_factory=list)
     # an environment factory 'package.module:factory', called as factory(tokenizer) for each episode
     env: Optional[str] = None
-    env_timeout_s: float = 60.0  # one environment step (a tool call); past it the episode ends
+    # an agent program 'package.module:function', called as function(AgentTask) for each episode: it
+    # talks to the replica's OpenAI-compatible endpoint (docs/multi-turn.md); max_turns caps its calls
+    agent: Optional[str] = None
+    env_timeout_s: float = 60.0  # one environment step (a tool call, an agent's time between calls)
     env_workers: int = 4  # environment steps in flight beside generation, per replica
 
 
@@ -477,18 +480,30 @@ class Config:
             raise ConfigError(
                 "rollout.tools: an environment (rollout.env) answers its own tool calls; set one of the two"
             )
-        multi_turn = bool(r.tools) or r.env is not None
-        if multi_turn and r.max_turns < 2:
+        if r.agent is not None:
+            from megarl.dotted_path import is_dotted_path
+
+            other = "rollout.tools" if r.tools else "rollout.env" if r.env is not None else None
+            if other:
+                raise ConfigError(f"rollout.agent: the agent runs its own tools and turns; {other} would too: set one")
+            if not is_dotted_path(r.agent):
+                raise ConfigError(f"rollout.agent: {r.agent!r} is not a dotted path 'package.module:function'")
+        multi_turn = bool(r.tools) or r.env is not None or r.agent is not None
+        if multi_turn and r.max_turns < 2 and r.agent is None:  # an agent may make one call
             name = "rollout.tools" if r.tools else "rollout.env"
             raise ConfigError(f"{name}: needs rollout.max_turns >= 2 (the turns its answers go into)")
         if r.max_turns > 1 and not multi_turn:
-            raise ConfigError("rollout.max_turns: > 1 needs rollout.tools or rollout.env (what answers a turn)")
+            raise ConfigError(
+                "rollout.max_turns: > 1 needs rollout.tools, rollout.env or rollout.agent (what answers a turn)"
+            )
         if multi_turn and self.model.tokenizer == "none":
-            raise ConfigError("rollout.tools / rollout.env: episodes need a tokenizer (model.tokenizer is none)")
+            raise ConfigError(
+                "rollout.tools / rollout.env / rollout.agent: episodes need a tokenizer (model.tokenizer is none)"
+            )
         if multi_turn and self.trainer.moe_enable_routing_replay:
             raise ConfigError(
                 "trainer.moe_enable_routing_replay: routes of multi-turn episodes are not assembled across "
-                "turns yet; leave it off with rollout.tools / rollout.env"
+                "turns yet; leave it off with rollout.tools / rollout.env / rollout.agent"
             )
         if r.tools:
             from megarl.dotted_path import is_dotted_path

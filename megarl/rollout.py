@@ -28,7 +28,7 @@ MASKED_VERSION = -1  # a masked token's policy version: older than any real one,
 class EpisodeStats:
     """A multi-turn sample's episode (megarl/environments): its turns, tool calls, the tool calls
     that failed, seconds its environment stepped, and why it ended (done | max_turns | length |
-    max_context | env_timeout | env_error)."""
+    max_context | env_timeout | env_error | aborted | history_edited)."""
 
     turns: int
     tool_calls: int = 0
@@ -109,7 +109,7 @@ class Sample:
 def episode_metrics(samples: Sequence[Sample]) -> dict:
     """Per-step metrics of a batch's multi-turn samples (none when it has none): means per episode of
     turns, tool calls, failed tool calls and environment seconds; the fractions ended by
-    rollout.max_turns and by a failed or timed-out environment step."""
+    rollout.max_turns, by a failed or timed-out environment step and by an edited history."""
     episodes = [s.episode for s in samples if s.episode is not None]
     if not episodes:
         return {}
@@ -121,6 +121,8 @@ def episode_metrics(samples: Sequence[Sample]) -> dict:
         "episode_env_s": sum(e.env_seconds for e in episodes) / n,
         "episode_turn_limit_frac": sum(e.finish == "max_turns" for e in episodes) / n,
         "episode_env_failed_frac": sum(e.finish in ("env_error", "env_timeout") for e in episodes) / n,
+        # an agent behind the OpenAI endpoint that edited its earlier history: the trajectory ends there
+        "episode_history_edited_frac": sum(e.finish == "history_edited" for e in episodes) / n,
     }
 
 

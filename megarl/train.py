@@ -104,16 +104,17 @@ def check_loss(cfg, config_path: Optional[str] = None) -> None:
 
 
 def _check_episodes(cfg) -> None:
-    """rollout.tools and rollout.env resolved before any rank starts: a tool or factory that does not
+    """rollout.tools, rollout.env and rollout.agent resolved before any rank starts: a tool or factory that does not
     import, or does not make a tool, is named by its field here, not by the first generator rank."""
     if cfg.rollout.tools:
         from megarl.environments.tool import resolve_tools
 
         resolve_tools(cfg.rollout.tools)
-    if cfg.rollout.env is not None:
-        from megarl.dotted_path import resolve_dotted_path
+    for name in ("env", "agent"):
+        if getattr(cfg.rollout, name) is not None:
+            from megarl.dotted_path import resolve_dotted_path
 
-        resolve_dotted_path(cfg.rollout.env, "rollout.env")
+            resolve_dotted_path(getattr(cfg.rollout, name), f"rollout.{name}")
 
 
 def _check_data(cfg) -> None:

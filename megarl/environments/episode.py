@@ -7,9 +7,11 @@ template glue; loss mask 0). Nothing is ever re-encoded: each turn's context is 
 context plus the new ids, so the trainer sees exactly the ids that were sampled and inserted and
 the importance ratio compares the behaviour log-prob of the very token the trainer scores.
 
-An :class:`Environment` is token-native: ``reset(episode)`` may insert ids before the first turn,
-``step(turn)`` gets the turn's sampled ids (and their text, decoded once, for parsing tool calls)
-and returns the ids to insert, a reward and whether the episode is done.
+An :class:`Environment` is token-native: ``reset(episode)`` may insert ids before the first turn
+(or set the episode's ``prompt_ids``, as an agent with its own system prompt does), ``step(turn)``
+gets the turn's sampled ids (and their text, decoded once, for parsing tool calls) and returns the
+ids to insert, a reward and whether the episode is done. Both run in the environment pool; an
+optional ``close()`` is called when the episode ends, however it ends.
 
 :class:`EpisodeRunner` drives many episodes at once on any ``GeneratorBackend``: each turn is a
 ``GenerationRequest`` whose prompt is the whole context so far (SGLang's radix cache reuses the
@@ -50,7 +52,8 @@ class Trajectory:
     segments: List[Segment] = field(default_factory=list)
     group_id: int = 0
     reward: float = 0.0
-    finish: Optional[str] = None  # done | max_turns | length | max_context | aborted | env_error | env_timeout
+    # done | max_turns | length | max_context | aborted | env_error | env_timeout | history_edited
+    finish: Optional[str] = None
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
@@ -133,11 +136,15 @@ class StepResult:
     done: bool = False
     tool_calls: int = 0
     tool_errors: int = 0
+    finish: str = "done"  # why a done episode ended (an agent's edited history: "history_edited")
+    max_new_tokens: Optional[int] = None  # the next turn's limit, below the rollout's (an agent's max_tokens)
 
 
 class Environment(Protocol):
     def reset(self, trajectory: Trajectory) -> List[int]:
-        """Ids to insert before the first turn (often none: the prompt is the first observation)."""
+        """Ids to insert before the first turn (often none: the prompt is the first observation).
+        Runs in the environment pool, under ``rollout.env_timeout_s`` like a step; it may replace
+        ``trajectory.prompt_ids`` (nothing else has been generated yet)."""
 
     def step(self, turn: Turn) -> StepResult: ...
 

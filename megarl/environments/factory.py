@@ -2,7 +2,8 @@
 
 ``episode_backend(rollout, inner, tokenizer, max_context)``: with ``rollout.tools`` each sample is
 an episode of :class:`~megarl.environments.tool_env.ToolEnvironment` (its tool calls answered in
-the tokenizer's ChatML turns); with ``rollout.env`` one of ``factory(tokenizer)``; otherwise the
+the tokenizer's ChatML turns); with ``rollout.env`` one of ``factory(tokenizer)``; with
+``rollout.agent`` the agent's calls to an OpenAI-compatible endpoint (agent_env.py); otherwise the
 inner backend unchanged.
 """
 
@@ -30,7 +31,7 @@ def chatml_format(tokenizer) -> ChatMLToolFormat:
 
 
 def episode_backend(rollout, inner: GeneratorBackend, tokenizer, max_context: int) -> GeneratorBackend:
-    if not rollout.tools and rollout.env is None:
+    if not rollout.tools and rollout.env is None and rollout.agent is None:
         return inner
     settings = EpisodeSettings(
         max_turns=rollout.max_turns,
@@ -38,12 +39,23 @@ def episode_backend(rollout, inner: GeneratorBackend, tokenizer, max_context: in
         env_timeout_s=rollout.env_timeout_s,
         env_workers=rollout.env_workers,
     )
+    on_close = []
     if rollout.tools:
         tools, fmt = resolve_tools(rollout.tools), chatml_format(tokenizer)
 
         def make_env(i):
             return ToolEnvironment(tools, fmt)
 
+    elif rollout.agent is not None:
+        from megarl.environments.agent_env import agent_environments
+        from megarl.environments.openai_endpoint import Sampling
+        from megarl.generator.tokenizer import stop_ids
+
+        sampling = Sampling(rollout.temperature, rollout.top_p)
+        make_env, endpoint = agent_environments(
+            rollout.agent, tokenizer, stop_ids(tokenizer), sampling, rollout.env_timeout_s + 5.0
+        )
+        on_close.append(endpoint.close)
     else:
         factory = resolve_dotted_path(rollout.env, "rollout.env")
 
@@ -53,4 +65,4 @@ def episode_backend(rollout, inner: GeneratorBackend, tokenizer, max_context: in
     def decode(ids):
         return tokenizer.decode(ids, skip_special_tokens=False)
 
-    return MultiTurnBackend(inner, make_env, decode, settings)
+    return MultiTurnBackend(inner, make_env, decode, settings, on_close=on_close)

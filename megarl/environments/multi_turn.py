@@ -47,7 +47,12 @@ class _Episode:
     started: float = 0.0
     last_finish: str = ""
     turn_request: Optional[str] = None  # the turn in flight in the inner backend
-    aborted: bool = False
+    max_new_tokens: Optional[int] = None  # the next turn's own limit (StepResult.max_new_tokens)
+
+
+def _reset(env: Environment, t: Trajectory) -> StepResult:
+    out = env.reset(t)  # ids to insert, or a StepResult (an agent's first call: its max_tokens)
+    return out if isinstance(out, StepResult) else StepResult(insert_ids=out)
 
 
 class MultiTurnBackend(GeneratorBackend):
@@ -58,8 +63,10 @@ class MultiTurnBackend(GeneratorBackend):
         decode: Callable[[List[int]], str],
         settings: EpisodeSettings = EpisodeSettings(),
         keep_trajectories: bool = False,
+        on_close: Sequence[Callable[[], None]] = (),
     ):
         settings.validate()
+        self.on_close = list(on_close)  # what serves the environments (an agent's endpoint)
         self.keep_trajectories = keep_trajectories
         self.inner, self.make_env, self.decode, self.settings = inner, make_env, decode, settings
         self.pool = ThreadPoolExecutor(max_workers=settings.env_workers, thread_name_prefix="megarl-env")
@@ -87,9 +94,9 @@ class MultiTurnBackend(GeneratorBackend):
                 t = Trajectory(episode_id, list(r.prompt_ids), group_id=r.group_id, meta=dict(r.meta))
                 e = _Episode(r, k, t, self.make_env(self.episode_count))
                 self.episode_count += 1
-                t.add_inserted(e.env.reset(t))
                 self.live[episode_id] = e
-                self._next_turn(e)
+                # in the pool, like a step: an agent's reset waits for its first call
+                e.started, e.future = time.perf_counter(), self.pool.submit(_reset, e.env, t)
 
     def step(self) -> List[Completion]:
         busy = bool(self.by_turn)
@@ -125,6 +132,8 @@ class MultiTurnBackend(GeneratorBackend):
         return {**self.inner.stats(), **self.counters, "episodes_live": len(self.live), "episodes_parked": parked}
 
     def close(self) -> None:
+        for close in self.on_close:
+            close()
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.inner.close()
 
@@ -150,11 +159,12 @@ class MultiTurnBackend(GeneratorBackend):
             return
         p = e.request.params
         seed = None if p.seed is None else p.seed + 1000 * t.turns + e.sample_index  # a fresh stream per turn
+        limit = p.max_new_tokens if e.max_new_tokens is None else min(p.max_new_tokens, e.max_new_tokens)
         params = SamplingParams(
             temperature=p.temperature,
             top_p=p.top_p,
             top_k=p.top_k,
-            max_new_tokens=min(p.max_new_tokens, room),
+            max_new_tokens=min(limit, room),
             stop_token_ids=p.stop_token_ids,
             seed=seed,
         )
@@ -204,17 +214,21 @@ class MultiTurnBackend(GeneratorBackend):
             t.tool_calls += result.tool_calls
             t.tool_errors += result.tool_errors
             if result.done:  # a last turn cut by a token limit ends it as "length" (overlong handling)
-                self._finish(e, "length" if e.last_finish == "length" else "done")
+                self._finish(e, "length" if e.last_finish == "length" and result.finish == "done" else result.finish)
             elif t.turns >= s.max_turns:
                 self._finish(e, "max_turns")
             else:
                 t.add_inserted(result.insert_ids)
+                e.max_new_tokens = result.max_new_tokens
                 self._next_turn(e)
 
     def _finish(self, e: _Episode, finish: str) -> None:
         t = e.trajectory
         t.finish = finish
         self.live.pop(t.episode_id, None)
+        close = getattr(e.env, "close", None)
+        if close is not None:  # an agent's session ends: its pending call is answered with an error
+            close()
         self.counters["episodes"] += 1
         self.counters["tool_calls"] += t.tool_calls
         self.counters["tool_errors"] += t.tool_errors

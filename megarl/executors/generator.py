@@ -136,7 +136,8 @@ class GeneratorExecutor:
             params,
             n=r.samples_per_prompt,
             group_id=gid,
-            meta={"answer": prompt.record.answer, **prompt.record.meta},
+            # the messages: for an agent's episode (rollout.agent), which gets the prompt as chat messages
+            meta={"answer": prompt.record.answer, **prompt.record.meta, "messages": prompt.record.messages},
         )
 
     def _submit(self, requests: List[GenerationRequest]) -> None:

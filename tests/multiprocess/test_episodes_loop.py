@@ -53,3 +53,43 @@ def test_multi_turn_episodes_train_end_to_end(tmp_path):
         # model 0, so the policy does not move): ids or mask shifted by one token would put KL near 1
         assert m["kl_mu_pi"] < 1e-6, m["kl_mu_pi"]
     assert summary
+
+
+@pytest.mark.slow
+def test_an_openai_client_agent_trains_end_to_end(tmp_path):
+    """rollout.agent: each episode is an `openai` client loop against the replica's endpoint, two
+    calls; the trainer sees the agent's own system prompt as the prompt, the two sampled turns and,
+    between them, exactly the ids of the tool message the agent added (SmolLM2's template has no
+    tool role: a user turn of <tool_response>, written out here), and its log-probs are the sampler's."""
+    from megarl.config import load_config
+    from megarl.generator.tokenizer import load_tokenizer
+    from megarl.model_source import _smollm2_tokenizer
+    from tests.agents_for_tests import SYSTEM
+    from tests.unit.test_rl_loop import ROOT, TINY
+
+    summary, metrics, rollouts = _train(
+        tmp_path / "run",
+        "rollout.agent=tests.agents_for_tests:two_call_agent",
+        "rollout.max_turns=3",
+        "run.steps=2",
+        "generator.max_seq_len=320",
+    )
+    assert len(metrics) == 2 and rollouts
+    tokenizer = load_tokenizer(_smollm2_tokenizer(ROOT / load_config(TINY).model.cache_dir))
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    glue = "\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    for r in rollouts:
+        assert tokenizer.decode(r["prompt_tokens"]).startswith(f"<|im_start|>system\n{SYSTEM}\n\n# Tools")
+        mask, ids = r["loss_mask"], r["response_tokens"]
+        assert r["episode"]["turns"] == 2 and r["episode"]["finish"] in ("done", "length"), r["episode"]
+        runs = [mask[0]] + [m for a, m in zip(mask, mask[1:]) if m != a]
+        assert runs == [1, 0, 1], runs
+        start, end = mask.index(0), mask.index(1, mask.index(0))
+        want = tokenizer.encode(glue, add_special_tokens=False)
+        if ids[start - 1] != im_end:  # a first turn cut by max_new_tokens: the template's end marker is inserted
+            want = tokenizer.encode("<|im_end|>" + glue, add_special_tokens=False)
+        assert ids[start:end] == want
+    for m in metrics:
+        assert m["episode_turns"] == 2 and m["episode_history_edited_frac"] == 0
+        assert m["kl_mu_pi"] < 1e-6, m["kl_mu_pi"]
+    assert summary

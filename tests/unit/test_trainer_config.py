@@ -315,7 +315,16 @@ def test_moe_training_settings_reach_megatron_and_dense_models_refuse_them():
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        (["rollout.max_turns=3"], r"rollout.max_turns: > 1 needs rollout.tools or rollout.env"),
+        (["rollout.max_turns=3"], r"rollout.max_turns: > 1 needs rollout.tools, rollout.env or rollout.agent"),
+        (
+            [
+                "rollout.agent=tests.agents_for_tests:two_call_agent",
+                "rollout.tools=[calculator]",
+                "rollout.max_turns=3",
+            ],
+            r"rollout.agent: the agent runs its own tools and turns; rollout.tools would too",
+        ),
+        (["rollout.agent=two_call_agent"], r"rollout.agent: 'two_call_agent' is not a dotted path"),
         (["rollout.tools=[calculator]"], r"rollout.tools: needs rollout.max_turns >= 2"),
         (["rollout.env=tests.episode_envs_for_tests:two_tool_turns"], r"rollout.env: needs rollout.max_turns >= 2"),
         (
@@ -339,6 +348,7 @@ def test_moe_training_settings_reach_megatron_and_dense_models_refuse_them():
     ],
 )
 def test_episode_settings_that_mean_nothing_are_refused(overrides, message):
-    load_config(TINY, ["rollout.tools=[calculator]", "rollout.max_turns=3"])  # the valid combination loads
+    load_config(TINY, ["rollout.tools=[calculator]", "rollout.max_turns=3"])  # the valid combinations load
+    load_config(TINY, ["rollout.agent=tests.agents_for_tests:two_call_agent"])  # an agent may make one call
     with pytest.raises(ConfigError, match=message):
         load_config(TINY, overrides)
