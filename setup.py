@@ -25,6 +25,7 @@ setup(
         "tensorboard",
         "math-verify>=0.7",  # the math reward's answer checking
         "pyarrow",  # .parquet prompt sets
+        "matplotlib",  # megarl plot: curves are part of the product
     ],
     extras_require={
         # GPU clusters. Apex is NOT listed: it is built from source

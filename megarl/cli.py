@@ -82,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
         "the run's in-training evaluation). Default: the run's run.seed, else 1234",
     )
 
+    plot = sub.add_parser("plot", help="PNG curves of runs' metrics.jsonl (reward, KL, lag, ESS, time), overlaid")
+    plot.add_argument("runs", nargs="+", help="run directories (or metrics.jsonl files)")
+    plot.add_argument("--out", help="where the PNGs go (default: the first run's directory / plots)")
+    plot.add_argument("--x", default="step", choices=["step", "samples", "time"], help="the x axis")
+    plot.add_argument("--label", action="append", help="a run's name in the legend, once per run, in order")
+
     data = sub.add_parser("data", help="prompt datasets")
     data_sub = data.add_subparsers(dest="dataset", required=True)
     add_data_args(data_sub.add_parser("arithmetic", help="multi-digit arithmetic word problems (jsonl)"))
@@ -233,6 +239,10 @@ def dispatch(args: argparse.Namespace) -> None:
             args.top_p,
             args.seed,
         )
+    elif args.command == "plot":
+        from megarl.plot import plot_runs
+
+        plot_runs(args.runs, args.out, args.x, args.label)
     elif args.command == "data":
         from megarl.data.arithmetic import run_data
 

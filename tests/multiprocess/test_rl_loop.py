@@ -124,6 +124,29 @@ def test_async_and_sync_loops(tmp_path):
             assert all(m["ess"] < 1 - 1e-4 for m in metrics[1:])  # stale tokens: ratios away from 1
             assert [m["trained_version"] for m in metrics] == [0, 1, 2]
     assert results["async"]["samples"] == results["sync"]["samples"] == 24
+    _check_plots(tmp_path)
+
+
+def _check_plots(tmp_path):
+    """`megarl plot` of the two runs: valid PNGs, and each figure's lines are the runs' own metrics."""
+    import matplotlib.image
+
+    from megarl.cli import main
+    from megarl.plot import draw, read_run
+
+    assert main(["plot", str(tmp_path / "async"), str(tmp_path / "sync"), "--out", str(tmp_path / "plots")]) == 0
+    for name in ("reward", "kl", "lag", "ess", "time"):
+        image = matplotlib.image.imread(tmp_path / "plots" / f"{name}.png")
+        assert image.shape == (400, 700, 4) and image[..., :3].std() > 0.01, name
+    figures = draw([read_run(tmp_path / "async"), read_run(tmp_path / "sync")])
+    for i, mode in enumerate(("async", "sync")):
+        metrics = [json.loads(x) for x in (tmp_path / mode / "metrics.jsonl").read_text().splitlines()]
+        metrics = [m for m in metrics if not m.get("eval")]
+        reward = figures["reward"].axes[0].lines[i]
+        assert list(reward.get_xdata()) == [1, 2, 3] and list(reward.get_ydata()) == [m["reward_mean"] for m in metrics]
+        lag_mean, lag_max = figures["lag"].axes[0].lines[2 * i : 2 * i + 2]
+        assert list(lag_max.get_ydata()) == [m["lag_max"] for m in metrics] and lag_max.get_linestyle() == "--"
+        assert list(lag_mean.get_ydata()) == [m["lag_mean"] for m in metrics]
 
 
 @pytest.mark.slow
