@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 from megarl.data.arithmetic import arithmetic_records
+from megarl.data.arithmetic_ood import PREFIX as OOD_PREFIX
+from megarl.data.arithmetic_ood import ood_records
 from megarl.errors import ConfigError
 from megarl.generator.tokenizer import encode_prompt
 
@@ -52,10 +54,12 @@ class TokenizedPrompt:
 
 
 def load_records(spec: str) -> List[PromptRecord]:
-    """The records a data spec names: ``arithmetic:...`` (built in, megarl/data/arithmetic.py)
-    or a .jsonl / .parquet file. ``random:...`` specs are token ids, not records: the caller's."""
+    """The records a data spec names: ``arithmetic:...`` and ``arithmetic-ood:...`` (built in,
+    megarl/data/arithmetic.py, arithmetic_ood.py) or a .jsonl / .parquet file. ``random:...`` specs are token ids, not records: the caller's."""
     if spec.startswith("arithmetic:"):
         return [parse_record(r, f"{spec}#{i}") for i, r in enumerate(arithmetic_records(spec))]
+    if spec.startswith(OOD_PREFIX):
+        return [parse_record(r, f"{spec}#{i}") for i, r in enumerate(ood_records(spec))]
     return load_prompts(spec)
 
 

@@ -276,3 +276,35 @@ def test_arithmetic_held_out_set_shares_no_problem_with_the_training_set():
     assert not pairs(held_out) & train
     # the demo's earlier held-out set (another seed only) shared problems with its training set
     assert len(pairs(generate_arithmetic(64, 99)) & train) > 0
+
+
+def test_the_ood_arithmetic_set_shares_nothing_with_the_training_generator():
+    """arithmetic-ood: every problem has a 3-digit operand or a negative result (the training
+    generator, 1-2 digit operands and results >= 0, makes neither), none of its wordings, never
+    \\boxed; its answers are right; and the math reward reads each of its answer forms."""
+    from megarl.data.arithmetic import _TEMPLATES, generate_arithmetic, problem_key
+    from megarl.data.arithmetic_ood import INSTRUCTIONS, ood_records
+    from megarl.rewards.math_verify_reward import math_reward
+
+    ood = ood_records("arithmetic-ood:300:7")
+    assert len(ood) == 300 and ood == ood_records("arithmetic-ood:300:7") != ood_records("arithmetic-ood:300:8")
+    ops = {"+": operator.add, "-": operator.sub, "*": operator.mul}
+    train_keys = {problem_key(r) for r in generate_arithmetic(2000, seed=1)}
+    # each training template as a pattern (its placeholders: anything)
+    patterns = [re.compile(re.sub(r"\\\{\w+\\\}", ".+?", re.escape(t))) for ts in _TEMPLATES.values() for t in ts]
+    for r in ood:
+        a, op, b = r["meta"]["expression"].split()
+        a, b = int(a), int(b)
+        assert int(r["answer"]) == ops[op](a, b)
+        assert max(a, b) >= 100 or int(r["answer"]) < 0, r
+        assert problem_key(r) not in train_keys
+        assert "boxed" not in r["prompt"] and not r["prompt"].startswith("What is")
+        assert not any(p.match(r["prompt"]) for p in patterns), r["prompt"]
+    assert sum(int(r["answer"]) < 0 for r in ood) > 30 and {r["meta"]["expression"].split()[1] for r in ood} == set(ops)
+    # every instruction is used, and each answer form it asks for is scored right (and a wrong one not)
+    assert {i for i in INSTRUCTIONS if i} <= {i for r in ood for i in INSTRUCTIONS if i and i in r["prompt"]}
+    for response in ("-39", "Final answer: -39", "81 - 120 = -39. So the temperature is -39 degrees."):
+        assert math_reward(response, "-39") == 1.0, response
+        assert math_reward(response.replace("-39", "39"), "-39") == 0.0, response
+    with pytest.raises(ConfigError, match="arithmetic-ood:<n>:<seed>"):
+        ood_records("arithmetic-ood:0:1")
