@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -196,7 +197,9 @@ class RewardConfig:
 @dataclass
 class DataConfig:
     train: str = "arithmetic:2000:1"  # a .jsonl/.parquet file, arithmetic:<n>:<seed>, or random:<n>:<seed>:<len>
-    eval: Optional[str] = None
+    # held-out sets evaluated during training: a spec (metrics eval_accuracy, ...), or named sets
+    # ["heldout=arithmetic:256:99:heldout:2000:1", "ood=arithmetic-ood:200:7"] (eval_heldout_accuracy, ...)
+    eval: List[str] = field(default_factory=list)
     max_prompt_tokens: int = 256
     eval_every: int = 0  # steps; 0 = only at the end
     eval_max_new_tokens: int = 64
@@ -294,7 +297,8 @@ class Config:
             )
         if self.data.eval_samples < 1:
             raise ConfigError(f"data.eval_samples: must be >= 1, got {self.data.eval_samples}")
-        if self.data.eval is None:
+        eval_sets(self.data)  # names checked
+        if not self.data.eval:
             for name in ("eval_every", "eval_samples"):
                 if getattr(self.data, name) != getattr(DataConfig(), name):
                     raise ConfigError(f"data.{name}: used only with data.eval (a held-out set)")
@@ -605,6 +609,29 @@ def check_wandb_config(section: Dict[str, Any]) -> Dict[str, Any]:
 def _choice(name: str, value: Optional[str], options: Sequence[Optional[str]]) -> None:
     if value not in options:
         raise ConfigError(f"{name}: {value!r} is not one of {list(options)}")
+
+
+EVAL_SET_NAME = re.compile(r"[a-z][a-z0-9_]*")
+
+
+def eval_sets(data: "DataConfig") -> List[tuple]:
+    """data.eval as (name, spec) pairs: one unnamed spec is ("", spec) (metrics keep the plain
+    eval_* names); several must each be named ``name=spec`` (lower case, digits, underscores)."""
+    out = []
+    for item in data.eval:
+        name, sep, spec = item.partition("=")
+        if not sep or not EVAL_SET_NAME.fullmatch(name):
+            name, spec = "", item
+        out.append((name, spec))
+    names = [n for n, _ in out]
+    if len(out) > 1 and "" in names:
+        raise ConfigError(
+            f"data.eval[{names.index('')}]: {out[names.index('')][1]!r}: name each of several sets, "
+            "as name=spec (e.g. heldout=arithmetic:256:99:heldout:2000:1)"
+        )
+    if len(set(names)) != len(names):
+        raise ConfigError(f"data.eval: two sets named {next(n for n in names if names.count(n) > 1)!r}")
+    return out
 
 
 def _positive(name: str, value: int) -> None:

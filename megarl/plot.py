@@ -3,7 +3,7 @@ runs overlaid, as PNG files (matplotlib, no display needed). TensorBoard reads t
 is for a report, a pull request or a terminal without a browser.
 
 One figure per quantity, a line per run: reward (``reward_mean``), the in-training greedy
-``eval_accuracy`` where the runs evaluated, KL(mu || pi) of the trained
+accuracy of each evaluated set where the runs evaluated (``eval_accuracy``, ``eval_<set>_accuracy``), KL(mu || pi) of the trained
 tokens (log scale: it spans orders of magnitude between on- and off-policy), lag (mean solid, max
 dashed), effective sample size, and seconds per step. The x axis is the step, the samples trained
 so far, or the wall time (``--x step | samples | time``: the sum of ``time_step``, so a resumed
@@ -13,12 +13,14 @@ run's gap is not counted). A quantity no run recorded is left out and named.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from megarl.errors import MegarlError
 
+EVAL_ACCURACY = re.compile(r"eval_(?:[a-z][a-z0-9_]*_)?accuracy")
 X_AXES = {"step": "step", "samples": "samples trained", "time": "wall time (s, sum of time_step)"}
 
 
@@ -84,8 +86,11 @@ def x_values(run: Run, records: List[dict], axis: str) -> List[float]:
 def series(run: Run, panel: Panel, axis: str) -> Dict[str, tuple]:
     """{metric: (xs, ys)} of one run in one panel: records that hold a finite value of the metric."""
     records = run.evals if panel.eval else run.steps
+    keys = panel.keys
+    if panel.eval:  # one set: eval_accuracy; named sets: eval_<name>_accuracy (data.eval)
+        keys = tuple(dict.fromkeys(k for r in records for k in r if EVAL_ACCURACY.fullmatch(k)))  # data.eval's order
     out = {}
-    for key in panel.keys:
+    for key in keys:
         kept = [r for r in records if isinstance(r.get(key), (int, float)) and r[key] == r[key]]
         if kept:
             out[key] = (x_values(run, kept, axis), [float(r[key]) for r in kept])

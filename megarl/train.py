@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 # model_source and config_plan by module: looked up per call (tests/unit/test_plan_config.py replaces them)
 from megarl import model_source
 from megarl.checkpointing.recorded import recorded_dtypes
-from megarl.config import load_config
+from megarl.config import eval_sets, load_config
 from megarl.data.datasets import check_data_source
 from megarl.errors import ConfigError
 from megarl.models.spec import ModelSpec
@@ -120,10 +120,10 @@ def _check_episodes(cfg) -> None:
 def _check_data(cfg) -> None:
     """data.train and data.eval parsed here, before a conversion or any rank: a missing file or a malformed
     line is named by the field and the file:line at once, not later by the first rank to read it."""
-    for name in ("train", "eval"):
-        spec = getattr(cfg.data, name)
-        if spec is not None:
-            check_data_source(f"data.{name}", spec, cfg.data.max_prompt_tokens)
+    check_data_source("data.train", cfg.data.train, cfg.data.max_prompt_tokens)
+    for i, (_, spec) in enumerate(eval_sets(cfg.data)):
+        field = f"data.eval[{i}]" if len(cfg.data.eval) > 1 else "data.eval"
+        check_data_source(field, spec, cfg.data.max_prompt_tokens)
 
 
 def _resolve_dtypes(cfg, replay: Optional[str]) -> None:

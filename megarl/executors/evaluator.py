@@ -1,4 +1,5 @@
-"""Evaluation during training (data.eval): held-out accuracy measured by the generator replicas.
+"""Evaluation during training (data.eval): held-out accuracy measured by the generator replicas,
+on one set or several named ones (metrics keyed by the set's name).
 
 At step 0, every ``data.eval_every`` steps and after the last one, each replica
 answers its share of the held-out prompts with the policy of that step -- greedy
@@ -17,7 +18,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 KEY = "megarl/eval/{}/{}"
 
@@ -31,18 +32,26 @@ def eval_steps(every: int, last: int) -> List[int]:
 
 
 class ReplicaEvaluator:
-    """One replica's share of the held-out set; ``report``: this rank scores and posts (first TP rank)."""
+    """One replica's share of each held-out set (``sets``: name -> prompts; "" for one unnamed set);
+    ``report``: this rank scores and posts (first TP rank)."""
 
-    def __init__(self, data_cfg, generator, reward, prompts, replica: int, replicas: int, store, report: bool):
+    def __init__(self, data_cfg, generator, reward, sets: Dict[str, list], replica: int, replicas: int, store,
+                 report: bool):  # fmt: skip
         self.cfg, self.generator, self.reward, self.store = data_cfg, generator, reward, store
-        self.prompts = prompts[replica::replicas]
+        self.sets = {name: prompts[replica::replicas] for name, prompts in sets.items()}
         self.replica, self.report = replica, report
 
     def run(self, step: int) -> None:
+        posts = {name: self._run_set(step, name, prompts) for name, prompts in self.sets.items()}
+        if self.report:
+            self.store.set(KEY.format(step, self.replica), json.dumps(posts))
+
+    def _run_set(self, step: int, name: str, prompts) -> Optional[dict]:
         start = time.perf_counter()
-        groups = self.generator.evaluate(str(step), self.prompts, self.cfg.eval_max_new_tokens, self.cfg.eval_samples)
+        tag = f"{step}-{name}" if name else str(step)
+        groups = self.generator.evaluate(tag, prompts, self.cfg.eval_max_new_tokens, self.cfg.eval_samples)
         if not self.report:
-            return
+            return None
         scored = self.reward.score(groups, on_error="zero").samples  # every prompt scored, failures as 0
         k = self.cfg.eval_samples
         per = 1 + (k if k > 1 else 0)
@@ -55,7 +64,7 @@ class ReplicaEvaluator:
             "seconds": 0.0,
             "responses": [],
         }
-        for i, prompt in enumerate(self.prompts):
+        for i, prompt in enumerate(prompts):
             greedy, sampled = scored[i * per], scored[i * per + 1 : (i + 1) * per]
             sums["correct"] += greedy.reward >= 1.0
             sums["greedy_reward"] += greedy.reward
@@ -71,7 +80,7 @@ class ReplicaEvaluator:
                 }
             )
         sums["seconds"] = time.perf_counter() - start
-        self.store.set(KEY.format(step, self.replica), json.dumps(sums))
+        return sums
 
 
 class EvalCollector:
@@ -94,22 +103,29 @@ class EvalCollector:
             self.waiting.remove(step)
 
     def _record(self, step: int, posts: List[Dict]) -> dict:
-        n = sum(p["n"] for p in posts)
-        record = {
-            "step": step,
-            "eval": True,
-            "eval_n": n,
-            "eval_accuracy": sum(p["correct"] for p in posts) / n,
-            "eval_greedy_reward_mean": sum(p["greedy_reward"] for p in posts) / n,
-            "eval_time_s": max(p["seconds"] for p in posts),
-        }
-        if self.samples > 1:
-            record[f"eval_reward_mean@{self.samples}"] = sum(p["sampled_reward"] for p in posts) / (n * self.samples)
-            record[f"eval_pass@{self.samples}"] = sum(p["pass"] for p in posts) / n
+        """``posts``: per replica, {set name: its sums}. One set without a name gives eval_accuracy,
+        eval_n, ...; named sets eval_<name>_accuracy, eval_<name>_n, ..."""
+        record = {"step": step, "eval": True}
+        for name in posts[0]:
+            record.update(self._set_metrics(f"eval_{name}_" if name else "eval_", [p[name] for p in posts]))
         folder = self.out / "eval"
         folder.mkdir(parents=True, exist_ok=True)
         with open(folder / f"step_{step}.jsonl", "w") as f:
-            for replica, p in enumerate(posts):
-                for r in p["responses"]:
-                    f.write(json.dumps({"replica": replica, **r}) + "\n")
+            for name in posts[0]:
+                for replica, p in enumerate(posts):
+                    for r in p[name]["responses"]:
+                        f.write(json.dumps({**({"set": name} if name else {}), "replica": replica, **r}) + "\n")
         return record
+
+    def _set_metrics(self, prefix: str, posts: List[Dict]) -> dict:
+        n = sum(p["n"] for p in posts)
+        out = {
+            f"{prefix}n": n,
+            f"{prefix}accuracy": sum(p["correct"] for p in posts) / n,
+            f"{prefix}greedy_reward_mean": sum(p["greedy_reward"] for p in posts) / n,
+            f"{prefix}time_s": max(p["seconds"] for p in posts),
+        }
+        if self.samples > 1:
+            out[f"{prefix}reward_mean@{self.samples}"] = sum(p["sampled_reward"] for p in posts) / (n * self.samples)
+            out[f"{prefix}pass@{self.samples}"] = sum(p["pass"] for p in posts) / n
+        return out

@@ -271,7 +271,7 @@ class GeneratorExecutor:
         r = self.rollout
         requests = []
         for i, prompt in enumerate(prompts):
-            meta = {"answer": prompt.record.answer, **prompt.record.meta}
+            meta = {"answer": prompt.record.answer, **prompt.record.meta, "messages": prompt.record.messages}
             greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=self.stop_ids)
             requests.append(
                 GenerationRequest(f"eval{tag}-{i}", list(prompt.ids), greedy, n=1, group_id=-1 - 2 * i, meta=meta)

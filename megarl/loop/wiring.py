@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Dict, Optional
 
-from megarl.config import Config, config_from_dict
+from megarl.config import Config, config_from_dict, eval_sets
 from megarl.loop.topology import WEIGHTS, Topology
 from megarl.runtime.cpu_dtype import resolve_auto_dtypes
 
@@ -310,7 +310,7 @@ def _wire_generator(parts: Rank, prepared) -> None:
             cfg.data,
             generator,
             reward,
-            load_prompts(cfg, tokenizer, parts.spec.vocab_size, cfg.data.eval),
+            {name: load_prompts(cfg, tokenizer, parts.spec.vocab_size, spec) for name, spec in eval_sets(cfg.data)},
             replica,
             topo.generator.replicas,
             job.store,

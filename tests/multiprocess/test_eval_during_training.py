@@ -127,3 +127,28 @@ def test_eval_records_match_megarl_eval_on_the_same_checkpoint(tmp_path):
     # the policy moved between the evaluations: the answers are not one fixed model's
     step0 = [json.loads(line)["response"] for line in (out / "eval" / "step_0.jsonl").read_text().splitlines()]
     assert step0 != [o["response"] for o in ours]
+
+
+def test_named_eval_sets_are_evaluated_and_recorded_each_under_its_name(tmp_path):
+    """data.eval of two named sets (the held-out arithmetic set and the off-distribution one): every
+    evaluation record has each set's metrics under its name, over its own prompts, and the responses
+    file tags each answer with its set: 6 and 5 prompts, the texts those of each set's records."""
+    from megarl.data.datasets import load_records
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "megarl.cli", "train", "--config", str(ROOT / "configs" / "tiny_cpu.yaml"),
+           "run.steps=1", "data.train=arithmetic:64:1", "reward.function=tests.rewards_for_tests:even_length",
+           "data.eval=[heldout=arithmetic:6:5:heldout:64:1,ood=arithmetic-ood:5:3]", f"run.output_dir={out}"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if r.get("eval")]
+    assert [r["step"] for r in evals] == [0, 1]
+    for r in evals:
+        assert (r["eval_heldout_n"], r["eval_ood_n"]) == (6, 5) and "eval_accuracy" not in r
+        lines = [json.loads(x) for x in (out / "eval" / f"step_{r['step']}.jsonl").read_text().splitlines()]
+        for name, spec in (("heldout", "arithmetic:6:5:heldout:64:1"), ("ood", "arithmetic-ood:5:3")):
+            mine = [x for x in lines if x["set"] == name]
+            assert sorted(x["answer"] for x in mine) == sorted(rec.answer for rec in load_records(spec))
+            # the test reward: 1 for an even-length response, so the accuracy is recomputable from the file
+            assert r[f"eval_{name}_accuracy"] == sum(x["reward"] >= 1 for x in mine) / len(mine)

@@ -31,15 +31,18 @@ def steps(rewards, samples=8, seconds=2.0, kl=1e-3):
 def test_lines_are_the_runs_metrics_on_each_x_axis(tmp_path):
     a = write_run(tmp_path / "a", steps([0.1, 0.4, 0.7]), evals=[{"step": 0, "eval_accuracy": 0.2},
                                                                  {"step": 3, "eval_accuracy": 0.5}])  # fmt: skip
-    b = write_run(tmp_path / "b", steps([0.2, float("nan"), 0.3, 0.6], samples=16, seconds=1.0))
+    b = write_run(tmp_path / "b", steps([0.2, float("nan"), 0.3, 0.6], samples=16, seconds=1.0),
+                  evals=[{"step": 4, "eval_heldout_accuracy": 0.3, "eval_ood_accuracy": 0.1, "eval_ood_n": 9}])  # fmt: skip
     runs = [read_run(a), read_run(b)]
     fig = draw(runs, "step")
     ra, rb = fig["reward"].axes[0].lines
     assert (list(ra.get_xdata()), list(ra.get_ydata())) == ([1, 2, 3], [0.1, 0.4, 0.7])
     assert (list(rb.get_xdata()), list(rb.get_ydata())) == ([1, 3, 4], [0.2, 0.3, 0.6])  # the NaN is left out
     assert [line.get_label() for line in fig["reward"].axes[0].lines] == ["a", "b"]
-    [ev] = fig["eval"].axes[0].lines  # only run a evaluated
+    ev, heldout, ood = fig["eval"].axes[0].lines  # run a: one set; run b: two named sets
     assert (list(ev.get_xdata()), list(ev.get_ydata())) == ([0, 3], [0.2, 0.5])
+    assert (heldout.get_label(), list(heldout.get_ydata())) == ("b", [0.3])
+    assert (ood.get_label(), list(ood.get_ydata()), ood.get_linestyle()) == ("b (eval_ood_accuracy)", [0.1], "--")
     assert fig["kl"].axes[0].get_yscale() == "log"
 
     by_samples = draw(runs, "samples")

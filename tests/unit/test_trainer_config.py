@@ -352,3 +352,17 @@ def test_episode_settings_that_mean_nothing_are_refused(overrides, message):
     load_config(TINY, ["rollout.agent=tests.agents_for_tests:two_call_agent"])  # an agent may make one call
     with pytest.raises(ConfigError, match=message):
         load_config(TINY, overrides)
+
+
+def test_eval_sets_are_one_spec_or_named_specs():
+    from megarl.config import eval_sets
+
+    one = load_config(TINY, ["data.eval=arithmetic:8:5:heldout:64:1"])
+    assert eval_sets(one.data) == [("", "arithmetic:8:5:heldout:64:1")]
+    two = load_config(TINY, ["data.eval=[heldout=arithmetic:8:5:heldout:64:1,ood=arithmetic-ood:8:1]"])
+    assert eval_sets(two.data) == [("heldout", "arithmetic:8:5:heldout:64:1"), ("ood", "arithmetic-ood:8:1")]
+    assert eval_sets(load_config(TINY).data) == []
+    with pytest.raises(ConfigError, match=r"data.eval\[1\]: 'arithmetic-ood:8:1': name each of several sets"):
+        load_config(TINY, ["data.eval=[heldout=arithmetic:8:5,arithmetic-ood:8:1]"])
+    with pytest.raises(ConfigError, match="data.eval: two sets named 'a'"):
+        load_config(TINY, ["data.eval=[a=arithmetic:8:5,a=arithmetic-ood:8:1]"])
