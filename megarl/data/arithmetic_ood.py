@@ -8,8 +8,9 @@ teaching the model to answer in its one form, and lose what it could do elsewher
 demo's checkpoints fell from 32.5% to 13.0% on such a set). This set shares nothing with the
 training generator, by construction:
 
-- every problem has an operand of 3 digits or a negative result, which the training generator
-  never makes (so no problem of any ``arithmetic:`` set is in it);
+- every problem has an operand of 3 or more digits (round ones: tens or hundreds, so that a
+  135M model gets some right), a negative operand or a negative result, which the training
+  generator never makes (so no problem of any ``arithmetic:`` set is in it);
 - its wordings are its own (no template of arithmetic.py's, and never "What is");
 - its instructions ask for other answer forms (the number alone, a "Final answer:" line, working
   then the result, or nothing), never ``\\boxed{}``; the ``math`` reward reads them all (the last
@@ -27,7 +28,7 @@ from megarl.errors import ConfigError
 PREFIX = "arithmetic-ood:"
 
 _PEOPLE = ["Alix", "Bruno", "Carmen", "Dario", "Elif", "Femi", "Gustav", "Hana", "Ilya", "Juno", "Kofi", "Lucia"]
-_TEMPLATES = {
+_TEMPLATES = {  # per operator, the two plain wordings first
     "+": [
         "Compute the sum of {a} and {b}.",
         "Add {b} to {a}.",
@@ -42,8 +43,8 @@ _TEMPLATES = {
     ],
     "*": [
         "Multiply {a} by {b}.",
-        "A ticket costs {b} euros. How much do {a} tickets cost?",
         "Find the product of {a} and {b}.",
+        "A ticket costs {b} euros. How much do {a} tickets cost?",
         "{p} walks {b} metres on each of {a} laps. How many metres is that?",
     ],
 }
@@ -55,28 +56,38 @@ INSTRUCTIONS = [
 ]
 
 
-def _small(rng: random.Random) -> int:
-    return rng.randint(1, 99)
+def _operands(rng: random.Random, op: str) -> tuple:
+    """(a, b, kind): operands no training problem has: one of at least 3 digits (round: tens or
+    hundreds, so the sum stays within a 135M model's reach), a negative one, or a negative result."""
+    kind = rng.choice(("round", "negative"))
+    if op == "*":
+        if kind == "round":
+            a, b = rng.randint(1, 9) * rng.choice((100, 110, 120, 150, 200)), rng.randint(2, 5)
+        else:
+            a, b = -rng.randint(2, 12), rng.randint(2, 9)
+    elif op == "+":
+        if kind == "round":
+            a, b = rng.randint(1, 9) * 100, rng.randint(1, 9) * rng.choice((10, 100))
+        else:  # a negative operand
+            a, b = -rng.randint(1, 20), rng.randint(1, 20)
+    else:
+        if kind == "round":
+            a, b = rng.randint(2, 9) * 100, rng.randint(1, 9) * 10
+        else:  # a negative result
+            a = rng.randint(1, 15)
+            b = rng.randint(a + 1, 25)
+    if op != "-" and rng.random() < 0.5:
+        a, b = b, a
+    return a, b, kind
 
 
 def make_problem(rng: random.Random) -> Dict:
     op = rng.choice(sorted(_TEMPLATES))
-    if op == "+":  # one operand of 3 digits
-        a, b = rng.randint(100, 999), _small(rng)
-        if rng.random() < 0.5:
-            a, b = b, a
-    elif op == "-":  # a negative result, or a 3-digit minuend
-        if rng.random() < 0.6:
-            a = _small(rng)
-            b = rng.randint(a + 1, 120)
-        else:
-            a, b = rng.randint(100, 999), _small(rng)
-    else:  # a one-digit multiplier of a 3-digit number
-        a, b = rng.randint(2, 9), rng.randint(100, 999)
-        if rng.random() < 0.5:
-            a, b = b, a
+    a, b, kind = _operands(rng, op)
     result = {"+": a + b, "-": a - b, "*": a * b}[op]
-    question = rng.choice(_TEMPLATES[op]).format(a=a, b=b, p=rng.choice(_PEOPLE))
+    # a word problem of a negative count or distance would not read: negative operands get the plain ones
+    templates = _TEMPLATES[op] if kind == "round" or op == "-" else _TEMPLATES[op][:2]
+    question = rng.choice(templates).format(a=a, b=b, p=rng.choice(_PEOPLE))
     instruction = rng.choice(INSTRUCTIONS)
     return {
         "prompt": f"{question} {instruction}".strip(),

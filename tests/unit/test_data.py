@@ -279,8 +279,8 @@ def test_arithmetic_held_out_set_shares_no_problem_with_the_training_set():
 
 
 def test_the_ood_arithmetic_set_shares_nothing_with_the_training_generator():
-    """arithmetic-ood: every problem has a 3-digit operand or a negative result (the training
-    generator, 1-2 digit operands and results >= 0, makes neither), none of its wordings, never
+    """arithmetic-ood: every problem has a 3-digit operand, a negative operand or a negative result
+    (the training generator, 1-2 digit operands and results >= 0, makes none), none of its wordings, never
     \\boxed; its answers are right; and the math reward reads each of its answer forms."""
     from megarl.data.arithmetic import _TEMPLATES, generate_arithmetic, problem_key
     from megarl.data.arithmetic_ood import INSTRUCTIONS, ood_records
@@ -296,7 +296,7 @@ def test_the_ood_arithmetic_set_shares_nothing_with_the_training_generator():
         a, op, b = r["meta"]["expression"].split()
         a, b = int(a), int(b)
         assert int(r["answer"]) == ops[op](a, b)
-        assert max(a, b) >= 100 or int(r["answer"]) < 0, r
+        assert max(a, b) >= 100 or min(a, b) < 0 or int(r["answer"]) < 0, r
         assert problem_key(r) not in train_keys
         assert "boxed" not in r["prompt"] and not r["prompt"].startswith("What is")
         assert not any(p.match(r["prompt"]) for p in patterns), r["prompt"]
