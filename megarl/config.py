@@ -71,6 +71,10 @@ class TrainerConfig:
     # true: required (refused on a GPU without Apex); false: off
     gradient_accumulation_fusion: Optional[bool] = None
     max_tokens_per_microbatch: int = 1024
+    # sync: optimizer steps per generated batch (PipelineRL's "G"): a batch of G x rollout.prompts_per_step
+    # prompts is generated once and trained as G consecutive steps of prompts_per_step each, so step k of
+    # it trains on samples k policy versions old; 1 = on-policy. Async refuses > 1 (its lag is max_lag)
+    updates_per_batch: int = 1
     loss: str = "aipo"  # built-in name or package.module:function
     # the loss's keyword parameters, checked against its declared ones (aipo: rho; ppo_clip: eps, eps_high)
     loss_params: Dict[str, Any] = field(default_factory=dict)
@@ -141,6 +145,10 @@ class GeneratorConfig:
     recompute_kv_on_update: bool = False
     # async: once its batch is ready, keep decoding for the next one until the trainer's step ends
     generate_while_waiting: bool = True
+    # async: a weight update lands between decode steps, inside sequences in flight (PipelineRL's
+    # in-flight updates; a sample's tokens may then come from several versions). false: before each
+    # update the generator finishes every sequence it holds, so a sample is of the version it started with
+    inflight_updates: bool = True
     cpu_threads: int = 0  # CPU runs: intra-op threads per generator rank (0: the launcher's OMP_NUM_THREADS)
     verify_sync: bool = False  # checksum every received shard against the sender's (costs a pass)
     # -- backend: sglang (one server per replica; docs/sglang.md) ---------------
@@ -352,6 +360,18 @@ class Config:
                     )
         if t.recompute_modules is not None and t.recompute_granularity != "selective":
             raise ConfigError("trainer.recompute_modules: used only with trainer.recompute_granularity=selective")
+        if t.updates_per_batch < 1:
+            raise ConfigError(f"trainer.updates_per_batch: must be >= 1, got {t.updates_per_batch}")
+        if t.updates_per_batch > 1 and self.run.mode != "sync":
+            raise ConfigError(
+                f"trainer.updates_per_batch={t.updates_per_batch}: several optimizer steps per generated batch "
+                f"is the synchronous baseline (run.mode=sync); an async run's off-policy lag is rollout.max_lag"
+            )
+        if not self.generator.inflight_updates and self.run.mode != "async":
+            raise ConfigError(
+                "generator.inflight_updates=false: sync mode never updates weights during generation "
+                "(each batch is generated to the end under one policy); it is an async setting"
+            )
         expert = t.ep > 1 or (t.etp is not None and t.etp != t.tp) or self.generator.ep > 1
         if self.run.mode == "sync" and (t.cp > 1 or t.vpp > 1 or expert):
             name = (

@@ -254,6 +254,13 @@ class GeneratorExecutor:
                 time.sleep(0.01)  # ahead of the trainer: nothing useful to start
             steps += 1
 
+    def finish_in_flight(self) -> None:
+        """Run every sequence in the backend to its end (generator.inflight_updates=false: before a
+        weight update, so that no sample holds tokens of two policies). Groups that finish wait in
+        ``ready`` for the next batch, under admission control as usual."""
+        while self.in_flight:
+            self._step_backend()
+
     def _fresh(self, group: List[Completion], train_version: int, drain: bool) -> bool:
         oldest = min(min(c.trained_versions(), default=train_version) for c in group)
         if drain or train_version - oldest <= self.rollout.max_lag:

@@ -64,6 +64,14 @@ def megatron_model_settings(t) -> dict:
     return settings
 
 
+def mixed_version_fraction(samples: Sequence[Sample]) -> float:
+    """The fraction of samples whose trained tokens come from more than one policy version: a weight
+    update landed inside them (in-flight updates); 0 with generator.inflight_updates=false."""
+    versions = [set(s.trained(s.policy_versions)) for s in samples]
+    versions = [v for v in versions if v]
+    return sum(len(v) > 1 for v in versions) / len(versions) if versions else 0.0
+
+
 class TrainerExecutor:
     def __init__(self, cfg, prepared, resume_dir: Optional[Path], lag_bound: int, on_gpu: bool):
         """``lag_bound``: the largest lag (trainer version - token version) trained on: a token beyond it
@@ -162,7 +170,10 @@ class TrainerExecutor:
         metrics = self.trainer.step(samples, version=self.version)
         # no trained token at all: the trainer skipped the step (its skip_reason says so)
         metrics.update(
-            lag_mean=sum(lags) / max(len(lags), 1), lag_max=max(lags, default=0), trained_version=self.version
+            lag_mean=sum(lags) / max(len(lags), 1),
+            lag_max=max(lags, default=0),
+            trained_version=self.version,
+            mixed_version_frac=mixed_version_fraction(samples),
         )
         if not metrics.get("skipped"):
             self.version += 1

@@ -145,6 +145,7 @@ class Controller:
             train_metrics = work.train_metrics
             sync_s = 0.0
             if schedule.syncs_after(it, cfg.run.steps, trains_now):
+                schedule.before_sync(self.parts)
                 self.heartbeat.beat(f"iteration {it}: weight sync", force=True, waiting=True)
                 sync_s = self.sync_weights()
             wall = time.perf_counter() - t0

@@ -9,7 +9,8 @@ schedule (executors/trainer.py):
                      seed the sampling, so the same group draws the same random numbers), and
                      the groups it had started but not handed over, to generate again first
     pending          async: the batch already generated, not yet trained on (its samples,
-                     with versions and behaviour log-probs), trained first after a resume
+                     with versions and behaviour log-probs), trained first after a resume;
+                     sync with trainer.updates_per_batch > 1: the batch's slices not trained yet
     train_seconds    seconds this run has spent in its training loop up to this checkpoint, over
                      all its launches (run.time_budget_min counts them; 0 in older checkpoints)
 

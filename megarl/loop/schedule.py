@@ -3,8 +3,12 @@
     async   iteration i: generators make batch i  ||  trainer trains batch i-1 (the pending batch);
             steps + 1 iterations (iteration 0 only generates); weights of policy i go out after
             the trainer's step of iteration i, unless no batch follows
+            (generator.inflight_updates=false: first every sequence in flight runs to its end)
     sync    iteration i: generate batch i with policy i (drained: every sequence finishes under
-            it), then train it; steps iterations; weights go out after every step
+            it), then train it; steps iterations; weights go out after every step. With
+            trainer.updates_per_batch = G, every G-th iteration generates G batches' prompts at
+            once and the G iterations train its slices in turn (PipelineRL's baseline: slice k
+            is k versions old); the slices not trained yet are the pending batch
 
 The controller (controller.py) runs one loop for both and never asks which mode it is in:
 where they differ, it asks its Schedule, picked once by the wiring (wiring.py). A schedule
@@ -14,6 +18,7 @@ rank has none), the batch's transfer, and the signals between them.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -62,6 +67,7 @@ class IterationWork:
     batch: Optional[Batch]  # the batch made in this iteration (every trainer rank; None where none was made)
     train_metrics: Optional[dict]  # the trainer's step of this iteration (trainer ranks; None if it trained none)
     trained: Optional[Batch]  # the batch that step trained on
+    rest: Optional[Batch] = None  # sync, trainer.updates_per_batch > 1: the slices still to train
 
 
 class Schedule(ABC):
@@ -100,14 +106,19 @@ class Schedule(ABC):
     def before_final_eval(self, parts: StepParts) -> None:
         """Bring the last step's policy to the generators before the evaluation after the loop."""
 
+    def before_sync(self, parts: StepParts) -> None:
+        """What the generators do before new weights land (on every rank, before the sync collective)."""
+
 
 class AsyncSchedule(Schedule):
     verifies_sync = True
 
-    def __init__(self, generate_while_waiting: bool = True):
+    def __init__(self, generate_while_waiting: bool = True, inflight_updates: bool = True):
         # generator.generate_while_waiting: once its batch is ready, a replica keeps decoding for the
         # next one until the trainer's step ends
         self.generate_while_waiting = generate_while_waiting
+        # generator.inflight_updates=false: no sequence sees two policies (before_sync drains them)
+        self.inflight_updates = inflight_updates
 
     def iterations(self, start: int, steps: int) -> range:
         return range(start, steps + 1)
@@ -145,11 +156,21 @@ class AsyncSchedule(Schedule):
         return (work.batch if trainer_rank else None), make_batch
 
     def before_final_eval(self, parts: StepParts) -> None:
+        self.before_sync(parts)
         parts.sync_weights()  # the last step's policy has not reached the generators yet
+
+    def before_sync(self, parts: StepParts) -> None:
+        if not self.inflight_updates and parts.generator is not None:
+            parts.beat("finishing the sequences in flight before the weight update")
+            parts.generator.finish_in_flight()
 
 
 class SyncSchedule(Schedule):
     verifies_sync = False
+
+    def __init__(self, updates_per_batch: int = 1, samples_per_step: int = 0):
+        self.updates_per_batch = updates_per_batch  # trainer.updates_per_batch (G)
+        self.samples_per_step = samples_per_step  # rollout.prompts_per_step x samples_per_prompt
 
     def iterations(self, start: int, steps: int) -> range:
         return range(start, steps)
@@ -167,14 +188,33 @@ class SyncSchedule(Schedule):
         return True
 
     def work(self, parts: StepParts, iteration: int, make_batch: bool, pending: Optional[Batch]) -> IterationWork:
-        parts.beat(f"iteration {iteration}: generating batch {iteration}")
-        share = parts.batch_maker.make(iteration, parts.groups_per_replica, True)
-        batch = parts.transfer(iteration, share)
+        generated = None
+        if pending is None or not pending.samples:  # a new batch of updates_per_batch slices
+            parts.beat(f"iteration {iteration}: generating batch {iteration}")
+            share = parts.batch_maker.make(iteration, parts.groups_per_replica * self.updates_per_batch, True)
+            generated = parts.transfer(iteration, share)
+            pending = generated
+        batch, rest = self._slice(pending) if parts.trainer is not None else (None, None)
         train_metrics = None
         if parts.trainer is not None:
             parts.beat(f"iteration {iteration}: training step {iteration + 1}")
             train_metrics = parts.trainer.step(batch.samples)
-        return IterationWork(batch, train_metrics, batch)
+            if generated is None:  # this slice's generation was counted with the first slice
+                batch = dataclasses.replace(batch, time_generate=0.0, time_reward=0.0)
+        return IterationWork(batch, train_metrics, batch, rest)
+
+    def _slice(self, pending: Batch) -> tuple:
+        """The next step's slice (its first samples_per_step samples: whole groups, in group order)
+        and the rest. A batch short of groups (reward.on_error=drop) has a short last slice."""
+        if self.updates_per_batch == 1:
+            return pending, None
+        n = self.samples_per_step
+        return (
+            dataclasses.replace(pending, samples=pending.samples[:n]),
+            dataclasses.replace(pending, samples=pending.samples[n:]),
+        )
 
     def carry(self, work: IterationWork, make_batch: bool, trainer_rank: bool) -> tuple:
-        return None, False  # nothing waits between iterations
+        if work.rest is None or not work.rest.samples:
+            return None, False  # nothing waits between iterations
+        return work.rest, True

@@ -84,14 +84,18 @@ def schedule(cfg: Config) -> Schedule:
     from megarl.loop.schedule import AsyncSchedule, SyncSchedule
 
     if _colocated(cfg):
-        return SyncSchedule()
-    return AsyncSchedule(generate_while_waiting=cfg.generator.generate_while_waiting)
+        r = cfg.rollout
+        return SyncSchedule(cfg.trainer.updates_per_batch, r.prompts_per_step * r.samples_per_prompt)
+    return AsyncSchedule(
+        generate_while_waiting=cfg.generator.generate_while_waiting, inflight_updates=cfg.generator.inflight_updates
+    )
 
 
 def lag_bound(cfg: Config) -> int:
     """The most policy versions a trained token may lag: generation and training alternate in
-    sync mode, so every token is of the policy that trains on it."""
-    return 0 if _colocated(cfg) else cfg.rollout.max_lag
+    sync mode, so every token is of the policy that trains on it -- but for the G-1 steps a batch
+    of trainer.updates_per_batch = G slices waits for its last slice."""
+    return cfg.trainer.updates_per_batch - 1 if _colocated(cfg) else cfg.rollout.max_lag
 
 
 def collective_timeout_s(cfg: Config) -> float:

@@ -129,6 +129,9 @@ def test_kl_coef_and_estimator_reach_the_hook(estimator, kl):
         ),
         (["optimizer.lr_warmup_init=1e-4"], "optimizer.lr_warmup_init: used only with optimizer.lr_warmup_iters > 0"),
         (["run.mode=sync", "trainer.pp=2", "trainer.vpp=2", "rollout.prompts_per_step=2"], "trainer.vpp: sync"),
+        (["run.mode=sync", "trainer.updates_per_batch=0"], "trainer.updates_per_batch: must be >= 1, got 0"),
+        (["trainer.updates_per_batch=4"], r"trainer.updates_per_batch=4: .*\(run.mode=sync\)"),
+        (["run.mode=sync", "generator.inflight_updates=false"], "generator.inflight_updates=false: sync mode never"),
     ],
 )
 def test_bad_trainer_and_optimizer_settings_are_refused_naming_the_field(overrides, message):
