@@ -143,6 +143,18 @@ def build_parser() -> argparse.ArgumentParser:
     avs.add_argument("--workdir", default="runs/bench_async_vs_sync")
     avs.add_argument("overrides", nargs="*", help="config overrides for both runs")
 
+    learn = bench_sub.add_parser(
+        "learning",
+        help="the seed papers' learning claims: variants x seeds of short runs, bootstrap intervals, plots",
+    )
+    learn.add_argument("--config", default="configs/learning_cpu.yaml")
+    learn.add_argument("--variants", default="", help="comma-separated (default: every one; see docs/learning.md)")
+    learn.add_argument("--seeds", type=int, default=8, help="seeds 0..N-1 of each variant")
+    learn.add_argument("--last", type=int, default=5, help="final reward: the mean of the last N steps")
+    learn.add_argument("--workdir", default="runs/bench_learning", help="resumable: finished runs are kept")
+    learn.add_argument("--no-plots", action="store_true")
+    learn.add_argument("overrides", nargs="*", help="config overrides for every run")
+
     ws = bench_sub.add_parser(
         "weight-sync", help="shard-to-shard weight sync vs slime's gather+broadcast (or --plan-only: a predicted time)"
     )
@@ -290,6 +302,18 @@ def dispatch(args: argparse.Namespace) -> None:
         from megarl.bench import async_vs_sync
 
         async_vs_sync.run(args.config, args.overrides, args.workdir)
+    elif args.command == "bench" and args.benchmark == "learning":
+        from megarl.bench import learning
+
+        learning.run_grid(
+            args.config,
+            [v for v in args.variants.split(",") if v] or list(learning.VARIANTS),
+            list(range(args.seeds)),
+            args.overrides,
+            args.workdir,
+            args.last,
+            plots=not args.no_plots,
+        )
     elif args.command == "bench" and args.benchmark == "weight-sync":
         from megarl.bench.weight_sync import WeightSyncBench, run
 
