@@ -1,7 +1,7 @@
 """`megarl bench learning`: the seed papers' learning claims as a grid of short runs, variants x seeds.
 
 Each variant is a set of config overrides on one task (configs/learning_cpu.yaml: a tiny model on
-token ids, rewarded by synthetic_low_ids, a run climbs in about a minute on 2 CPU cores), everything
+token ids, rewarded by synthetic_low_ids; a 40-step run takes ~12 s on 2 CPU cores), everything
 else equal, the same samples per optimizer step:
 
     sync            synchronous on-policy, one optimizer step per generated batch
@@ -60,6 +60,14 @@ VARIANTS: Dict[str, List[str]] = {
     "async_lag8_no_inflight": _ASYNC8 + ["generator.inflight_updates=false"],
 }
 BASELINE = "sync"
+# Differences the papers draw between two non-baseline arms (a - b), reported where both ran
+COMPARISONS = [
+    ("async_lag8", "sync_g8"),  # PipelineRL Fig. 5b: in-flight updates vs G=8 conventional RL, same max lag
+    ("async_lag8", "sync_g4"),
+    ("async_lag8", "async_lag8_no_inflight"),  # the in-flight update itself, same max lag
+    ("async_lag8", "async_lag8_no_correction"),  # LlamaRL Fig. 8: AIPO vs no correction at lag 8
+    ("async_lag8", "async_lag8_ppo_clip"),  # AIPO's one-sided clip vs PPO's two-sided one
+]
 
 
 # -- statistics ------------------------------------------------------------------------------------
@@ -246,10 +254,18 @@ def run_grid(
 
 def summarize(results: Dict[str, VariantResult], last: int) -> dict:
     baseline = results.get(BASELINE)
+    comparisons = []
+    for a, b in COMPARISONS:
+        if a in results and b in results:
+            fa = [final_reward(steps, last) for steps in results[a].runs]
+            fb = [final_reward(steps, last) for steps in results[b].runs]
+            diff = sum(fa) / len(fa) - sum(fb) / len(fb)
+            comparisons.append({"a": a, "b": b, "diff": diff, "diff_ci95": list(bootstrap_diff_ci(fa, fb))})
     return {
         "last_steps": last,
         "interval": f"percentile bootstrap 95%, {BOOTSTRAP_RESAMPLES} resamples over seeds",
         "variants": {name: r.summary(last, baseline) for name, r in results.items()},
+        "comparisons": comparisons,
     }
 
 
@@ -269,6 +285,11 @@ def table(summary: dict) -> str:
             f"{v['lag_mean']:.2f} | {v['ess']:.3f} | {v['kl_mu_pi']:.2e} | {v['mixed_version_frac']:.2f} | "
             f"{v['wall_s']:.0f} |"
         )
+    if summary.get("comparisons"):
+        lines += ["", "| a - b | difference of final rewards [95% CI] |", "|---|---|"]
+        for c in summary["comparisons"]:
+            lo, hi = c["diff_ci95"]
+            lines.append(f"| {c['a']} - {c['b']} | {c['diff']:+.3f} [{lo:+.3f}, {hi:+.3f}] |")
     return "\n".join(lines) + "\n"
 
 
@@ -293,6 +314,35 @@ def _band(curves):
     return mean, mean - half, mean + half
 
 
+# Each reward panel is one of the papers' comparisons; variants outside them get an "other" panel.
+REWARD_PANELS = [
+    (
+        "staleness: async with AIPO vs sync (LlamaRL Fig. 6)",
+        ["sync", "async_lag1", "async_lag2", "async_lag4", "async_lag8"],
+    ),
+    (
+        "G steps per batch vs in-flight updates (PipelineRL Fig. 5b)",
+        ["sync", "sync_g4", "sync_g8", "async_lag8", "async_lag8_no_inflight"],
+    ),
+    (
+        "off-policy correction at max lag 8 (LlamaRL Fig. 8)",
+        ["sync", "async_lag8", "async_lag8_no_correction", "async_lag8_ppo_clip"],
+    ),
+]
+
+
+def reward_panels(names: Sequence[str]) -> List[tuple]:
+    """The panels to draw for these variants: each paper comparison with two or more of them present,
+    then any variant no kept panel shows, then none if nothing is left."""
+    panels = [(title, [n for n in members if n in names]) for title, members in REWARD_PANELS]
+    panels = [(title, members) for title, members in panels if len(members) >= 2]
+    shown = {n for _, members in panels for n in members}
+    rest = [n for n in names if n not in shown]
+    if rest:
+        panels.append(("other variants", rest))
+    return panels
+
+
 def plot(results: Dict[str, VariantResult], root: Path) -> List[Path]:
     import matplotlib
 
@@ -300,26 +350,47 @@ def plot(results: Dict[str, VariantResult], root: Path) -> List[Path]:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    written = []
-    fig, (ax_s, ax_t) = plt.subplots(1, 2, figsize=(13, 4.8))
+    # one colour per variant in every panel
+    palette = plt.get_cmap("tab10").colors
+    known = list(VARIANTS) + [n for n in results if n not in VARIANTS]
+    colour = {name: palette[known.index(name) % len(palette)] for name in results}
+
+    curves = {}
     for name, r in results.items():
         n = min(len(steps) for steps in r.runs)
         rewards = [[s["reward_mean"] for s in steps[:n]] for steps in r.runs]
         samples = np.cumsum([s["samples"] for s in r.runs[0][:n]])
-        mean, lo, hi = _band(rewards)
-        (line,) = ax_s.plot(samples, mean, label=f"{name} (n={len(r.runs)})")
-        ax_s.fill_between(samples, lo, hi, color=line.get_color(), alpha=0.15)
         # wall time: each run's reward on a common grid up to the shortest run's end
         times = [np.cumsum([s["time_step"] for s in steps[:n]]) for steps in r.runs]
         grid = np.linspace(0.0, min(t[-1] for t in times), 60)
         on_grid = [np.interp(grid, t, y) for t, y in zip(times, rewards)]
-        mean, lo, hi = _band(on_grid)
-        ax_t.plot(grid, mean, color=line.get_color(), label=name)
-        ax_t.fill_between(grid, lo, hi, color=line.get_color(), alpha=0.15)
-    ax_s.set(xlabel="samples trained", ylabel="reward (mean of the step's samples)", title="reward vs samples")
-    ax_t.set(xlabel="wall time (s, sum of time_step)", title="reward vs wall time")
-    ax_s.legend(fontsize=7)
-    fig.suptitle("mean over seeds, 95% t-band")
+        curves[name] = (samples, _band(rewards), grid, _band(on_grid), len(r.runs))
+
+    written = []
+    panels = reward_panels(list(results))
+    cols = 2
+    rows = math.ceil((len(panels) + 1) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(13, 4.4 * rows), squeeze=False)
+    flat = list(axes.flat)
+    for ax, (title, members) in zip(flat, panels):
+        for name in members:
+            samples, (mean, lo, hi), _, _, seeds = curves[name]
+            ax.plot(samples, mean, color=colour[name], label=f"{name} (n={seeds})")
+            ax.fill_between(samples, lo, hi, color=colour[name], alpha=0.15)
+        ax.set(xlabel="samples trained", ylabel="reward (mean of the step's samples)", title=title)
+        ax.legend(fontsize=7, loc="upper left")
+    ax_t = flat[len(panels)]
+    for name, (_, _, grid, (mean, lo, hi), _) in curves.items():
+        ax_t.plot(grid, mean, color=colour[name], label=name)
+        ax_t.fill_between(grid, lo, hi, color=colour[name], alpha=0.10)
+    ax_t.set(
+        xlabel="wall time (s, sum of time_step; the trainer and the generator share the cores)",
+        title="every variant vs wall time",
+    )
+    ax_t.legend(fontsize=6, loc="upper left")
+    for ax in flat[len(panels) + 1 :]:
+        ax.set_visible(False)
+    fig.suptitle("reward, mean over seeds with a 95% t-band")
     fig.tight_layout()
     written.append(root / "reward.png")
     fig.savefig(written[-1], dpi=110)
@@ -327,18 +398,23 @@ def plot(results: Dict[str, VariantResult], root: Path) -> List[Path]:
 
     fig, (ax_kl, ax_ess) = plt.subplots(1, 2, figsize=(13, 4.8))
     for name, r in results.items():
-        by_lag = kl_by_lag(r.runs)
+        # lag 0 is the same weights (KL 0 to rounding): from lag 1 on, on a linear scale
+        by_lag = {b: kl for b, kl in kl_by_lag(r.runs).items() if b >= 1}
         if by_lag:
-            ax_kl.plot(list(by_lag), list(by_lag.values()), marker="o", label=name)
+            ax_kl.plot(list(by_lag), list(by_lag.values()), marker="o", color=colour[name], label=name)
         dist = lag_distribution(r.runs)
         ess = [_mean_of([steps], "ess") for steps in r.runs]
         lo, hi = bootstrap_mean_ci(ess)
         mean_ess = sum(ess) / len(ess)
         ax_ess.errorbar(
-            [sum(b * f for b, f in dist.items())], [mean_ess], yerr=[[mean_ess - lo], [hi - mean_ess]], fmt="o"
+            [sum(b * f for b, f in dist.items())],
+            [mean_ess],
+            yerr=[[mean_ess - lo], [hi - mean_ess]],
+            fmt="o",
+            color=colour[name],
         )
         ax_ess.annotate(name, (sum(b * f for b, f in dist.items()), mean_ess), fontsize=7)
-    ax_kl.set(xlabel="lag of the token (versions)", ylabel="KL(mu || pi)", title="KL by lag", yscale="log")
+    ax_kl.set(xlabel="lag of the token (versions)", ylabel="KL(mu || pi)", title="KL(mu || pi) by lag, lag >= 1")
     ax_kl.legend(fontsize=7)
     ax_ess.set(xlabel="mean lag of the trained tokens", ylabel="ESS (fraction)", title="ESS vs lag (bootstrap 95%)")
     fig.tight_layout()

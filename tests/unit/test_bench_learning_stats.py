@@ -94,3 +94,34 @@ def test_unknown_variants_and_bad_last_are_refused():
         learning.run_grid(variants=["async_lag3"])
     with pytest.raises(ConfigError, match="--last 99 is more than the runs' 40 steps"):
         learning.run_grid(variants=["sync"], last=99)
+
+
+def test_pairwise_comparisons_are_reported_only_where_both_arms_ran():
+    def variant(name, rewards):
+        runs = [[_step(r, tokens_lag0=8, kl_mu_pi_lag0=0.0, ess=1.0)] for r in rewards]
+        return VariantResult(name, runs, list(range(len(rewards))), [1.0] * len(rewards))
+
+    results = {
+        "sync_g8": variant("sync_g8", [0.2, 0.4]),
+        "async_lag8": variant("async_lag8", [0.5, 0.9]),
+        "async_lag8_ppo_clip": variant("async_lag8_ppo_clip", [0.1, 0.1]),
+    }
+    summary = learning.summarize(results, 1)
+    pairs = {(c["a"], c["b"]): c for c in summary["comparisons"]}
+    assert set(pairs) == {("async_lag8", "sync_g8"), ("async_lag8", "async_lag8_ppo_clip")}
+    assert pairs[("async_lag8", "sync_g8")]["diff"] == pytest.approx(0.7 - 0.3)
+    # each arm's 2 seeds resampled on its own: (a mean in {0.5, 0.7, 0.9}) - (b mean in {0.2, 0.3, 0.4})
+    lo, hi = pairs[("async_lag8", "sync_g8")]["diff_ci95"]
+    assert 0.1 - 1e-9 <= lo < 0.4 < hi <= 0.7 + 1e-9
+    assert "| async_lag8 - sync_g8 | +0.400 [" in learning.table(summary)
+
+
+def test_reward_panels_group_the_papers_comparisons_and_keep_every_variant():
+    panels = learning.reward_panels(list(learning.VARIANTS))
+    assert [len(members) for _, members in panels] == [5, 5, 4]
+    assert {n for _, members in panels for n in members} == set(learning.VARIANTS)
+    # a panel needs two of its variants; one left over lands in "other variants"
+    assert learning.reward_panels(["sync", "sync_g4"]) == [
+        (learning.REWARD_PANELS[1][0], ["sync", "sync_g4"]),
+    ]
+    assert learning.reward_panels(["sync_g8"]) == [("other variants", ["sync_g8"])]
