@@ -188,14 +188,34 @@ class RolloutConfig:
     env_workers: int = 4  # environment steps in flight beside generation, per replica
 
 
+# the generative judge's reply format and template placeholders (megarl/rewards/judge.py)
+JUDGE_SCORE_PATTERN = r"Score:\s*([-+]?[0-9]*\.?[0-9]+)"
+JUDGE_TEMPLATE_FIELDS = ("question", "answer", "response")
+
+
+@dataclass
+class JudgeConfig:
+    """reward.judge: a language model grading each response through an OpenAI-compatible server."""
+
+    url: Optional[str] = None  # the server's /v1 base (http://host:30000/v1); None: no judge
+    model: str = "default"  # the request's "model" (SGLang serves one model whatever the name)
+    # a text file with {question}, {answer}, {response}; None: megarl/rewards/judge.py's DEFAULT_TEMPLATE
+    prompt_file: Optional[str] = None
+    score_pattern: str = JUDGE_SCORE_PATTERN  # one group: the score in [0, 1]; its last match counts
+    max_tokens: int = 512
+    temperature: float = 0.0
+    concurrency: int = 8  # requests in flight at once
+
+
 @dataclass
 class RewardConfig:
-    function: Optional[str] = None  # a registered name or dotted path; None: "math" (unless reward.url)
+    function: Optional[str] = None  # a registered name or dotted path; None: "math" (unless reward.url / judge)
     timeout_s: float = 5.0  # per sample (function) or per HTTP request (url)
     url: Optional[str] = None  # a remote reward service (megarl/rewards/remote.py) instead of a function
     retries: int = 2  # reward.url: retries of a failed request, with exponential backoff
     # a sample whose reward failed (timeout, error, service down): scored 0 | its group not trained | the job ends
     on_error: str = "zero"
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
 
     @property
     def resolved_function(self) -> str:
@@ -470,7 +490,7 @@ class Config:
                 f"data.train: with model.tokenizer=none the prompts must be token ids "
                 f"(random:<n>:<seed>:<length>), got {self.data.train!r}"
             )
-        if self.reward.resolved_function == "math" and self.reward.url is None:
+        if self.reward.resolved_function == "math" and self.reward.url is None and self.reward.judge.url is None:
             raise ConfigError(
                 "reward.function: math grades text answers; with model.tokenizer=none the responses "
                 "are token ids (use synthetic_parity or a reward of your own)"
@@ -491,8 +511,48 @@ class Config:
                 )
             if not w.url.startswith(("http://", "https://")):
                 raise ConfigError(f"reward.url: {w.url!r} is not an http:// or https:// URL")
-        elif w.retries != RewardConfig().retries:
-            raise ConfigError("reward.retries: used only with reward.url (a function's worker is not retried)")
+        if w.judge.url is not None:
+            self._validate_judge()
+        else:
+            unused = [
+                f.name
+                for f in dataclasses.fields(JudgeConfig)
+                if getattr(w.judge, f.name) != getattr(JudgeConfig(), f.name)
+            ]
+            if unused:
+                raise ConfigError(f"reward.judge.{unused[0]}: used only with reward.judge.url (a generative judge)")
+        if w.url is None and w.judge.url is None and w.retries != RewardConfig().retries:
+            raise ConfigError(
+                "reward.retries: used only with reward.url or reward.judge.url (a function's worker is not retried)"
+            )
+
+    def _validate_judge(self) -> None:
+        w, j = self.reward, self.reward.judge
+        for other, value in (("reward.url", w.url), ("reward.function", w.function)):
+            if value is not None:
+                raise ConfigError(
+                    f"reward.judge.url: a generative judge scores the samples; {other}={value!r} would too: "
+                    "set one of the two"
+                )
+        if not j.url.startswith(("http://", "https://")):
+            raise ConfigError(f"reward.judge.url: {j.url!r} is not an http:// or https:// URL")
+        _positive("reward.judge.max_tokens", j.max_tokens)
+        _positive("reward.judge.concurrency", j.concurrency)
+        if not 0.0 <= j.temperature <= 2.0:
+            raise ConfigError(f"reward.judge.temperature: must be in [0, 2], got {j.temperature}")
+        try:
+            groups = re.compile(j.score_pattern).groups
+        except re.error as exc:
+            raise ConfigError(f"reward.judge.score_pattern: not a regular expression ({exc})") from None
+        if groups != 1:
+            raise ConfigError(
+                f"reward.judge.score_pattern: needs exactly one group (the score), {j.score_pattern!r} has {groups}"
+            )
+        if j.prompt_file is not None:
+            path = Path(j.prompt_file)
+            if not path.is_file():
+                raise ConfigError(f"reward.judge.prompt_file: {j.prompt_file} is not a file")
+            judge_template_fields(path.read_text(), f"reward.judge.prompt_file {j.prompt_file}")
 
     def _validate_episodes(self) -> None:
         r = self.rollout
@@ -714,6 +774,22 @@ MOVED_FIELDS = {
     "trainer.clip_grad": "optimizer.clip_grad",
     "trainer.rho": "trainer.loss_params.rho",
 }
+
+
+def judge_template_fields(template: str, where: str) -> List[str]:
+    """A judge template's placeholders, each one of JUDGE_TEMPLATE_FIELDS, {response} among them."""
+    import string
+
+    try:
+        names = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+    except ValueError as exc:  # an unmatched brace
+        raise ConfigError(f"{where}: not a template ({exc}; write a literal brace as {{{{ or }}}})") from None
+    unknown = [n for n in names if n not in JUDGE_TEMPLATE_FIELDS]
+    if unknown:
+        raise ConfigError(f"{where}: unknown placeholder {{{unknown[0]}}} (known: {', '.join(JUDGE_TEMPLATE_FIELDS)})")
+    if "response" not in names:
+        raise ConfigError(f"{where}: the template never shows the judge the {{response}}")
+    return names
 
 
 def _build(cls, data: Dict[str, Any], prefix: str):

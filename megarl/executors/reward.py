@@ -1,12 +1,13 @@
-"""The reward executor: decodes responses and scores them with the configured reward function
-or the remote reward service.
+"""The reward executor: decodes responses and scores them with the configured reward function,
+the remote reward service or the generative judge.
 
 Runs on each generator replica's first rank, right after its groups finish,
 so scoring overlaps the trainer's step in async mode. A function scores through
 megarl.rewards.scoring (a worker process with a per-sample timeout), so a
 pathological answer costs at most ``reward.timeout_s``, never the loop; a service
 (``reward.url``, megarl.rewards.remote) is asked in batches with a timeout per request
-and retries with backoff.
+and retries with backoff; a judge (``reward.judge.url``, megarl.rewards.judge) gets one chat
+request per sample, ``reward.judge.concurrency`` at a time.
 
 ``reward.on_error`` says what a sample whose reward failed (timeout, error, service
 down) becomes: ``zero`` scores it 0 and trains it (counted in ``reward_timeouts``);
@@ -19,10 +20,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import List
 
 from megarl.errors import MegarlError
 from megarl.generator.interface import Completion
+from megarl.rewards.judge import DEFAULT_TEMPLATE, JudgeReward
 from megarl.rewards.registry import reward_spec
 from megarl.rewards.remote import RemoteReward
 from megarl.rewards.scoring import OK, score_batch
@@ -41,7 +44,15 @@ class RewardExecutor:
     def __init__(self, cfg, tokenizer):
         w = cfg.reward
         self.on_error = w.on_error
-        self.remote = RemoteReward(w.url, w.timeout_s, w.retries) if w.url is not None else None
+        # the service or the judge: each scores (responses, answers, metas) -> RewardResults
+        self.remote = None
+        if w.url is not None:
+            self.remote = RemoteReward(w.url, w.timeout_s, w.retries)
+        elif w.judge.url is not None:
+            j = w.judge
+            template = Path(j.prompt_file).read_text() if j.prompt_file else DEFAULT_TEMPLATE
+            self.remote = JudgeReward(j.url, j.model, template, j.score_pattern, j.max_tokens, j.temperature,
+                                      j.concurrency, w.timeout_s, w.retries)  # fmt: skip
         # resolves now: a bad name fails at start
         self.fn = reward_spec(w.resolved_function) if self.remote is None else None
         self.timeout_s = w.timeout_s
@@ -67,7 +78,12 @@ class RewardExecutor:
         failed = [r.reason != OK for r in results]
         if on_error == "fail" and any(failed):
             reason = results[failed.index(True)].reason
-            source = f"reward.url {self.remote.url}" if self.remote is not None else f"reward.function {self.fn!r}"
+            if isinstance(self.remote, JudgeReward):
+                source = f"reward.judge.url {self.remote.url}"
+            elif self.remote is not None:
+                source = f"reward.url {self.remote.url}"
+            else:
+                source = f"reward.function {self.fn!r}"
             raise MegarlError(f"reward.on_error=fail: {source}: {sum(failed)} of {len(flat)} samples failed: {reason}")
         samples: List[Sample] = []
         for c, text, res in zip(flat, texts, results):

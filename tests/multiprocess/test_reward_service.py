@@ -48,3 +48,27 @@ def test_live_and_dead_reward_services(tmp_path):
     rollouts = [json.loads(line) for line in (tmp_path / "zero" / "rollouts.jsonl").read_text().splitlines()]
     assert all(m["reward_timeouts"] == len(rollouts) // len(metrics) for m in metrics)
     assert all(r["reward"] == 0.0 and dead in r["reward_reason"] for r in rollouts)
+
+
+@pytest.mark.slow
+def test_train_scored_by_a_generative_judge(tmp_path):
+    """reward.judge: the run trains on the judge server's verdicts (its rule recomputed from each
+    rollout's response text), asked once per sample through /v1/chat/completions."""
+    from tests.judge_test_server import even_length_verdict
+
+    template = tmp_path / "judge.txt"
+    template.write_text("Is this right? <<response>>{response}<</response>> Reference: {answer}")
+    port = server_port()
+    server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "judge_test_server.py"), str(port)])
+    try:
+        time.sleep(1.0)
+        proc = _train(tmp_path / "judged", f"reward.judge.url=http://127.0.0.1:{port}/v1",
+                      f"reward.judge.prompt_file={template}", "reward.judge.concurrency=4")  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    finally:
+        server.kill()
+        server.wait()
+    rollouts = [json.loads(line) for line in (tmp_path / "judged" / "rollouts.jsonl").read_text().splitlines()]
+    assert rollouts and all(r["reward"] == even_length_verdict(r["response"]) for r in rollouts)
+    assert all(r["reward_reason"] == "ok" for r in rollouts)
+    assert 0 < sum(r["reward"] for r in rollouts) < len(rollouts)  # both verdicts: the judge was asked
