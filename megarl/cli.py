@@ -34,6 +34,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="train on a run's recorded rollouts, no generator (debug a loss); compares the losses",
     )
 
+    sft = sub.add_parser("sft", help="supervised fine-tuning on chat records: megarl sft --config FILE --data F.jsonl")
+    sft.add_argument("--config", required=True)
+    sft.add_argument("--data", required=True, help='.jsonl of {"messages": [...]} or {"prompt", "response"}')
+    sft.add_argument("--epochs", type=int, default=1)
+    sft.add_argument("--batch-size", type=int, default=8, help="records per optimizer step")
+    sft.add_argument("overrides", nargs="*", help="config overrides, as for megarl train")
+
     sgc = sub.add_parser("sglang-command", help="the launch command of each replica's SGLang server (attach mode)")
     sgc.add_argument("--config", required=True)
     sgc.add_argument("--model-path", help="the Hugging Face directory the servers load (default: model.source)")
@@ -230,6 +237,10 @@ def dispatch(args: argparse.Namespace) -> None:
         from megarl.train import train
 
         train(args.config, args.overrides, args.prepare_only, args.replay)
+    elif args.command == "sft":
+        from megarl.train import sft
+
+        sft(args.config, args.data, args.overrides, args.epochs, args.batch_size)
     elif args.command == "sglang-command":
         from megarl.generator.sglang.command import run
 

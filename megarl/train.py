@@ -31,6 +31,8 @@ def train(
     config_path: str, overrides: Sequence[str] = (), prepare_only: bool = False, replay: Optional[str] = None
 ) -> dict:
     cfg = load_config(config_path, overrides)
+    if cfg.trainer.loss == "sft":
+        raise ConfigError("trainer.loss: 'sft' is megarl sft's loss (records with their answers), not an RL loss")
     check_loss(cfg, config_path)
     _resolve_dtypes(cfg, replay)
     check_trainer_runs_here(cfg)
@@ -89,6 +91,28 @@ def train(
     else:
         # by path: this launcher never imports the controller, nor torch (runtime/launch.py)
         run_world("megarl.loop.controller:run_rank", cfg.world_size(), cfg.to_dict(), prepared)
+    summary = json.loads((Path(cfg.run.output_dir) / "summary.json").read_text())
+    print(json.dumps(summary), flush=True)
+    return summary
+
+
+def sft(config_path: str, data: str, overrides: Sequence[str] = (), epochs: int = 1, batch_size: int = 8) -> dict:
+    """`megarl sft`: the trainer's ranks alone on chat records (megarl/loop/sft.py), trainer.loss=sft."""
+    cfg = load_config(config_path, ["trainer.loss=sft", *overrides])
+    if cfg.trainer.loss != "sft":
+        raise ConfigError(f"trainer.loss: megarl sft trains with 'sft', got {cfg.trainer.loss!r}")
+    if running_under_torchrun():
+        raise ConfigError("megarl sft starts its own ranks on this machine; under torchrun it is not supported yet")
+    if not Path(data).is_file():
+        raise ConfigError(f"--data {data}: no such file")
+    check_loss(cfg, config_path)
+    _resolve_dtypes(cfg, "sft")  # a fresh start: not the dtypes of a run in run.output_dir
+    check_trainer_runs_here(cfg)
+    prepared = model_source.prepare_model(cfg.model)
+    check_model_trains(ModelSpec.from_dict(prepared.spec), cfg)
+    run_world(
+        "megarl.loop.sft:sft_rank", cfg.trainer_dims().world_size, cfg.to_dict(), prepared, data, epochs, batch_size
+    )
     summary = json.loads((Path(cfg.run.output_dir) / "summary.json").read_text())
     print(json.dumps(summary), flush=True)
     return summary

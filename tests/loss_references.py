@@ -120,12 +120,19 @@ def _reinforce(s):
     return [-s.adv * lp for lp in s.logp], [-s.adv] * n, [False] * n, [False] * n
 
 
+def _sft(s):
+    """Negative log-likelihood: value -log pi, gradient -1 per token, whatever the advantage."""
+    n = len(s.logp)
+    return [-lp for lp in s.logp], [-1.0] * n, [False] * n, [False] * n
+
+
 LOSSES = {
     "aipo": _aipo,
     "ppo_clip": _ppo,
     "dr_grpo": _ppo,
     "gspo": _gspo,
     "reinforce": _reinforce,
+    "sft": _sft,
     "examples.losses.gmpo:gmpo": _gmpo,
 }
 OWN_AGG = {

@@ -34,6 +34,7 @@ geometric-mean ratio -- a product over hundreds of tokens would leave any band):
                default) it is the paper's (1/G) sum_i of the sequence objective; eps 3e-4,
                eps_high 4e-4 by default, the paper's
     reinforce  on-policy policy gradient: -A * log pi_t
+    sft        supervised fine-tuning (megarl sft): -log pi_t, advantages and mu unread
 
 Masked importance sampling (aipo, ppo_clip, dr_grpo: ``mask_c``, ``mask_level``):
 tokens (token) or whole samples (sequence, by s_i) whose ratio leaves [1/c, c]
@@ -251,12 +252,19 @@ def reinforce(inputs: LossInputs) -> LossOutput:
     return LossOutput(-inputs.advantages * inputs.logprobs)
 
 
+def sft(inputs: LossInputs) -> LossOutput:
+    """Supervised fine-tuning (`megarl sft`): the negative log-likelihood of each trained token; the
+    advantages and behaviour log-probs are not read."""
+    return LossOutput(-inputs.logprobs)
+
+
 BUILTIN_LOSSES: Dict[str, LossFn] = {
     "aipo": aipo,
     "ppo_clip": ppo_clip,
     "dr_grpo": dr_grpo,
     "gspo": gspo,
     "reinforce": reinforce,
+    "sft": sft,
 }
 
 

@@ -100,6 +100,7 @@ LOSSES = [  # (loss, params): every registered loss (the built-ins, the examples
     ("dr_grpo", {}),
     ("gspo", {"eps": 0.1, "eps_high": 0.2}),
     ("reinforce", {}),
+    ("sft", {}),
     ("examples.losses.gmpo:gmpo", {"eps_low": 0.3}),
     (ENTROPY_BONUS, {"entropy_coef": 0.1}),
 ]
