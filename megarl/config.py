@@ -210,9 +210,9 @@ class JudgeConfig:
 @dataclass
 class RewardConfig:
     function: Optional[str] = None  # a registered name or dotted path; None: "math" (unless reward.url / judge)
-    timeout_s: float = 5.0  # per sample (function) or per HTTP request (url)
+    timeout_s: float = 5.0  # per sample (function) or per HTTP request (url, judge)
     url: Optional[str] = None  # a remote reward service (megarl/rewards/remote.py) instead of a function
-    retries: int = 2  # reward.url: retries of a failed request, with exponential backoff
+    retries: int = 2  # reward.url / reward.judge.url: retries of a failed request, with exponential backoff
     # a sample whose reward failed (timeout, error, service down): scored 0 | its group not trained | the job ends
     on_error: str = "zero"
     judge: JudgeConfig = field(default_factory=JudgeConfig)
