@@ -25,13 +25,12 @@ from __future__ import annotations
 import json
 import math
 import re
-import time
-import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import List, Optional, Sequence
 
 from megarl.config import JUDGE_SCORE_PATTERN, judge_template_fields
+from megarl.rewards.remote import retried
 from megarl.rewards.scoring import OK, RewardResult
 
 DEFAULT_TEMPLATE = """You are grading a response to a problem against its reference answer.
@@ -98,19 +97,14 @@ class JudgeReward:
                 "max_tokens": self.max_tokens,
             }
         ).encode()
-        error = ""
-        for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(self.backoff_s * 2 ** (attempt - 1))
-            self.requests += 1
-            try:
-                reply = self._reply(self._post(body))
-            except (urllib.error.URLError, OSError, ValueError) as exc:  # URLError and timeouts are OSErrors
-                error = f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
-                continue
+        reply, error = retried(lambda: self._reply(self._post(body)), self.retries, self.backoff_s, self._count)
+        if reply is not None:
             return self.parse(reply)
         self.failures += 1
         return RewardResult(0.0, f"error: judge {self.url} failed after {self.retries + 1} tries ({error})")
+
+    def _count(self) -> None:
+        self.requests += 1
 
     def _post(self, body: bytes) -> bytes:
         request = urllib.request.Request(

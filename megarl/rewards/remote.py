@@ -23,6 +23,23 @@ from typing import List, Optional, Sequence
 from megarl.rewards.scoring import OK, RewardResult
 
 
+def retried(call, retries: int, backoff_s: float, count=None):
+    """``call()`` until it returns, at most ``retries`` + 1 times, waiting ``backoff_s`` x 2^(attempt-1)
+    before each retry; ``count()`` before every try. Returns (result, None), or (None, the last error)
+    when every try raised a connection, HTTP, timeout or reply-shape error."""
+    error = ""
+    for attempt in range(retries + 1):
+        if attempt:
+            time.sleep(backoff_s * 2 ** (attempt - 1))
+        if count is not None:
+            count()
+        try:
+            return call(), None
+        except (urllib.error.URLError, OSError, ValueError) as exc:  # URLError and timeouts are OSErrors
+            error = f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
+    return None, error
+
+
 class RemoteReward:
     def __init__(
         self,
@@ -49,18 +66,17 @@ class RemoteReward:
 
     def _batch(self, responses: List[str], answers: List, metas: List[dict]) -> List[RewardResult]:
         body = json.dumps({"responses": responses, "answers": answers, "metas": metas}).encode()
-        error = ""
-        for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(self.backoff_s * 2 ** (attempt - 1))
-            self.requests += 1
-            try:
-                return self._parse(self._post(body), len(responses))
-            except (urllib.error.URLError, OSError, ValueError) as exc:  # URLError and timeouts are OSErrors
-                error = f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
+        results, error = retried(
+            lambda: self._parse(self._post(body), len(responses)), self.retries, self.backoff_s, self._count
+        )
+        if results is not None:
+            return results
         self.failures += 1
         reason = f"error: reward service {self.url} failed after {self.retries + 1} tries ({error})"
         return [RewardResult(0.0, reason) for _ in responses]
+
+    def _count(self) -> None:
+        self.requests += 1
 
     def _post(self, body: bytes) -> bytes:
         request = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"})
