@@ -69,7 +69,11 @@ class ChatRenderer:
         out = [{k: v for k, v in m.items() if k != "_tool_responses"} for m in out]
         return out
 
-    def render_first(self, messages: List[dict], tools: Optional[list] = None) -> List[int]:
+    def template_input(self, messages: List[dict], tools: Optional[list] = None) -> tuple:
+        """(messages, apply_chat_template keyword arguments) of a conversation with ``tools``: the
+        template's own tools section where it has one, else megarl's tools text in the system
+        message, and ``tool`` messages as user turns of ``<tool_response>`` blocks where it has no
+        tool role. What render_first renders, and what `megarl sft` renders a record with tools by."""
         messages = list(messages)
         if tools and not self.template_has_tools:
             preamble = TOOLS_PREAMBLE.format(schemas="\n".join(json.dumps(t) for t in tools))
@@ -77,7 +81,14 @@ class ChatRenderer:
                 messages[0] = {**messages[0], "content": f"{messages[0].get('content') or ''}\n\n{preamble}"}
             else:
                 messages.insert(0, {"role": "system", "content": preamble})
-        return self.encode(self._render(messages, tools, True))
+        kwargs = {"tools": tools} if tools and self.template_has_tools else {}
+        return self._messages_for_template(messages, tools), kwargs
+
+    def render_first(self, messages: List[dict], tools: Optional[list] = None) -> List[int]:
+        messages, kwargs = self.template_input(messages, tools)
+        return self.encode(
+            self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+        )
 
     def render_after(self, turn_ids: List[int], messages: List[dict], tools: Optional[list] = None) -> List[int]:
         full = self._render(_BASE + list(messages), tools, True)

@@ -7,13 +7,16 @@ config's trainer, optimizer, LR schedule and checkpoint layout, with ``trainer.l
 negative log-likelihood of the trained tokens). The end is a checkpoint in ``run.output_dir``, so
 ``model.source`` of the RL run, ``megarl eval`` and ``megarl convert megatron-to-hf`` all read it.
 
-A record is ``{"messages": [..., {"role": "assistant", "content": ...}]}`` or ``{"prompt": ...,
-"response": ...}`` (one user turn, one answer). The prompt is the conversation before the last
-message, rendered by the tokenizer's chat template with its generation prompt; the response is what
-the template adds for the last message (its text, end-of-turn and trailing glue), encoded on its own,
-so the trainer sees the prompt's ids followed by exactly the ids a generation after that prompt
-would hold. Only the response is trained (loss mask 1); the prompt never is. A record whose full
-rendering does not begin with its prompt's rendering is refused, naming its line.
+A record is ``{"messages": [..., {"role": "assistant", "content": ...}]}`` (optionally with
+``"tools"``, function schemas rendered as ``rollout.tools`` renders an RL prompt, and ``tool``
+messages) or ``{"prompt": ..., "response": ...}`` (one user turn, one answer). The prompt is the conversation before the first
+assistant message, rendered by the tokenizer's chat template with its generation prompt; each
+assistant message is what the template adds for it (its text, end-of-turn and trailing glue), encoded
+on its own, so the trainer sees exactly the ids a generation after that context would hold. Every
+assistant message is trained (loss mask 1, as TRL's assistant-only loss and verl's multi-turn SFT
+do); the prompt and the messages between assistant ones (a tool's answer, a user turn: what an
+environment inserts) never are. A record whose rendering rewrites an earlier turn (a later
+rendering that does not begin with an earlier one) is refused, naming its line.
 
 Steps: ``batch_size`` records each, reshuffled every epoch with ``run.seed`` (the last, smaller batch
 kept), one optimizer step per batch. Metrics go to ``run.output_dir``'s metrics.jsonl and
@@ -24,13 +27,14 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Sequence
 
 import torch
 import torch.distributed as dist
 
+from megarl.environments.chat_render import ChatRenderer
 from megarl.errors import ConfigError
 from megarl.executors.trainer import TrainerExecutor
 from megarl.generator.tokenizer import load_tokenizer
@@ -47,6 +51,47 @@ class SftExample:
     prompt_ids: List[int]
     response_ids: List[int]
     source: str  # file:line
+    response_mask: List[int] = field(default_factory=list)  # 1 on an assistant message's ids; [] = all 1
+
+
+def _split(tokenizer, messages: List[dict], where: str, template_kwargs: dict) -> tuple:
+    """(prompt ids, response ids, response mask): the prompt is the conversation before the first
+    assistant message, with the generation prompt; every assistant message is what the template adds
+    for it (text, end-of-turn and trailing glue, mask 1), the messages between two assistant ones
+    what it adds for them up to the next generation prompt (mask 0). Each piece is encoded on its own,
+    as an episode's context is built: the prompt, a sampled turn, the environment's inserted ids."""
+
+    def render(upto: int, generation_prompt: bool) -> str:
+        return tokenizer.apply_chat_template(
+            messages[:upto], tokenize=False, add_generation_prompt=generation_prompt, **template_kwargs
+        )
+
+    pieces, done = [], ""
+    for j, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        if j == 0:
+            raise ConfigError(f"{where}: 'messages' needs the prompt's messages before the first assistant one")
+        before, after = render(j, True), render(j + 1, False)
+        if not (before.startswith(done) and after.startswith(before)):
+            raise ConfigError(
+                f"{where}: the chat template renders the conversation without its prompt's rendering as a "
+                "prefix (it rewrites earlier turns), so the response cannot be split off exactly"
+            )
+        pieces += [(before[len(done) :], 0), (after[len(before) :], 1)]
+        done = after
+
+    def encode(text: str) -> List[int]:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    prompt, response, mask = encode(pieces[0][0]), [], []
+    for text, trained in pieces[1:]:
+        ids = encode(text)
+        if trained and not ids:
+            raise ConfigError(f"{where}: the assistant's message renders to no tokens")
+        response += ids
+        mask += [trained] * len(ids)
+    return prompt, response, mask
 
 
 def _messages(record, where: str) -> List[dict]:
@@ -74,7 +119,7 @@ def sft_examples(path: Path, tokenizer, max_tokens: int) -> List[SftExample]:
         raise ConfigError("megarl sft: the tokenizer has no chat template")
     if not path.is_file():
         raise ConfigError(f"--data {path}: no such file")
-    out = []
+    out, renderer = [], None
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
@@ -83,24 +128,21 @@ def sft_examples(path: Path, tokenizer, max_tokens: int) -> List[SftExample]:
             record = json.loads(line)
         except ValueError as exc:
             raise ConfigError(f"{where}: not JSON ({exc})") from None
-        messages = _messages(record, where)
-        prompt = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
-        full = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
-        if not full.startswith(prompt):
-            raise ConfigError(
-                f"{where}: the chat template renders the conversation without its prompt's rendering as a "
-                "prefix (it rewrites earlier turns), so the response cannot be split off exactly"
-            )
-        ids = list(tokenizer.encode(prompt, add_special_tokens=False))
-        response = list(tokenizer.encode(full[len(prompt) :], add_special_tokens=False))
-        if not response:
-            raise ConfigError(f"{where}: the assistant's message renders to no tokens")
+        messages, template_kwargs = _messages(record, where), {}
+        tools = record.get("tools")
+        if tools is not None:  # rendered as rollout.tools renders an RL prompt (environments/chat_render.py)
+            if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+                raise ConfigError(f"{where}: 'tools' is a list of function schemas (objects)")
+            if renderer is None:
+                renderer = ChatRenderer(tokenizer)
+            messages, template_kwargs = renderer.template_input(messages, tools)
+        ids, response, mask = _split(tokenizer, messages, where, template_kwargs)
         if len(ids) + len(response) > max_tokens:
             raise ConfigError(
                 f"{where}: {len(ids) + len(response)} tokens, more than trainer.max_tokens_per_microbatch="
                 f"{max_tokens} (one sample must fit one micro-batch)"
             )
-        out.append(SftExample(ids, response, where))
+        out.append(SftExample(ids, response, where, mask))
     if not out:
         raise ConfigError(f"--data {path}: no records")
     return out
@@ -131,7 +173,7 @@ def to_samples(examples: Sequence[SftExample], version: int) -> List[Sample]:
             reward=0.0,
             group_id=i,
             finish_reason="stop",
-            loss_mask=[1] * len(e.response_ids),
+            loss_mask=list(e.response_mask) or [1] * len(e.response_ids),
         )
         for i, e in enumerate(examples)
     ]
