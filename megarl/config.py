@@ -216,6 +216,10 @@ class RewardConfig:
     # a sample whose reward failed (timeout, error, service down): scored 0 | its group not trained | the job ends
     on_error: str = "zero"
     judge: JudgeConfig = field(default_factory=JudgeConfig)
+    # what of an episode is scored: its whole response (every turn, tool result and inserted turn) |
+    # final_turn, the ids the policy generated after the last inserted ones: the final answer of a tool
+    # episode, so a tool's output in the transcript is not graded as the policy's answer
+    scored_text: str = "response"
 
     @property
     def resolved_function(self) -> str:
@@ -499,6 +503,13 @@ class Config:
     def _validate_reward(self) -> None:
         w = self.reward
         _choice("reward.on_error", w.on_error, ("zero", "drop", "fail"))
+        _choice("reward.scored_text", w.scored_text, ("response", "final_turn"))
+        r = self.rollout
+        if w.scored_text == "final_turn" and not (r.tools or r.env is not None or r.agent is not None):
+            raise ConfigError(
+                "reward.scored_text: final_turn scores an episode's last turn; without rollout.tools, rollout.env "
+                "or rollout.agent every sample is one turn (leave it at response)"
+            )
         if w.timeout_s <= 0:
             raise ConfigError(f"reward.timeout_s: must be > 0, got {w.timeout_s}")
         if w.retries < 0:

@@ -17,7 +17,7 @@ import logging
 import os
 import random
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 from megarl.data.arithmetic import arithmetic_records
 from megarl.data.arithmetic_ood import PREFIX as OOD_PREFIX
@@ -165,8 +165,15 @@ def _check_messages(messages: Any, where: str) -> List[Dict[str, str]]:
     return checked
 
 
-def tokenize_prompts(records: Sequence[PromptRecord], tokenizer, max_prompt_tokens: int) -> List[TokenizedPrompt]:
-    """Apply the tokenizer's chat template (with the generation prompt) to each record.
+def tokenize_prompts(
+    records: Sequence[PromptRecord],
+    tokenizer,
+    max_prompt_tokens: int,
+    render: Optional[Callable[[List[Dict[str, str]]], List[int]]] = None,
+) -> List[TokenizedPrompt]:
+    """Apply the tokenizer's chat template (with the generation prompt) to each record; ``render``
+    (messages -> ids), where given, renders every record instead (``rollout.tools``: the tools'
+    schemas in the prompt, environments/chat_render.py).
 
     Prompts over ``max_prompt_tokens`` are dropped with a warning, not truncated: a cut
     prompt can lose the question, and the reward would then grade an unanswerable one.
@@ -177,11 +184,14 @@ def tokenize_prompts(records: Sequence[PromptRecord], tokenizer, max_prompt_toke
     kept, longest_dropped = [], 0
     for record in records:
         prompt = record.plain_prompt
-        if prompt is None:
-            if not has_template:
-                raise ConfigError(f"{record.source}: chat 'messages' need a tokenizer with a chat template")
-            prompt = record.messages
-        ids = encode_prompt(tokenizer, prompt)
+        if render is not None:
+            ids = list(render(record.messages))
+        else:
+            if prompt is None:
+                if not has_template:
+                    raise ConfigError(f"{record.source}: chat 'messages' need a tokenizer with a chat template")
+                prompt = record.messages
+            ids = encode_prompt(tokenizer, prompt)
         if len(ids) > max_prompt_tokens:
             longest_dropped = max(longest_dropped, len(ids))
             continue

@@ -4,15 +4,21 @@
 an episode of :class:`~megarl.environments.tool_env.ToolEnvironment` (its tool calls answered in
 the tokenizer's ChatML turns); with ``rollout.env`` one of ``factory(tokenizer)``; with
 ``rollout.agent`` the agent's calls to an OpenAI-compatible endpoint (agent_env.py); otherwise the
-inner backend unchanged.
+inner backend unchanged. ``prompt_renderer(rollout, tokenizer)``: with ``rollout.tools``, how every
+prompt (training and evaluation sets alike) is rendered: the tools' schemas in the chat template's
+tools section, or megarl's tools text in the system message for templates without one
+(chat_render.py), as an OpenAI client's request with ``tools`` would be.
 """
 
 from __future__ import annotations
 
+from typing import Callable, List, Optional
+
 from megarl.dotted_path import resolve_dotted_path
+from megarl.environments.chat_render import ChatRenderer
 from megarl.environments.episode import EpisodeSettings
 from megarl.environments.multi_turn import MultiTurnBackend
-from megarl.environments.tool import resolve_tools
+from megarl.environments.tool import resolve_tools, tool_schemas
 from megarl.environments.tool_env import ChatMLToolFormat, ToolEnvironment
 from megarl.errors import ConfigError
 from megarl.generator.interface import GeneratorBackend
@@ -28,6 +34,18 @@ def chatml_format(tokenizer) -> ChatMLToolFormat:
             "(Qwen, SmolLM2) so far: give other families an environment of their own (rollout.env)"
         )
     return ChatMLToolFormat(lambda text: tokenizer.encode(text, add_special_tokens=False), im_end)
+
+
+def prompt_renderer(rollout, tokenizer) -> Optional[Callable[[List[dict]], List[int]]]:
+    """Messages -> prompt ids with the tools described, or None (the plain chat template) without tools."""
+    if not rollout.tools:
+        return None
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(
+            "rollout.tools: the tools are described in the prompt, which needs a tokenizer with a chat template"
+        )
+    renderer, schemas = ChatRenderer(tokenizer), tool_schemas(resolve_tools(rollout.tools))
+    return lambda messages: renderer.render_first(messages, schemas)
 
 
 def episode_backend(rollout, inner: GeneratorBackend, tokenizer, max_context: int) -> GeneratorBackend:

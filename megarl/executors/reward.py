@@ -40,6 +40,15 @@ class ScoredSamples:
     dropped_groups: int = 0  # groups left out because a sample's reward failed (on_error drop)
 
 
+def final_turn_ids(output_ids: List[int], loss_mask) -> List[int]:
+    """The ids generated after the last inserted (loss mask 0) id: an episode's final turn; all of a
+    one-turn sample's."""
+    if not loss_mask:
+        return list(output_ids)
+    last_inserted = max((i for i, m in enumerate(loss_mask) if not m), default=-1)
+    return list(output_ids[last_inserted + 1 :])
+
+
 class RewardExecutor:
     def __init__(self, cfg, tokenizer):
         w = cfg.reward
@@ -57,11 +66,15 @@ class RewardExecutor:
         self.fn = reward_spec(w.resolved_function) if self.remote is None else None
         self.timeout_s = w.timeout_s
         self.tokenizer = tokenizer
+        self.final_turn = w.scored_text == "final_turn"
 
-    def decode(self, c: Completion) -> str:
+    def decode(self, c: Completion, scored: bool = False) -> str:
+        """The response's text (what rollouts.jsonl records); ``scored``: the text the reward reads
+        (with reward.scored_text: final_turn, the episode's final turn alone)."""
+        ids = final_turn_ids(c.output_ids, c.loss_mask) if scored and self.final_turn else c.output_ids
         if self.tokenizer is None:  # model.tokenizer: none -- the reward sees the ids as text
-            return " ".join(map(str, c.output_ids))
-        return self.tokenizer.decode(c.output_ids, skip_special_tokens=True)
+            return " ".join(map(str, ids))
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def score(self, groups: List[List[Completion]], on_error: str = "") -> ScoredSamples:
         """``on_error``: this call's policy instead of reward.on_error (evaluation scores failures 0)."""
@@ -69,12 +82,13 @@ class RewardExecutor:
         start = time.perf_counter()
         flat = [c for g in groups for c in g]
         texts = [self.decode(c) for c in flat]
+        scored = [self.decode(c, scored=True) for c in flat] if self.final_turn else texts
         answers = [c.meta["answer"] for c in flat]
         if self.remote is not None:
             metas = [{k: v for k, v in c.meta.items() if k != "answer"} for c in flat]
-            results = self.remote.score(texts, answers, metas)
+            results = self.remote.score(scored, answers, metas)
         else:
-            results = score_batch(texts, answers, self.fn, self.timeout_s)
+            results = score_batch(scored, answers, self.fn, self.timeout_s)
         failed = [r.reason != OK for r in results]
         if on_error == "fail" and any(failed):
             reason = results[failed.index(True)].reason

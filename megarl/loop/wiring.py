@@ -119,11 +119,13 @@ def load_prompts(cfg: Config, tokenizer, vocab_size: int, source: Optional[str] 
     """Tokenized prompts of ``source`` (default data.train)."""
     from megarl.data.datasets import load_records, tokenize_prompts
     from megarl.data.random_tokens import random_token_prompts
+    from megarl.environments.factory import prompt_renderer
 
     source = source or cfg.data.train
     if source.startswith("random:"):  # token ids: no tokenizer involved
         return random_token_prompts(source, vocab_size, cfg.data.max_prompt_tokens)
-    return tokenize_prompts(load_records(source), tokenizer, cfg.data.max_prompt_tokens)
+    render = prompt_renderer(cfg.rollout, tokenizer)  # rollout.tools: the tools described in every prompt
+    return tokenize_prompts(load_records(source), tokenizer, cfg.data.max_prompt_tokens, render)
 
 
 @dataclass
