@@ -9,6 +9,7 @@ from megarl.cli_common import run_tool
 from megarl.convert.cli import add_hf_to_megatron_args, add_megatron_to_hf_args
 from megarl.data.arithmetic import add_data_args
 from megarl.plan.cli import add_plan_args
+from megarl.tools_demo import add_calculator_sft_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,6 +90,15 @@ def build_parser() -> argparse.ArgumentParser:
         "the run's in-training evaluation). Default: the run's run.seed, else 1234",
     )
 
+    ev.add_argument(
+        "--tools",
+        nargs="+",
+        default=(),
+        help="answer the policy's tool calls, as rollout.tools does in training (calculator, python, "
+        "or dotted paths); each prompt describes them and an episode is scored on its final turn",
+    )
+    ev.add_argument("--max-turns", type=int, default=None, help="turns of a --tools episode (default 4)")
+
     plot = sub.add_parser("plot", help="PNG curves of runs' metrics.jsonl (reward, KL, lag, ESS, time), overlaid")
     plot.add_argument("runs", nargs="+", help="run directories (or metrics.jsonl files)")
     plot.add_argument("--out", help="where the PNGs go (default: the first run's directory / plots)")
@@ -98,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     data = sub.add_parser("data", help="prompt datasets")
     data_sub = data.add_subparsers(dest="dataset", required=True)
     add_data_args(data_sub.add_parser("arithmetic", help="multi-digit arithmetic word problems (jsonl)"))
+    add_calculator_sft_args(
+        data_sub.add_parser("calculator-sft", help="training problems as calculator episodes, for megarl sft (jsonl)")
+    )
 
     bench = sub.add_parser("bench", help="benchmarks: ratios measured side by side in one run")
     bench_sub = bench.add_subparsers(dest="benchmark", required=True)
@@ -261,11 +274,17 @@ def dispatch(args: argparse.Namespace) -> None:
             args.temperature,
             args.top_p,
             args.seed,
+            args.tools,
+            args.max_turns,
         )
     elif args.command == "plot":
         from megarl.plot import plot_runs
 
         plot_runs(args.runs, args.out, args.x, args.label)
+    elif args.command == "data" and args.dataset == "calculator-sft":
+        from megarl.tools_demo import run_calculator_sft
+
+        run_calculator_sft(args)
     elif args.command == "data":
         from megarl.data.arithmetic import run_data
 

@@ -21,6 +21,12 @@ drawn at ``--temperature`` / ``--top-p`` with per-prompt seeds from ``--seed``,
 each defaulting to the training run's ``rollout.temperature`` / ``rollout.top_p``
 / ``run.seed`` (else 1.0 / 1.0 / 1234): the draws of the run's own evaluation
 during training (``data.eval_samples``, executors/generator.py) on the same prompts.
+
+``--tools calculator [--max-turns N]`` evaluates episodes as ``rollout.tools`` trains them: the
+tools described in every prompt (environments/chat_render.py), each ``<tool_call>`` answered in a
+tool turn, up to N turns (default 4); an episode is scored on its final turn (its answer, not a
+tool's output: ``reward.scored_text: final_turn``) and the JSON line adds what the greedy
+episodes did with the tools (tool calls, turns, errors).
 """
 
 from __future__ import annotations
@@ -29,15 +35,19 @@ import json
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from megarl.checkpointing.manifest import MANIFEST_FILE
 from megarl.checkpointing.megatron_checkpoint import TOKENIZER_DIR, TRACKER_FILE, resolve_checkpoint_dir
-from megarl.config import ModelConfig
+from megarl.config import ModelConfig, RolloutConfig
 from megarl.data.datasets import load_records, tokenize_prompts
+from megarl.environments.factory import episode_backend, prompt_renderer
+from megarl.environments.tool import resolve_tools
 from megarl.errors import CheckpointError, ConfigError
+from megarl.executors.reward import final_turn_ids
 from megarl.generator.interface import GenerationRequest, SamplingParams
 from megarl.generator.tokenizer import load_tokenizer, stop_ids
 from megarl.generator.torch_engine.engine import TorchEngine
@@ -156,6 +166,26 @@ def sampling_rule(
     return chosen
 
 
+DEFAULT_TOOL_TURNS = 4  # rollout.max_turns' default for tools
+TOOL_TURN_TOKENS = 48  # room per turn for the tool turn's ids (its glue and a result)
+
+
+def _episode_settings(tools: tuple, max_turns: int) -> RolloutConfig:
+    """The rollout fields episodes of --tools run by: tools answered as in training (rollout.tools),
+    at most --max-turns turns; refused, naming the flag, where they mean nothing."""
+    if max_turns < 1:
+        raise ConfigError(f"--max-turns: must be >= 1, got {max_turns}")
+    if max_turns > 1 and not tools:
+        raise ConfigError("--max-turns: > 1 needs --tools (what answers a turn)")
+    if tools and max_turns < 2:
+        raise ConfigError("--max-turns: --tools needs >= 2 (the turn after a tool's answer)")
+    try:
+        resolve_tools(tools, "--tools")
+    except ConfigError as err:
+        raise ConfigError(str(err)) from None
+    return RolloutConfig(tools=list(tools), max_turns=max_turns)
+
+
 def _eval_rank(
     ckpt_dir: str,
     tokenizer_dir: str,
@@ -167,6 +197,8 @@ def _eval_rank(
     dump: str | None = None,
     dtype: str = "fp32",
     sampling: dict | None = None,
+    tools: tuple = (),
+    max_turns: int = 1,
 ) -> None:
     # imported here: its torch.distributed.checkpoint costs ~0.77 s, paid by the eval rank that loads the
     # model and not by `megarl eval`'s launcher, which refuses a bad --data/--reward before any load
@@ -180,9 +212,13 @@ def _eval_rank(
     copy_colocated(spec, chunks, params)
     del chunks
     tokenizer = load_tokenizer(tokenizer_dir)
-    prompts = tokenize_prompts(load_records(data), tokenizer, 512)
+    episodes = _episode_settings(tools, max_turns)
+    prompts = tokenize_prompts(load_records(data), tokenizer, 512, prompt_renderer(episodes, tokenizer))
     longest = max(len(p.ids) for p in prompts)
-    engine = TorchEngine(spec, params, max_running=batch, max_seq_len=longest + max_new_tokens + 1)
+    # with tools: every turn's answer and the tool turn after it (a result of up to ~48 tokens)
+    context = longest + (max_new_tokens if not tools else max_turns * (max_new_tokens + TOOL_TURN_TOKENS))
+    engine = TorchEngine(spec, params, max_running=batch, max_seq_len=context + 1)
+    backend = episode_backend(episodes, engine, tokenizer, context)  # the engine itself without tools
     stops = stop_ids(tokenizer)
     sampling = sampling or {"samples": 1}
     k = sampling["samples"]
@@ -205,15 +241,21 @@ def _eval_rank(
             )
             for i, p in enumerate(prompts)
         ]
-    engine.submit(requests)
+    backend.submit(requests)
     start = time.perf_counter()
-    finished = engine.run_until_idle()
+    finished = backend.run_until_idle()
     greedy = sorted((c for c in finished if c.group_id >= 0), key=lambda c: c.group_id)
     sampled = sorted((c for c in finished if c.group_id < 0), key=lambda c: (-c.group_id, c.sample_index))
     done = greedy + sampled  # prompt order; then each prompt's k samples in order
     texts = [tokenizer.decode(c.output_ids, skip_special_tokens=True) for c in done]
+    # an episode is scored on its final turn (reward.scored_text: final_turn), not a tool's output
+    scored_texts = (
+        [tokenizer.decode(final_turn_ids(c.output_ids, c.loss_mask), skip_special_tokens=True) for c in done]
+        if tools
+        else texts
+    )
     answers = [p.record.answer for p in prompts] + [prompts[-1 - c.group_id].record.answer for c in sampled]
-    scores = score_batch(texts, answers, reward, timeout_s=10.0)
+    scores = score_batch(scored_texts, answers, reward, timeout_s=10.0)
     n = len(prompts)
     result = {
         "checkpoint": ckpt_dir,
@@ -225,6 +267,19 @@ def _eval_rank(
         "example": texts[0][:200],
         "dtype": dtype,
     }
+    if tools:  # what the greedy episodes did with the tools
+        stats = [c.episode for c in greedy]
+        result.update(
+            {
+                "tools": list(tools),
+                "max_turns": max_turns,
+                "turns_mean": sum(e.turns for e in stats) / n,
+                "tool_calls_mean": sum(e.tool_calls for e in stats) / n,
+                "episodes_with_tool_call": sum(e.tool_calls > 0 for e in stats) / n,
+                "tool_errors": sum(e.tool_errors for e in stats),
+                "turn_limit_frac": sum(e.finish == "max_turns" for e in stats) / n,
+            }
+        )
     if k > 1:
         per_prompt = [scores[n + i * k : n + (i + 1) * k] for i in range(n)]
         result.update(
@@ -237,12 +292,13 @@ def _eval_rank(
     Path(out).write_text(json.dumps(result))
     if dump:  # the greedy answers in prompt order, then (with --samples) each prompt's sampled ones
         with open(dump, "w") as f:
-            for c, text, score in zip(done, texts, scores):
+            for c, text, scored, score in zip(done, texts, scored_texts, scores):
                 i = c.group_id if c.group_id >= 0 else -1 - c.group_id
                 line = {
                     "prompt": prompts[i].record.messages,
                     "answer": prompts[i].record.answer,
                     "response": text,
+                    **({"scored": scored, "episode": asdict(c.episode)} if tools else {}),
                     "reward": score.score,
                     "reason": score.reason,
                 }
@@ -265,8 +321,12 @@ def evaluate(
     temperature: float | None = None,
     top_p: float | None = None,
     seed: int | None = None,
+    tools: tuple = (),
+    max_turns: int | None = None,
 ) -> dict:
     sampling_rule(samples, 1.0 if temperature is None else temperature, top_p, seed, {})  # before any loading
+    tools, max_turns = tuple(tools or ()), max_turns or (DEFAULT_TOOL_TURNS if tools else 1)
+    _episode_settings(tools, max_turns)  # a bad --tools / --max-turns is refused before any loading
     check_data(data)
     check_reward(reward)
     ckpt_dir = _checkpoint_dir(checkpoint, cache_dir)
@@ -292,6 +352,8 @@ def evaluate(
             dump and str(Path(dump).resolve()),
             decode_dtype,
             sampling,
+            tools,
+            max_turns,
         )
         result = json.loads(Path(out).read_text())
     result["dtype_source"] = source

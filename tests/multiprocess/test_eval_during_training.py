@@ -152,3 +152,36 @@ def test_named_eval_sets_are_evaluated_and_recorded_each_under_its_name(tmp_path
             assert sorted(x["answer"] for x in mine) == sorted(rec.answer for rec in load_records(spec))
             # the test reward: 1 for an even-length response, so the accuracy is recomputable from the file
             assert r[f"eval_{name}_accuracy"] == sum(x["reward"] >= 1 for x in mine) / len(mine)
+
+
+def _cli(*args, timeout=900):
+    return subprocess.run([sys.executable, "-m", "megarl.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+
+
+def test_megarl_eval_with_tools_runs_the_episodes_training_evaluates(tmp_path):
+    """`megarl eval --tools` renders the prompts with the tools and runs episodes as rollout.tools
+    does: its greedy answers are the in-training evaluation's, answer for answer, and without
+    --tools (no tools in the prompt) they are not."""
+    out = tmp_path / "run"
+    tools = ["rollout.tools=[calculator]", "rollout.max_turns=3", "reward.scored_text=final_turn"]
+    proc = _cli("train", "--config", str(ROOT / "configs" / "tiny_cpu.yaml"), "run.steps=2", *tools,
+                "data.max_prompt_tokens=320", "generator.max_seq_len=448", "trainer.max_tokens_per_microbatch=512",
+                f"data.eval={HELD_OUT}", "data.eval_max_new_tokens=16", f"run.output_dir={out}")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ours = [json.loads(line) for line in (out / "eval" / "step_2.jsonl").read_text().splitlines()]
+    dumps, results = {}, {}
+    for name, flags in (("tools", ["--tools", "calculator", "--max-turns", "3"]), ("plain", [])):
+        dumps[name] = tmp_path / f"{name}.jsonl"
+        ev = _cli("eval", "--checkpoint", str(out), "--data", HELD_OUT, "--max-new-tokens", "16",
+                  "--dump", str(dumps[name]), *flags)  # fmt: skip
+        assert ev.returncode == 0, ev.stderr[-3000:]
+        results[name] = json.loads(ev.stdout.strip().splitlines()[-1])
+    theirs = [json.loads(line) for line in dumps["tools"].read_text().splitlines()]
+    plain = [json.loads(line) for line in dumps["plain"].read_text().splitlines()]
+    assert [o["response"] for o in ours] == [t["response"] for t in theirs]
+    assert [t["episode"]["turns"] for t in theirs] == [1] * len(theirs)  # a random model calls no tool
+    assert results["tools"]["tool_calls_mean"] == 0 and results["tools"]["turns_mean"] == 1
+    assert [p["response"] for p in plain] != [t["response"] for t in theirs]
+    refused = _cli("eval", "--checkpoint", str(out), "--data", HELD_OUT, "--max-turns", "3", timeout=300)
+    assert refused.returncode != 0 and "--max-turns: > 1 needs --tools" in refused.stderr
