@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.megarl-installed
 TEST_STAMP := $(VENV)/.megarl-test-installed
 
-.PHONY: setup setup-test demo demo-convert lint test test-quick clean
+.PHONY: setup setup-test demo demo-tools demo-convert lint test test-quick clean
 
 # What `megarl train`, `megarl eval` and `make demo` need; `make test` adds setup-test's part.
 setup: $(STAMP)
@@ -49,6 +49,23 @@ demo: setup
 	$(VENV)/bin/megarl train --config configs/demo_cpu.yaml
 	$(VENV)/bin/megarl eval --checkpoint runs/demo_cpu $(DEMO_EVAL)
 	$(VENV)/bin/megarl eval --checkpoint runs/demo_cpu $(DEMO_EVAL_OOD)
+
+# The tools demo (docs/tools-demo.md): the same held-out sets, every prompt describing the calculator
+# and each <tool_call> answered (--tools calculator); SmolLM2 before (it writes no tool call), after a
+# 4-step warm start on 64 training problems written as calculator episodes (megarl sft), and after
+# 30 minutes of RL from it (configs/demo_tools_cpu.yaml). A second run trains nothing more.
+DEMO_TOOLS = --tools calculator --max-turns 3
+demo-tools: setup
+	$(VENV)/bin/megarl eval --checkpoint smollm2 $(DEMO_EVAL) $(DEMO_TOOLS)
+	$(VENV)/bin/megarl eval --checkpoint smollm2 $(DEMO_EVAL_OOD) $(DEMO_TOOLS)
+	test -d runs/demo_tools_sft/checkpoints || ( \
+	  $(VENV)/bin/megarl data calculator-sft --n 64 --out runs/demo_tools_sft.jsonl && \
+	  $(VENV)/bin/megarl sft --config configs/demo_tools_sft_cpu.yaml --data runs/demo_tools_sft.jsonl --batch-size 16 )
+	$(VENV)/bin/megarl eval --checkpoint runs/demo_tools_sft $(DEMO_EVAL) $(DEMO_TOOLS)
+	$(VENV)/bin/megarl eval --checkpoint runs/demo_tools_sft $(DEMO_EVAL_OOD) $(DEMO_TOOLS)
+	$(VENV)/bin/megarl train --config configs/demo_tools_cpu.yaml
+	$(VENV)/bin/megarl eval --checkpoint runs/demo_tools_cpu $(DEMO_EVAL) $(DEMO_TOOLS)
+	$(VENV)/bin/megarl eval --checkpoint runs/demo_tools_cpu $(DEMO_EVAL_OOD) $(DEMO_TOOLS)
 
 # The foundation's check: SmolLM2 at TP3 through Megatron vs transformers.
 demo-convert: setup
