@@ -52,14 +52,14 @@ demo: setup
 
 # The tools demo (docs/tools-demo.md): the same held-out sets, every prompt describing the calculator
 # and each <tool_call> answered (--tools calculator); SmolLM2 before (it writes no tool call), after a
-# 4-step warm start on 64 training problems written as calculator episodes (megarl sft), and after
+# 8-step warm start on 128 training problems written as calculator episodes (megarl sft), and after
 # 30 minutes of RL from it (configs/demo_tools_cpu.yaml). A second run trains nothing more.
 DEMO_TOOLS = --tools calculator --max-turns 3
 demo-tools: setup
 	$(VENV)/bin/megarl eval --checkpoint smollm2 $(DEMO_EVAL) $(DEMO_TOOLS)
 	$(VENV)/bin/megarl eval --checkpoint smollm2 $(DEMO_EVAL_OOD) $(DEMO_TOOLS)
 	test -d runs/demo_tools_sft/checkpoints || ( \
-	  $(VENV)/bin/megarl data calculator-sft --n 64 --out runs/demo_tools_sft.jsonl && \
+	  $(VENV)/bin/megarl data calculator-sft --n 128 --out runs/demo_tools_sft.jsonl && \
 	  $(VENV)/bin/megarl sft --config configs/demo_tools_sft_cpu.yaml --data runs/demo_tools_sft.jsonl --batch-size 16 )
 	$(VENV)/bin/megarl eval --checkpoint runs/demo_tools_sft $(DEMO_EVAL) $(DEMO_TOOLS)
 	$(VENV)/bin/megarl eval --checkpoint runs/demo_tools_sft $(DEMO_EVAL_OOD) $(DEMO_TOOLS)

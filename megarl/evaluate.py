@@ -179,10 +179,7 @@ def _episode_settings(tools: tuple, max_turns: int) -> RolloutConfig:
         raise ConfigError("--max-turns: > 1 needs --tools (what answers a turn)")
     if tools and max_turns < 2:
         raise ConfigError("--max-turns: --tools needs >= 2 (the turn after a tool's answer)")
-    try:
-        resolve_tools(tools, "--tools")
-    except ConfigError as err:
-        raise ConfigError(str(err)) from None
+    resolve_tools(tools, "--tools")  # an unknown tool or a bad dotted path, named by the flag
     return RolloutConfig(tools=list(tools), max_turns=max_turns)
 
 

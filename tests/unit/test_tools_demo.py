@@ -135,3 +135,19 @@ def test_final_turn_scoring_without_episodes_is_refused():
         load_config(TINY, ["reward.scored_text=final_turn"])
     with pytest.raises(ConfigError, match=r"reward.scored_text"):
         load_config(TINY, ["reward.scored_text=last"])
+
+
+@pytest.mark.parametrize(
+    "tools,max_turns,message",
+    [
+        (("calc",), 3, r"--tools: no tool 'calc'"),
+        ((), 3, r"--max-turns: > 1 needs --tools"),
+        (("calculator",), 1, r"--max-turns: --tools needs >= 2"),
+        ((), 0, r"--max-turns: must be >= 1"),
+    ],
+)
+def test_eval_tool_flags_are_refused_naming_the_flag(tools, max_turns, message):
+    from megarl.evaluate import _episode_settings
+
+    with pytest.raises(ConfigError, match=message):
+        _episode_settings(tools, max_turns)
