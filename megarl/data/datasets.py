@@ -183,10 +183,10 @@ def tokenize_prompts(
     has_template = bool(getattr(tokenizer, "chat_template", None))
     kept, longest_dropped = [], 0
     for record in records:
-        prompt = record.plain_prompt
         if render is not None:
             ids = list(render(record.messages))
         else:
+            prompt = record.plain_prompt
             if prompt is None:
                 if not has_template:
                     raise ConfigError(f"{record.source}: chat 'messages' need a tokenizer with a chat template")

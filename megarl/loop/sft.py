@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Sequence
 
@@ -51,7 +51,7 @@ class SftExample:
     prompt_ids: List[int]
     response_ids: List[int]
     source: str  # file:line
-    response_mask: List[int] = field(default_factory=list)  # 1 on an assistant message's ids; [] = all 1
+    response_mask: List[int]  # 1 on an assistant message's ids, 0 on the turns between them
 
 
 def _split(tokenizer, messages: List[dict], where: str, template_kwargs: dict) -> tuple:
@@ -162,7 +162,7 @@ def sft_steps(n: int, batch_size: int, epochs: int, seed: int) -> List[List[int]
 
 
 def to_samples(examples: Sequence[SftExample], version: int) -> List[Sample]:
-    """Trainer samples: the response trained (mask 1), each its own group with reward 0 (the sft loss
+    """Trainer samples: the assistant messages trained (mask 1), each its own group with reward 0 (the sft loss
     reads neither advantages nor behaviour log-probs)."""
     return [
         Sample(
@@ -173,7 +173,7 @@ def to_samples(examples: Sequence[SftExample], version: int) -> List[Sample]:
             reward=0.0,
             group_id=i,
             finish_reason="stop",
-            loss_mask=list(e.response_mask) or [1] * len(e.response_ids),
+            loss_mask=list(e.response_mask),
         )
         for i, e in enumerate(examples)
     ]
