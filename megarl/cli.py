@@ -158,6 +158,16 @@ def build_parser() -> argparse.ArgumentParser:
     att.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
     att.add_argument("--reps", type=int, default=10, help="timed calls of each (alternated)")
 
+    epi = bench_sub.add_parser(
+        "episodes", help="multi-turn episodes: each turn's KV cache parked for the next vs every context prefilled"
+    )
+    epi.add_argument("--prompts", type=int, default=16, help="episodes (the tools demo's held-out prompts)")
+    epi.add_argument("--batch", type=int, default=8, help="episodes in flight (the engine's max_running)")
+    epi.add_argument("--turns", type=int, default=3)
+    epi.add_argument("--max-new-tokens", type=int, default=48, help="per turn")
+    epi.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
+    epi.add_argument("--repeats", type=int, default=2, help="timed runs of each arm (alternated)")
+
     avs = bench_sub.add_parser("async-vs-sync", help="samples/s of the async loop vs the sync baseline, same workload")
     avs.add_argument("--config", required=True)
     avs.add_argument("--workdir", default="runs/bench_async_vs_sync")
@@ -328,6 +338,12 @@ def dispatch(args: argparse.Namespace) -> None:
         from megarl.bench import attention
 
         attention.run(attention.AttentionBench(seqs=tuple(args.seq), dtype=args.dtype, reps=args.reps))
+    elif args.command == "bench" and args.benchmark == "episodes":
+        from megarl.bench import episodes
+
+        episodes.run(
+            episodes.EpisodesBench(args.prompts, args.batch, args.turns, args.max_new_tokens, args.dtype, args.repeats)
+        )
     elif args.command == "bench" and args.benchmark == "async-vs-sync":
         from megarl.bench import async_vs_sync
 

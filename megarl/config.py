@@ -143,6 +143,9 @@ class GeneratorConfig:
     fp8: bool = False
     dtype: str = "fp32"  # engine weights when not fp8: fp32 | bf16 | auto (as model.dtype)
     recompute_kv_on_update: bool = False
+    # torch backend, episodes: a finished turn's KV slot stays parked for the episode's next turn; a
+    # waiting sequence that finds no free slot takes it once it has been parked this long (seconds)
+    kv_park_timeout_s: float = 1.0
     # async: once its batch is ready, keep decoding for the next one until the trainer's step ends
     generate_while_waiting: bool = True
     # async: a weight update lands between decode steps, inside sequences in flight (PipelineRL's
@@ -591,6 +594,22 @@ class Config:
             raise ConfigError(
                 "rollout.max_turns: > 1 needs rollout.tools, rollout.env or rollout.agent (what answers a turn)"
             )
+        g = self.generator
+        if not multi_turn and g.kv_park_timeout_s != GeneratorConfig.kv_park_timeout_s:
+            raise ConfigError(
+                "generator.kv_park_timeout_s: parks the KV cache of an episode between its turns; without "
+                "rollout.tools, rollout.env or rollout.agent there are no episodes"
+            )
+        if g.kv_park_timeout_s < 0:
+            raise ConfigError(f"generator.kv_park_timeout_s: must be >= 0, got {g.kv_park_timeout_s}")
+        if multi_turn and self.run.mode == "async" and g.backend == "torch" and g.tp > 1:
+            # every TP rank runs the same engine schedule, but each steps its own environments: a tool
+            # answered on one rank a step before another would send the ranks different batches
+            raise ConfigError(
+                "generator.tp: episodes (rollout.tools / rollout.env / rollout.agent) on the torch engine need "
+                f"generator.tp=1 (got {g.tp}): each TP rank steps its own environments, so their turns would "
+                "reach the ranks' engines at different steps; use generator.backend=sglang for TP > 1"
+            )
         if multi_turn and self.model.tokenizer == "none":
             raise ConfigError(
                 "rollout.tools / rollout.env / rollout.agent: episodes need a tokenizer (model.tokenizer is none)"
@@ -630,6 +649,11 @@ class Config:
         for i, url in enumerate(g.sglang_urls):
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"generator.sglang_urls[{i}]: {url!r} is not an http(s):// URL")
+        if g.kv_park_timeout_s != GeneratorConfig.kv_park_timeout_s:
+            raise ConfigError(
+                "generator.kv_park_timeout_s: SGLang's radix cache keeps an episode's prefix and evicts by "
+                "its own policy; the field is the torch engine's"
+            )
         if g.recompute_kv_on_update:
             raise ConfigError(
                 "generator.recompute_kv_on_update: SGLang keeps the KV cache of paused requests "

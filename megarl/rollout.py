@@ -28,13 +28,17 @@ MASKED_VERSION = -1  # a masked token's policy version: older than any real one,
 class EpisodeStats:
     """A multi-turn sample's episode (megarl/environments): its turns, tool calls, the tool calls
     that failed, seconds its environment stepped, and why it ended (done | max_turns | length |
-    max_context | env_timeout | env_error | aborted | history_edited)."""
+    max_context | env_timeout | env_error | aborted | history_edited); over its turns, the prompt
+    ids the generator prefilled and those whose keys and values a cache kept (a parked session or
+    SGLang's radix cache)."""
 
     turns: int
     tool_calls: int = 0
     tool_errors: int = 0
     env_seconds: float = 0.0
     finish: str = ""
+    prefill_tokens: int = 0
+    cached_tokens: int = 0
 
 
 @dataclass
@@ -109,11 +113,13 @@ class Sample:
 def episode_metrics(samples: Sequence[Sample]) -> dict:
     """Per-step metrics of a batch's multi-turn samples (none when it has none): means per episode of
     turns, tool calls, failed tool calls and environment seconds; the fractions ended by
-    rollout.max_turns, by a failed or timed-out environment step and by an edited history."""
+    rollout.max_turns, by a failed or timed-out environment step and by an edited history; the
+    fraction of the turns' prompt ids that a cache kept."""
     episodes = [s.episode for s in samples if s.episode is not None]
     if not episodes:
         return {}
     n = len(episodes)
+    cached = sum(e.cached_tokens for e in episodes)
     return {
         "episode_turns": sum(e.turns for e in episodes) / n,
         "episode_tool_calls": sum(e.tool_calls for e in episodes) / n,
@@ -123,6 +129,10 @@ def episode_metrics(samples: Sequence[Sample]) -> dict:
         "episode_env_failed_frac": sum(e.finish in ("env_error", "env_timeout") for e in episodes) / n,
         # an agent behind the OpenAI endpoint that edited its earlier history: the trajectory ends there
         "episode_history_edited_frac": sum(e.finish == "history_edited" for e in episodes) / n,
+        # the turns' prompt ids a cache kept, of all they held (0 with no cache reuse)
+        "episode_prompt_cached_frac": cached / fed
+        if (fed := sum(e.prefill_tokens + e.cached_tokens for e in episodes))
+        else 0.0,
     }
 
 

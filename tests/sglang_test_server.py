@@ -183,6 +183,7 @@ class Server:
         self.busy = False  # the workers have requests waiting, running or aborted
         self.new_requests: list = []
         self.new_aborts: List[str] = []
+        self.fed: List[List[int]] = []  # every answered request's fed ids (meta_info.cached_tokens)
         self.waiters: Dict[str, dict] = {}
         self.failure = None
         self.stats = {
@@ -297,6 +298,7 @@ class Server:
             "finish_reason": finish,
             "prompt_tokens": len(body["input_ids"]),
             "completion_tokens": n,
+            "cached_tokens": self._radix_hit(body["input_ids"], c),
             "output_token_logprobs": [[lp, t, None] for lp, t in zip(c.logprobs, c.output_ids)],
         }
         # SGLang records an event (old version, tokens so far) at each update and builds spans from them
@@ -315,6 +317,20 @@ class Server:
         self.stats["generated"] += n
         self.stats["two_version_samples"] += bool(events)
         return {"text": "", "output_ids": c.output_ids, "meta_info": meta}
+
+    def _radix_hit(self, input_ids, completion) -> int:
+        """meta_info.cached_tokens as a radix cache that never evicts would report it: the longest
+        prefix of this prompt that an earlier request fed (its prompt and all but its last output id),
+        at most all but the prompt's last id (SGLang always prefills at least one)."""
+        best = 0
+        with self.lock:
+            for fed in self.fed:
+                n = 0
+                while n < min(len(fed), len(input_ids) - 1) and fed[n] == input_ids[n]:
+                    n += 1
+                best = max(best, n)
+            self.fed.append(list(input_ids) + list(completion.output_ids[:-1]))
+        return best
 
     def pause(self, body: dict) -> dict:
         # the contract checked the value against PauseGenerationReqInput's Literal

@@ -14,9 +14,9 @@ ids to insert, a reward and whether the episode is done. Both run in the environ
 optional ``close()`` is called when the episode ends, however it ends.
 
 :class:`EpisodeRunner` drives many episodes at once on any ``GeneratorBackend``: each turn is a
-``GenerationRequest`` whose prompt is the whole context so far (SGLang's radix cache reuses the
-prefix; megarl's torch engine prefills it again: the cache of a parked episode is released when
-its turn ends, so a tool that runs for a minute holds no ``max_running`` slot), environment steps
+``GenerationRequest`` of the episode's session whose prompt is the whole context so far (SGLang's
+radix cache reuses the prefix; megarl's torch engine keeps the session's slot parked and prefills
+only the new ids, multi_turn.py states the policy), environment steps
 run in a bounded thread pool beside generation with a timeout, and in-flight weight updates may
 land between or within turns (the versions travel with every token).
 """
@@ -58,6 +58,8 @@ class Trajectory:
     tool_calls: int = 0
     tool_errors: int = 0
     env_seconds: float = 0.0
+    prefill_tokens: int = 0  # the turns' prompt ids the generator prefilled
+    cached_tokens: int = 0  # and those a cache kept (Completion.cached_tokens)
     meta: dict = field(default_factory=dict)
 
     def context(self) -> List[int]:
@@ -80,6 +82,8 @@ class Trajectory:
         self.segments.append(
             Segment(GENERATED, list(completion.output_ids), list(completion.logprobs), list(completion.versions))
         )
+        self.cached_tokens += completion.cached_tokens
+        self.prefill_tokens += len(completion.prompt_ids) - completion.cached_tokens
 
     def add_inserted(self, ids: List[int]) -> None:
         if ids:
@@ -117,7 +121,15 @@ class Trajectory:
         )
 
     def stats(self) -> EpisodeStats:
-        return EpisodeStats(self.turns, self.tool_calls, self.tool_errors, self.env_seconds, self.finish or "")
+        return EpisodeStats(
+            self.turns,
+            self.tool_calls,
+            self.tool_errors,
+            self.env_seconds,
+            self.finish or "",
+            self.prefill_tokens,
+            self.cached_tokens,
+        )
 
 
 @dataclass(frozen=True)

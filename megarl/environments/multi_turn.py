@@ -12,10 +12,15 @@ turns, tool calls and why it ended.
 
 Policies, stated:
 
-- KV cache: a turn's sequence leaves the inner backend when the turn ends, so an episode parked
-  while its environment steps holds no KV slot; the next turn prefills the context again (SGLang's
-  radix cache finds the prefix; megarl's torch engine recomputes it). The executor's admission
-  (``generator.max_running``) still counts the parked episode as one sample in flight.
+- KV cache: every turn of an episode is a request of its session (``session_id``, the episode
+  id). megarl's torch engine parks the slot of a finished turn while the environment steps and
+  prefills only the inserted ids at the next turn; SGLang's radix cache finds the prefix by itself.
+  A parked slot counts against the engine's ``max_running`` and is evicted, least recently parked
+  first, when a new sequence finds no free slot (that episode's next turn prefills its whole
+  context; counted as ``kv_evictions``); it is released when the episode ends, however it ends.
+  The executor's admission (``generator.max_running``) counts a parked episode as one sample in
+  flight; evictions come from samples queued beyond the engine's slots.
+  ``episode_prompt_cached_frac`` is the share of the turns' prompt ids a cache kept.
 - Weight updates go to the inner backend between steps and may land between or within turns: each
   token keeps the version that produced it, and ``rollout.max_lag`` judges an episode by its
   oldest trained token (``Completion.trained_versions``).
@@ -170,7 +175,9 @@ class MultiTurnBackend(GeneratorBackend):
         )
         e.turn_request = f"{t.episode_id}/turn{t.turns}"
         self.by_turn[e.turn_request] = t.episode_id
-        self.inner.submit([GenerationRequest(e.turn_request, context, params, group_id=t.group_id)])
+        self.inner.submit(
+            [GenerationRequest(e.turn_request, context, params, group_id=t.group_id, session_id=t.episode_id)]
+        )
 
     def _turn_done(self, e: _Episode, c: Completion) -> None:
         e.turn_request = None
@@ -226,6 +233,7 @@ class MultiTurnBackend(GeneratorBackend):
         t = e.trajectory
         t.finish = finish
         self.live.pop(t.episode_id, None)
+        self.inner.release_sessions([t.episode_id])  # its parked cache, if the backend kept one
         close = getattr(e.env, "close", None)
         if close is not None:  # an agent's session ends: its pending call is answered with an error
             close()

@@ -52,6 +52,7 @@ def torch_engine_backend(g, spec, p: GeneratorRank) -> GeneratorBackend:
         group=p.tp_group,
         recompute_kv_on_update=g.recompute_kv_on_update,
         ep=p.dims.ep,
+        kv_park_timeout_s=g.kv_park_timeout_s,
     )
 
 

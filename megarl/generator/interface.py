@@ -11,6 +11,10 @@ Nothing above this interface knows which backend runs:
     backend.update_weights(apply)                  between decode steps: ``apply()`` lands new
                                                    weights and returns their SyncStats; tokens
                                                    sampled afterwards carry ``stats.version``
+    backend.release_sessions([session_id, ...])    a session's later requests will not come: drop
+                                                   what the backend kept of it (the torch engine's
+                                                   parked KV cache; SGLang's radix cache evicts
+                                                   by itself)
     backend.stats()                                queue depth, running, tokens/s
     backend.close()                                release threads, servers, memory
 
@@ -62,6 +66,10 @@ class GenerationRequest:
     n: int = 1  # samples of this prompt (one group for the group baseline)
     group_id: int = 0
     meta: dict = field(default_factory=dict)
+    # the turns of one episode: a backend may keep this request's KV cache when it finishes, for a
+    # later request of the session whose prompt extends it (the torch engine parks the slot; SGLang's
+    # radix cache finds any prefix without it). One sample per request (n = 1).
+    session_id: Optional[str] = None
 
 
 @dataclass
@@ -83,6 +91,9 @@ class Completion:
     # inserted (their logprobs / versions are rollout.MASKED_LOGPROB / MASKED_VERSION); None: all sampled
     loss_mask: Optional[List[int]] = None
     episode: Optional[Any] = None  # rollout.EpisodeStats of a multi-turn sample
+    # prompt ids whose keys and values came from a cache rather than this request's prefill
+    # (SGLang's meta_info.cached_tokens; the torch engine's parked session)
+    cached_tokens: int = 0
 
     def trained_versions(self) -> List[int]:
         """The policy versions of the tokens the loss trains on (what max_lag judges)."""
@@ -137,6 +148,10 @@ class GeneratorBackend(abc.ABC):
 
     @abc.abstractmethod
     def stats(self) -> Dict[str, float]: ...
+
+    def release_sessions(self, session_ids: Sequence[str]) -> None:
+        """These sessions' episodes ended: free what was kept for their next request (nothing by
+        default; a cache that evicts by itself, as SGLang's radix cache does, needs no call)."""
 
     def close(self) -> None:
         """Release what the backend holds (threads, server processes); idempotent."""

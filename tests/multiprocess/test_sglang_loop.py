@@ -210,6 +210,11 @@ def test_multi_turn_episodes_through_sglang(tmp_path):
     )
     assert metrics[0]["kl_mu_pi"] < 1e-5 and all(m["weight_sync_verified"] for m in metrics), metrics[0]
     assert all(m["episode_turns"] == 3 and m["episode_tool_calls"] == 2 for m in metrics)
+    # the test server reports meta_info.cached_tokens as a radix cache would: turns 2 and 3 find
+    # their whole context but the inserted ids cached, so more than half of every step's prompt ids
+    assert all(m["episode_prompt_cached_frac"] > 0.5 for m in metrics), [
+        m["episode_prompt_cached_frac"] for m in metrics
+    ]
     for r in rollouts:
         mask = r["loss_mask"]
         assert [mask[0]] + [m for a, m in zip(mask, mask[1:]) if m != a] == [1, 0, 1, 0, 1]

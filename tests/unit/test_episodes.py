@@ -219,6 +219,96 @@ def test_torch_engine_episode_logprobs_are_transformers_on_the_final_context(tmp
             pos += len(s.token_ids)
 
 
+@pytest.mark.parametrize("max_running,park_timeout_s", [(2, 1.0), (1, 0.0), (1, 3600.0)])
+def test_parked_sessions_prefill_only_the_inserted_ids_and_sample_what_a_full_prefill_samples(
+    tmp_path, max_running, park_timeout_s
+):
+    """Three 3-turn episodes on megarl's engine, fp32, seeded temperature-1 sampling: with each turn's
+    slot parked for the episode's next one, the sampled ids equal those of the same engine prefilling
+    every context from scratch (`megarl bench episodes`' baseline arm), the log-probs agree to 1e-5, and the engine prefilled exactly the
+    first context plus, at each later turn, the inserted ids and the previous turn's last sampled id
+    (whose keys no forward had written), counted from the trajectories' own segments. With one slot
+    and no patience (timeout 0) a waiting episode evicts the parked one, which then prefills its whole
+    context again; with one slot and a long timeout the others wait and nothing is evicted. Every slot
+    is free when the episodes end."""
+    from megarl.bench.episodes import ForgetSessions
+    from megarl.generator.torch_engine.engine import TorchEngine
+    from megarl.generator.weights import load_generator_params
+    from megarl.models.hf_checkpoint import SafetensorsCheckpoint
+    from tests.conftest import make_tiny_llama
+
+    hf = SafetensorsCheckpoint(make_tiny_llama(tmp_path / "hf"))
+    params = load_generator_params(hf, 1, 0, torch.float32)
+
+    def engine():
+        return TorchEngine(hf.spec, params, max_running=max_running, max_seq_len=128, kv_park_timeout_s=park_timeout_s)
+
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=12, seed=5, stop_token_ids=tuple(range(0, 300, 4)))
+    prompts = [[3, 4, 5, 6], [9, 10], [21, 22, 23]]
+
+    def run(backend):
+        r = EpisodeRunner(backend, lambda i: InsertFixed(), lambda ids: "", sampling, EpisodeSettings(max_turns=5))
+        return sorted(r.run(prompts), key=lambda t: t.episode_id)
+
+    parked_engine, plain_engine = engine(), engine()
+    parked, plain = run(parked_engine), run(ForgetSessions(plain_engine))
+    for a, b in zip(parked, plain):
+        assert a.context() == b.context(), a.episode_id
+        la = [x for s in a.segments if s.kind == GENERATED for x in s.logprobs]
+        lb = [x for s in b.segments if s.kind == GENERATED for x in s.logprobs]
+        assert max(abs(x - y) for x, y in zip(la, lb)) < 1e-5
+    full = sum(len(t.prompt_ids) + len(t.segments[0].token_ids) for t in parked)  # reset's ids, then turn 1
+    for t in parked:
+        context = len(t.prompt_ids) + len(t.segments[0].token_ids)
+        for s in t.segments[1:]:
+            context += len(s.token_ids)
+            if s.kind == INSERTED:
+                full += context  # the next turn's whole context, prefilled from scratch
+    minimal = sum(
+        len(t.prompt_ids) + len(t.segments[0].token_ids) + sum(len(s.token_ids) + 1 for s in t.segments[2::2])
+        for t in parked
+    )
+    stats, plain_stats = parked_engine.stats(), plain_engine.stats()
+    assert plain_stats["prefill_tokens"] == full and plain_stats["cached_tokens"] == 0
+    assert stats["prefill_tokens"] + stats["cached_tokens"] == full
+    assert sum(t.stats().prefill_tokens for t in parked) == stats["prefill_tokens"]
+    assert sum(t.stats().cached_tokens for t in parked) == stats["cached_tokens"]
+    if park_timeout_s == 0.0:  # one slot, three episodes: parked turns were evicted and prefilled again
+        assert stats["kv_evictions"] > 0 and stats["prefill_tokens"] > minimal
+    else:
+        assert stats["kv_evictions"] == 0 and stats["prefill_tokens"] == minimal
+    assert stats["kv_parked"] == 0 and sorted(parked_engine.free_slots) == list(range(max_running))
+
+
+def test_a_session_is_one_sample_and_an_aborted_parked_episode_frees_its_slot(tmp_path):
+    from megarl.environments.multi_turn import MultiTurnBackend
+    from megarl.errors import ConfigError
+    from megarl.generator.interface import GenerationRequest
+    from megarl.generator.torch_engine.engine import TorchEngine
+    from megarl.generator.weights import load_generator_params
+    from megarl.models.hf_checkpoint import SafetensorsCheckpoint
+    from tests.conftest import make_tiny_llama
+
+    hf = SafetensorsCheckpoint(make_tiny_llama(tmp_path / "hf"))
+    engine = TorchEngine(hf.spec, load_generator_params(hf, 1, 0, torch.float32), max_running=2, max_seq_len=64)
+    with pytest.raises(ConfigError, match="session s asks for n=2"):
+        engine.submit([GenerationRequest("r", [3, 4], SamplingParams(max_new_tokens=2), n=2, session_id="s")])
+
+    class Slow(InsertFixed):
+        def step(self, turn):
+            import time
+
+            time.sleep(0.2)  # the episode stays parked while its "tool" runs
+            return super().step(turn)
+
+    episodes = MultiTurnBackend(engine, lambda i: Slow(), lambda ids: "", EpisodeSettings(max_turns=5))
+    episodes.submit([GenerationRequest("p", [3, 4, 5], SamplingParams(max_new_tokens=1, seed=1), n=2)])
+    while engine.stats()["kv_parked"] < 2:
+        episodes.step()
+    episodes.abort(["p"])
+    assert engine.stats()["kv_parked"] == 0 and sorted(engine.free_slots) == [0, 1]
+
+
 def test_an_episodes_loss_and_gradient_are_the_float64_reference_over_its_sampled_tokens():
     """Two 3-turn calculator episodes of one group (one answers 84: reward 1, one does not: 0) through
     the trainer's path (shape_batch, packing, the hook's trained positions and micro-batch loss, AIPO,

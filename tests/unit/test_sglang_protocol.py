@@ -311,7 +311,11 @@ def test_version_spans_from_sglangs_own_bookkeeping():
 def test_parser_names_the_fault():
     meta = {"weight_version": "2"}
     ok = protocol.parse_generate_output(_sglang_answer([4, 2], [-1.0, -0.5], meta, "stop"), REQUEST, 0, "http://g0")
-    assert ok.versions == [2, 2] and ok.finish_reason == "stop"
+    assert ok.versions == [2, 2] and ok.finish_reason == "stop" and ok.cached_tokens == 0
+    cached = protocol.parse_generate_output(
+        _sglang_answer([4, 2], [-1.0, -0.5], {**meta, "cached_tokens": 3}, "stop"), REQUEST, 0
+    )
+    assert cached.cached_tokens == 3  # the radix cache's hit, as the episode's prompt_cached metric reads it
     no_logprobs = {"output_ids": [4], "meta_info": {"finish_reason": {"type": "stop"}}}
     with pytest.raises(MegarlError, match=r"http://g0, request q7#0: output_token_logprobs .*return_logprob"):
         protocol.parse_generate_output(no_logprobs, REQUEST, 0, "http://g0")

@@ -348,6 +348,24 @@ def test_moe_training_settings_reach_megatron_and_dense_models_refuse_them():
             ["rollout.tools=[calculator]", "rollout.max_turns=3", "trainer.moe_enable_routing_replay=true"],
             r"trainer.moe_enable_routing_replay: routes of multi-turn episodes",
         ),
+        (["generator.kv_park_timeout_s=5"], r"generator.kv_park_timeout_s: parks the KV cache of an episode"),
+        (
+            ["rollout.tools=[calculator]", "rollout.max_turns=3", "generator.kv_park_timeout_s=-1"],
+            r"generator.kv_park_timeout_s: must be >= 0",
+        ),
+        (
+            ["rollout.tools=[calculator]", "rollout.max_turns=3", "generator.tp=2"],
+            r"generator.tp: episodes \(rollout.tools / rollout.env / rollout.agent\) on the torch engine need",
+        ),
+        (
+            [
+                "rollout.tools=[calculator]",
+                "rollout.max_turns=3",
+                "generator.backend=sglang",
+                "generator.kv_park_timeout_s=5",
+            ],
+            r"generator.kv_park_timeout_s: SGLang's radix cache keeps an episode's prefix",
+        ),
     ],
 )
 def test_episode_settings_that_mean_nothing_are_refused(overrides, message):

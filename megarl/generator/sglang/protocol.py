@@ -231,6 +231,8 @@ def parse_generate_output(
         reason,
         dict(request.meta),
         routed,
+        # the prompt ids its radix cache held (TokenizerManager puts recv_obj.cached_tokens in meta_info)
+        cached_tokens=int(meta.get("cached_tokens") or 0),
     )
 
 

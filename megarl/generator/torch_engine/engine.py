@@ -15,6 +15,17 @@ when ``recompute_kv_on_update`` (PipelineRL's two options). ``abort`` frees
 the slots of the named requests at once; their samples come back from the
 next ``step()`` with finish_reason "abort".
 
+Sessions (an episode's turns, ``GenerationRequest.session_id``): a finished turn's slot is
+parked with the keys and values of every id it fed, and the session's next request, whose prompt
+extends that context by the environment's ids, takes the slot back wherever it waits in the queue
+and prefills only the new ids (``Completion.cached_tokens`` counts the reused ones). A parked slot
+holds one of ``max_running``: a waiting sequence that finds no free slot takes the slot of the
+session parked longest, once that one has been parked ``kv_park_timeout_s`` (a tool that runs for
+a minute does not hold a slot for a minute; the evicted session's next turn prefills its whole
+context, as without parking; counted in ``kv_evictions``). ``release_sessions`` frees the slots
+of episodes that ended. Weights that land while a session is parked treat its cache as a running
+sequence's: kept, or dropped under ``recompute_kv_on_update`` (the next prefill recomputes it).
+
 Tensor parallel: every rank of the engine's group runs the same schedule on
 the same requests; logits are all-gathered, so every rank samples the same
 tokens with the same seeded generators and no token broadcast is needed.
@@ -23,7 +34,7 @@ tokens with the same seeded generators and no token broadcast is needed.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
@@ -44,10 +55,27 @@ class _Sequence:
     slot: int = -1
     tokens: List[int] = field(default_factory=list)  # prompt + output
     cached: int = 0  # tokens whose keys/values are in the cache
+    prompt_cached: int = 0  # prompt tokens whose keys/values a parked session left (not prefilled)
     output: List[int] = field(default_factory=list)
     logprobs: List[float] = field(default_factory=list)
     versions: List[int] = field(default_factory=list)
     generator: Optional[torch.Generator] = None
+
+
+@dataclass
+class _Parked:
+    slot: int
+    tokens: List[int]  # the ids whose keys and values the slot holds, in position order
+    since: float  # time.perf_counter() when it was parked
+
+
+def _common_prefix(a: List[int], b: List[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 class TorchEngine(GeneratorBackend):
@@ -65,6 +93,7 @@ class TorchEngine(GeneratorBackend):
         linear_path: str = "auto",
         cpu_kernels: str = "auto",
         ep: int = 1,
+        kv_park_timeout_s: float = 1.0,
     ):
         self.spec = spec
         if params["model.norm.weight"].device.type == "cpu":
@@ -102,11 +131,16 @@ class TorchEngine(GeneratorBackend):
         self.free_slots = list(range(max_running))[::-1]
         self.waiting: Deque[_Sequence] = deque()
         self.running: Dict[int, _Sequence] = {}
+        self.parked: "OrderedDict[str, _Parked]" = OrderedDict()  # session -> its slot, parked longest ago first
+        self.kv_park_timeout_s = kv_park_timeout_s
         self.version = version
         self.recompute_kv_on_update = recompute_kv_on_update
         self.paused = False
         self.aborted: List[Completion] = []  # returned by the next step()
         self.generated_tokens = 0
+        self.prefill_tokens = 0  # prompt ids fed by a prefill
+        self.cached_tokens = 0  # prompt ids a parked session's cache spared the prefill
+        self.kv_evictions = 0  # parked sessions evicted for a sequence that found no free slot
         self.busy_seconds = 0.0
 
     # -- interface -------------------------------------------------------------------------------
@@ -118,6 +152,10 @@ class TorchEngine(GeneratorBackend):
                 raise ConfigError(
                     f"request {r.request_id}: prompt of {len(r.prompt_ids)} tokens does not fit "
                     f"max_seq_len={self.max_seq_len}"
+                )
+            if r.session_id is not None and r.n != 1:
+                raise ConfigError(
+                    f"request {r.request_id}: session {r.session_id} asks for n={r.n}; sessions are one sample"
                 )
             for i in range(r.n):
                 g = None
@@ -135,10 +173,18 @@ class TorchEngine(GeneratorBackend):
         stats = apply()
         self.model.kernels.repack()  # the weights changed in place
         self.version = int(stats.version)
-        if self.recompute_kv_on_update and self.running:
-            seqs = list(self.running.values())
-            self._forward([(s, 0, s.cached) for s in seqs], want_logits=False)
+        if self.recompute_kv_on_update:
+            self.release_sessions(list(self.parked))  # their next turns prefill under the new weights
+            if self.running:
+                seqs = list(self.running.values())
+                self._forward([(s, 0, s.cached) for s in seqs], want_logits=False)
         return stats
+
+    def release_sessions(self, session_ids: Sequence[str]) -> None:
+        for session in session_ids:
+            parked = self.parked.pop(session, None)
+            if parked is not None:
+                self.free_slots.append(parked.slot)
 
     def abort(self, request_ids: Sequence[str]) -> None:
         doomed = set(request_ids)
@@ -156,6 +202,10 @@ class TorchEngine(GeneratorBackend):
             "tokens_per_s": self.generated_tokens / self.busy_seconds if self.busy_seconds else 0.0,
             "version": self.version,
             "kv_cache_bytes": self.cache.nbytes(),
+            "kv_parked": len(self.parked),
+            "kv_evictions": self.kv_evictions,
+            "prefill_tokens": self.prefill_tokens,
+            "cached_tokens": self.cached_tokens,
         }
 
     def step(self) -> List[Completion]:
@@ -163,23 +213,53 @@ class TorchEngine(GeneratorBackend):
         if self.paused:
             return finished
         start = time.perf_counter()
-        admitted = []
-        while self.waiting and self.free_slots:
-            seq = self.waiting.popleft()
-            seq.slot = self.free_slots.pop()
-            self.running[seq.slot] = seq
-            admitted.append(seq)
+        admitted = self._admit_waiting()
         # in slot order, so consecutive slots let the decode read the cache as a view
         decoding = sorted((s for s in self.running.values() if s not in admitted), key=lambda s: s.slot)
         # One forward per step: the admitted prompts are prefilled (and their first token
         # sampled) in the same pass that decodes one token for every other sequence.
-        work = [(s, 0, len(s.tokens)) for s in admitted] + [(s, s.cached, 1) for s in decoding]
+        work = [(s, s.cached, len(s.tokens) - s.cached) for s in admitted] + [(s, s.cached, 1) for s in decoding]
         if work:
             finished += self._advance([w[0] for w in work], work)
         self.busy_seconds += time.perf_counter() - start
         return finished
 
     # -- internals -------------------------------------------------------------------------------
+
+    def _admit_waiting(self) -> List[_Sequence]:
+        """Slots for waiting sequences: a session's next turn first takes its parked slot back (its
+        cached prefix kept), then the queue in order takes free slots, then the slots of sessions
+        parked at least kv_park_timeout_s, longest first."""
+        admitted = []
+        for seq in [s for s in self.waiting if s.request.session_id in self.parked]:
+            self.waiting.remove(seq)
+            parked = self.parked.pop(seq.request.session_id)
+            # the last prompt id is always fed: its logits sample the first new token
+            self._place(seq, parked.slot, min(_common_prefix(parked.tokens, seq.tokens), len(seq.tokens) - 1))
+            admitted.append(seq)
+        while self.waiting and (self.free_slots or self._evict_stale()):
+            seq = self.waiting.popleft()
+            self._place(seq, self.free_slots.pop(), 0)
+            admitted.append(seq)
+        return admitted
+
+    def _place(self, seq: _Sequence, slot: int, cached: int) -> None:
+        seq.slot, seq.cached, seq.prompt_cached = slot, cached, cached
+        self.cached_tokens += cached
+        self.prefill_tokens += len(seq.tokens) - cached
+        self.running[slot] = seq
+
+    def _evict_stale(self) -> bool:
+        """Free the slot of the session parked longest, if it has been parked kv_park_timeout_s."""
+        if not self.parked:
+            return False
+        session, oldest = next(iter(self.parked.items()))
+        if time.perf_counter() - oldest.since < self.kv_park_timeout_s:
+            return False
+        del self.parked[session]
+        self.free_slots.append(oldest.slot)
+        self.kv_evictions += 1
+        return True
 
     def _forward(self, work: List[Tuple[_Sequence, int, int]], want_logits: bool = True) -> Optional[torch.Tensor]:
         """Feed tokens [start, start + length) of each sequence; logits of each one's last row."""
@@ -225,7 +305,11 @@ class TorchEngine(GeneratorBackend):
 
     def _retire(self, seq: _Sequence, reason: str) -> Completion:
         del self.running[seq.slot]
-        self.free_slots.append(seq.slot)
+        session = seq.request.session_id
+        if session is not None and reason != ABORTED:  # the session's next turn extends this context
+            self.parked[session] = _Parked(seq.slot, seq.tokens[: seq.cached], time.perf_counter())
+        else:
+            self.free_slots.append(seq.slot)
         routes = None
         if self.routes is not None:  # SGLang's [routed_experts_start_len = 0, seqlen - 1): every fed position
             routes = self.routes[seq.slot, : len(seq.tokens) - 1].clone()
@@ -245,4 +329,5 @@ class TorchEngine(GeneratorBackend):
             reason,
             dict(r.meta),
             routes,
+            cached_tokens=seq.prompt_cached,
         )
