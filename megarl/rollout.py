@@ -120,6 +120,7 @@ def episode_metrics(samples: Sequence[Sample]) -> dict:
         return {}
     n = len(episodes)
     cached = sum(e.cached_tokens for e in episodes)
+    fed = cached + sum(e.prefill_tokens for e in episodes)
     return {
         "episode_turns": sum(e.turns for e in episodes) / n,
         "episode_tool_calls": sum(e.tool_calls for e in episodes) / n,
@@ -130,9 +131,7 @@ def episode_metrics(samples: Sequence[Sample]) -> dict:
         # an agent behind the OpenAI endpoint that edited its earlier history: the trajectory ends there
         "episode_history_edited_frac": sum(e.finish == "history_edited" for e in episodes) / n,
         # the turns' prompt ids a cache kept, of all they held (0 with no cache reuse)
-        "episode_prompt_cached_frac": cached / fed
-        if (fed := sum(e.prefill_tokens + e.cached_tokens for e in episodes))
-        else 0.0,
+        "episode_prompt_cached_frac": cached / fed if fed else 0.0,
     }
 
 

@@ -15,9 +15,10 @@ Policies, stated:
 - KV cache: every turn of an episode is a request of its session (``session_id``, the episode
   id). megarl's torch engine parks the slot of a finished turn while the environment steps and
   prefills only the inserted ids at the next turn; SGLang's radix cache finds the prefix by itself.
-  A parked slot counts against the engine's ``max_running`` and is evicted, least recently parked
-  first, when a new sequence finds no free slot (that episode's next turn prefills its whole
-  context; counted as ``kv_evictions``); it is released when the episode ends, however it ends.
+  A parked slot counts against the engine's ``max_running``; a waiting sequence that finds no free
+  slot takes the one parked longest, once it has been parked ``generator.kv_park_timeout_s`` (that
+  episode's next turn prefills its whole context; counted as ``kv_evictions``). The slot is
+  released when the episode ends, however it ends.
   The executor's admission (``generator.max_running``) counts a parked episode as one sample in
   flight; evictions come from samples queued beyond the engine's slots.
   ``episode_prompt_cached_frac`` is the share of the turns' prompt ids a cache kept.
