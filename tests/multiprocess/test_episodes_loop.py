@@ -47,6 +47,11 @@ def test_multi_turn_episodes_train_end_to_end(tmp_path):
         )
         assert all(v >= 0 for v, m in zip(r["versions"], mask) if m)
         assert all(v == -1 for v, m in zip(r["versions"], mask) if not m)
+        # each turn's prompt is the whole context so far: prefilled, or kept by the engine's parked slot
+        starts = [0] + [i for i in range(1, len(mask)) if mask[i] == 1 and mask[i - 1] == 0]
+        contexts = sum(len(r["prompt_tokens"]) + s for s in starts)
+        e = r["episode"]
+        assert e["prefill_tokens"] + e["cached_tokens"] == contexts and e["cached_tokens"] > 0, e
     for m in metrics:
         assert m["episode_turns"] == 3 and m["episode_tool_calls"] == 2 and m["episode_turn_limit_frac"] == 0
         # the trainer's log-probs at the trained positions are the sampler's (the math reward gives a random
