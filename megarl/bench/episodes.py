@@ -103,7 +103,7 @@ def _run_arm(engine: TorchEngine, parked: bool, prompts, params, settings, inser
 
 
 def run(b: EpisodesBench) -> dict:
-    for name in ("prompts", "batch", "turns", "max_new_tokens", "repeats"):
+    for name in ("prompts", "batch", "max_new_tokens", "repeats"):
         if getattr(b, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(b, name)}")
     if b.turns < 2:

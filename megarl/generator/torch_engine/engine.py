@@ -231,7 +231,8 @@ class TorchEngine(GeneratorBackend):
         cached prefix kept), then the queue in order takes free slots, then the slots of sessions
         parked at least kv_park_timeout_s, longest first."""
         admitted = []
-        for seq in [s for s in self.waiting if s.request.session_id in self.parked]:
+        returning = [s for s in self.waiting if s.request.session_id in self.parked] if self.parked else []
+        for seq in returning:  # scanned only while a session is parked: the plain path stays a popleft
             self.waiting.remove(seq)
             parked = self.parked.pop(seq.request.session_id)
             # the last prompt id is always fed: its logits sample the first new token
