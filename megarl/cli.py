@@ -104,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--out", help="where the PNGs go (default: the first run's directory / plots)")
     plot.add_argument("--x", default="step", choices=["step", "samples", "time"], help="the x axis")
     plot.add_argument("--label", action="append", help="a run's name in the legend, once per run, in order")
+    plot.add_argument(
+        "--band", action="store_true", help="runs that share a --label: one line, their mean with a 95%% t-band"
+    )
 
     data = sub.add_parser("data", help="prompt datasets")
     data_sub = data.add_subparsers(dest="dataset", required=True)
@@ -290,7 +293,7 @@ def dispatch(args: argparse.Namespace) -> None:
     elif args.command == "plot":
         from megarl.plot import plot_runs
 
-        plot_runs(args.runs, args.out, args.x, args.label)
+        plot_runs(args.runs, args.out, args.x, args.label, args.band)
     elif args.command == "data" and args.dataset == "calculator-sft":
         from megarl.tools_demo import run_calculator_sft
 

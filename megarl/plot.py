@@ -8,11 +8,17 @@ tokens (log scale: it spans orders of magnitude between on- and off-policy), lag
 dashed), effective sample size, and seconds per step. The x axis is the step, the samples trained
 so far, or the wall time (``--x step | samples | time``: the sum of ``time_step``, so a resumed
 run's gap is not counted). A quantity no run recorded is left out and named.
+
+``--band``: runs that share a ``--label`` (seeds of one setting) are drawn as one line, their mean at
+each step every one of them recorded, inside a 95% band of Student's t over the runs (the exact
+quantile: with 3 seeds it is 4.30 standard errors wide on each side, not the normal 1.96). The x of
+such a step is the runs' mean x there (their samples or seconds may differ).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +28,35 @@ from megarl.errors import MegarlError
 
 EVAL_ACCURACY = re.compile(r"eval_(?:[a-z][a-z0-9_]*_)?accuracy")
 X_AXES = {"step": "step", "samples": "samples trained", "time": "wall time (s, sum of time_step)"}
+
+
+# Student's t, 97.5% quantile (a two-sided 95% interval), by degrees of freedom 1..30 (standard tables)
+_T975 = (12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.3060, 2.2622, 2.2281,
+         2.2010, 2.1788, 2.1604, 2.1448, 2.1314, 2.1199, 2.1098, 2.1009, 2.0930, 2.0860,
+         2.0796, 2.0739, 2.0687, 2.0639, 2.0595, 2.0555, 2.0518, 2.0484, 2.0452, 2.0423)  # fmt: skip
+
+
+def t_quantile_975(df: int) -> float:
+    """Student's t 97.5% quantile: the table to 30 degrees of freedom, then a Cornish-Fisher expansion
+    (within 1e-4 of the exact value there)."""
+    if df < 1:
+        raise ValueError(f"degrees of freedom must be >= 1, got {df}")
+    if df <= len(_T975):
+        return _T975[df - 1]
+    z = 1.959963984540054
+    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+
+
+def t_band(rows: Sequence[Sequence[float]]) -> tuple:
+    """(mean, low, high) per column of equal-length rows (one per run): the mean over the rows with a
+    95% Student's t interval (mean, mean, mean for a single row)."""
+    n = len(rows)
+    mean = [sum(col) / n for col in zip(*rows)]
+    if n < 2:
+        return mean, mean, mean
+    t = t_quantile_975(n - 1)
+    half = [t * math.sqrt(sum((v - m) ** 2 for v in col) / (n - 1) / n) for col, m in zip(zip(*rows), mean)]
+    return mean, [m - h for m, h in zip(mean, half)], [m + h for m, h in zip(mean, half)]
 
 
 @dataclass(frozen=True)
@@ -97,8 +132,35 @@ def series(run: Run, panel: Panel, axis: str) -> Dict[str, tuple]:
     return out
 
 
-def draw(runs: Sequence[Run], axis: str = "step") -> Dict[str, object]:
-    """{panel name: matplotlib Figure} for every panel some run has data for."""
+def groups(runs: Sequence[Run]) -> List[List[Run]]:
+    """Runs that share a label, in the order the labels first appear."""
+    by_label: Dict[str, List[Run]] = {}
+    for run in runs:
+        by_label.setdefault(run.label, []).append(run)
+    return list(by_label.values())
+
+
+def band_series(group: Sequence[Run], panel: Panel, axis: str) -> Dict[str, tuple]:
+    """{metric: (xs, (mean, low, high))} of a group of runs in one panel, at the steps where every run of
+    the group holds a finite value of the metric; x is the runs' mean x at that step."""
+    out = {}
+    per_run = [(series(run, panel, "step"), series(run, panel, axis)) for run in group]
+    keys = dict.fromkeys(k for by_step, _ in per_run for k in by_step)
+    for key in keys:
+        if not all(key in by_step for by_step, _ in per_run):
+            continue
+        at = [dict(zip(by_step[key][0], zip(by_x[key][0], by_step[key][1]))) for by_step, by_x in per_run]
+        common = sorted(set.intersection(*(set(a) for a in at)))
+        if not common:
+            continue
+        xs = [sum(a[s][0] for a in at) / len(at) for s in common]
+        out[key] = (xs, t_band([[a[s][1] for s in common] for a in at]))
+    return out
+
+
+def draw(runs: Sequence[Run], axis: str = "step", band: bool = False) -> Dict[str, object]:
+    """{panel name: matplotlib Figure} for every panel some run has data for; with ``band``, runs that
+    share a label are one line, their mean with a 95% t-band (the module's docstring)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display
@@ -108,17 +170,27 @@ def draw(runs: Sequence[Run], axis: str = "step") -> Dict[str, object]:
         raise MegarlError(f"megarl plot: --x {axis!r}; one of {', '.join(X_AXES)}")
     figures = {}
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    lines = [[run] for run in runs] if not band else groups(runs)
     for panel in PANELS:
-        drawn = [(i, run, series(run, panel, axis)) for i, run in enumerate(runs)]
+        drawn = []  # (colour index, label, {metric: (xs, (mean, low, high))})
+        for i, group in enumerate(lines):
+            if len(group) == 1:
+                by_key = {k: (xs, (ys, ys, ys)) for k, (xs, ys) in series(group[0], panel, axis).items()}
+                drawn.append((i, group[0].label, by_key))
+            else:
+                drawn.append((i, f"{group[0].label} (n={len(group)})", band_series(group, panel, axis)))
         if not any(s for _, _, s in drawn):
             continue
         fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-        for i, run, by_key in drawn:
-            for k, (key, (xs, ys)) in enumerate(by_key.items()):
-                label = run.label if k == 0 else f"{run.label} ({key})"
-                ax.plot(xs, ys, color=colours[i % len(colours)], linestyle="-" if k == 0 else "--", label=label,
+        for i, name, by_key in drawn:
+            colour = colours[i % len(colours)]
+            for k, (key, (xs, (ys, low, high))) in enumerate(by_key.items()):
+                label = name if k == 0 else f"{name} ({key})"
+                ax.plot(xs, ys, color=colour, linestyle="-" if k == 0 else "--", label=label,
                         marker="o" if len(xs) < 20 else None, markersize=3)  # fmt: skip
-        if panel.log_y and all(y > 0 for _, _, s in drawn for _, ys in s.values() for y in ys):
+                if low is not ys:
+                    ax.fill_between(xs, low, high, color=colour, alpha=0.15, linewidth=0)
+        if panel.log_y and all(y > 0 for _, _, s in drawn for _, (_, lo, _) in s.values() for y in lo):
             ax.set_yscale("log")
         ax.set_title(panel.title)
         ax.set_xlabel(X_AXES[axis])
@@ -129,7 +201,9 @@ def draw(runs: Sequence[Run], axis: str = "step") -> Dict[str, object]:
     return figures
 
 
-def plot_runs(paths: Sequence[str], out: Optional[str] = None, axis: str = "step", labels=None) -> Dict[str, Path]:
+def plot_runs(
+    paths: Sequence[str], out: Optional[str] = None, axis: str = "step", labels=None, band: bool = False
+) -> Dict[str, Path]:
     """Writes OUT/<panel>.png (OUT: the first run's directory / plots) and returns the paths."""
     import matplotlib.pyplot as plt
 
@@ -137,6 +211,8 @@ def plot_runs(paths: Sequence[str], out: Optional[str] = None, axis: str = "step
     if labels and len(labels) != len(paths):
         raise MegarlError(f"megarl plot: {len(labels)} --label for {len(paths)} runs")
     runs = [read_run(Path(p), labels[i] if labels else None) for i, p in enumerate(paths)]
+    if band and len({r.label for r in runs}) == len(runs):
+        raise MegarlError("megarl plot: --band draws runs that share a --label as one line; no two runs share one")
     empty = [r.label for r in runs if not r.steps]
     if empty:
         raise MegarlError(f"megarl plot: no step records in {', '.join(empty)}")
@@ -144,7 +220,7 @@ def plot_runs(paths: Sequence[str], out: Optional[str] = None, axis: str = "step
     out_dir = Path(out) if out else (first if first.is_dir() else first.parent) / "plots"
     out_dir.mkdir(parents=True, exist_ok=True)
     written = {}
-    for name, fig in draw(runs, axis).items():
+    for name, fig in draw(runs, axis, band).items():
         written[name] = out_dir / f"{name}.png"
         fig.savefig(written[name])
         plt.close(fig)

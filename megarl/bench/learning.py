@@ -40,6 +40,7 @@ from typing import Dict, List, Optional, Sequence
 
 from megarl.errors import ConfigError
 from megarl.metrics import read_metrics
+from megarl.plot import t_quantile_975
 
 DEFAULT_CONFIG = "configs/learning_cpu.yaml"
 BOOTSTRAP_RESAMPLES = 10_000
@@ -297,19 +298,14 @@ def table(summary: dict) -> str:
 
 
 def _band(curves):
-    """Mean and 95% t-band over seeds of equal-length curves (no band for one seed)."""
+    """Mean and 95% t-band (Student's t, megarl.plot) over seeds of equal-length curves (no band for one seed)."""
     import numpy as np
 
     y = np.asarray(curves, dtype=np.float64)
     mean = y.mean(axis=0)
     if len(y) < 2:
         return mean, mean, mean
-    from statistics import NormalDist
-
-    # Student's t quantile by a normal approximation corrected for n (Cornish-Fisher, 2 terms)
-    z = NormalDist().inv_cdf(0.975)
-    df = len(y) - 1
-    t = z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+    t = t_quantile_975(len(y) - 1)
     half = t * y.std(axis=0, ddof=1) / math.sqrt(len(y))
     return mean, mean - half, mean + half
 

@@ -6,6 +6,7 @@ input is named by file and line."""
 import json
 
 import matplotlib.image
+import matplotlib.pyplot
 import pytest
 
 from megarl.cli import main
@@ -69,3 +70,33 @@ def test_bad_input_is_named(tmp_path):
     (tmp_path / "bad" / "metrics.jsonl").write_text('{"step": 1}\n{"step": \n')
     with pytest.raises(MegarlError, match=r"bad/metrics.jsonl:2: not JSON"):
         read_run(tmp_path / "bad")
+
+
+def test_band_is_the_mean_of_runs_that_share_a_label_with_a_students_t_interval(tmp_path, capsys):
+    # three seeds of one setting and one run of another; seed b has no reward at step 2 (NaN), so
+    # the band holds steps 1 and 3 only, where all three recorded one
+    a = write_run(tmp_path / "a", steps([0.1, 0.4, 0.7]))
+    b = write_run(tmp_path / "b", steps([0.3, float("nan"), 0.5], seconds=4.0))
+    c = write_run(tmp_path / "c", steps([0.2, 0.6, 0.9]))
+    d = write_run(tmp_path / "d", steps([0.0, 0.1]))
+    runs = [read_run(a, "s"), read_run(b, "s"), read_run(d, "other"), read_run(c, "s")]
+    ax = draw(runs, "step", band=True)["reward"].axes[0]
+    seeds, other = ax.lines
+    assert (seeds.get_label(), other.get_label()) == ("s (n=3)", "other")
+    assert list(seeds.get_xdata()) == [1, 3] and list(other.get_ydata()) == [0.0, 0.1]
+    assert list(seeds.get_ydata()) == pytest.approx([0.2, 0.7])
+    # the band: mean -+ t(0.975, 2 df) * sd / sqrt(3); t from a printed table (4.302653), sd by hand:
+    # step 1: values 0.1, 0.3, 0.2 -> sd 0.1; step 3: 0.7, 0.5, 0.9 -> sd 0.2
+    (band,) = ax.collections
+    ys = band.get_paths()[0].vertices[:, 1]
+    half = [4.302653 * 0.1 / 3**0.5, 4.302653 * 0.2 / 3**0.5]
+    assert min(ys) == pytest.approx(0.2 - half[0], abs=1e-4) and max(ys) == pytest.approx(0.7 + half[1], abs=1e-4)
+    # on the time axis a band step's x is the runs' mean: step 3 ends at 2+3+4, 4+5+6 and 2+3+4 s
+    by_time = draw(runs, "time", band=True)["reward"].axes[0].lines[0]
+    assert list(by_time.get_xdata()) == pytest.approx([(2 + 4 + 2) / 3, (9 + 15 + 9) / 3])
+    # without --band every run is its own line
+    assert len(draw(runs, "step")["reward"].axes[0].lines) == 4
+    assert main(["plot", str(a), str(b), "--label", "x", "--label", "y", "--band"]) == 2
+    assert "--band draws runs that share a --label as one line" in capsys.readouterr().err
+    assert main(["plot", str(a), str(b), "--band"]) == 2  # each run named by its directory: no group
+    matplotlib.pyplot.close("all")
