@@ -696,6 +696,20 @@ WANDB_MODES = ("online", "offline", "disabled")
 WANDB_FIELDS = ("project", "name", "entity", "mode")
 
 
+def fields_set(cfg: Config) -> Dict[str, Any]:
+    """{dotted field: value} of every field whose value is not its default (a mapping-valued field, such
+    as trainer.loss_params, counts as one field): what a config sets, for a command that reads only
+    some sections to name the others (megarl sft)."""
+    mine, default = cfg.to_dict(), Config().to_dict()
+    return {
+        f"{section}.{key}": value
+        for section, fields in mine.items()
+        if isinstance(fields, dict) and section != "plan"  # plan: free-form, for megarl plan alone
+        for key, value in fields.items()
+        if value != default[section].get(key)
+    }
+
+
 def check_wandb_config(section: Dict[str, Any]) -> Dict[str, Any]:
     """``run.wandb`` with defaults filled in; a ConfigError names the field at fault."""
     unknown = sorted(set(section) - set(WANDB_FIELDS))

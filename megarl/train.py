@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 # model_source and config_plan by module: looked up per call (tests/unit/test_plan_config.py replaces them)
 from megarl import model_source
 from megarl.checkpointing.recorded import recorded_dtypes
-from megarl.config import eval_sets, load_config
+from megarl.config import eval_sets, fields_set, load_config
 from megarl.data.datasets import check_data_source
 from megarl.errors import ConfigError
 from megarl.models.spec import ModelSpec
@@ -96,11 +96,41 @@ def train(
     return summary
 
 
+# What `megarl sft` reads (megarl/loop/sft.py): the model, the trainer's own sections, the aggregation's
+# constant and the run's output. An RL config is a natural place to take them from, so the rest is named
+# on stderr (RL settings that change nothing here), not refused.
+SFT_READS = (
+    "model.",
+    "trainer.",
+    "optimizer.",
+    "rollout.max_new_tokens",  # trainer.loss_agg seq_mean_token_sum_norm's constant
+    "run.output_dir",
+    "run.seed",
+    "run.progress",
+    "run.keep_checkpoints",
+)
+# the trainer's fields for RL alone: the RL loss's parameters (the sft loss has none: they would be
+# refused), the G steps per batch, and what shapes advantages and rewards (the sft loss reads neither)
+SFT_UNREAD_TRAINER = (
+    "trainer.loss_params",
+    "trainer.updates_per_batch",
+    "trainer.advantage_estimator",
+    "trainer.normalize_advantage_std",
+    "trainer.overlong",
+    "trainer.overlong_buffer",
+)
+
+
 def sft(config_path: str, data: str, overrides: Sequence[str] = (), epochs: int = 1, batch_size: int = 8) -> dict:
     """`megarl sft`: the trainer's ranks alone on chat records (megarl/loop/sft.py), trainer.loss=sft."""
     cfg = load_config(config_path, ["trainer.loss=sft", *overrides])
     if cfg.trainer.loss != "sft":
         raise ConfigError(f"trainer.loss: megarl sft trains with 'sft', got {cfg.trainer.loss!r}")
+    unread = [k for k in fields_set(cfg) if not k.startswith(SFT_READS) or k in SFT_UNREAD_TRAINER]
+    cfg.trainer.loss_params = {}  # the file's RL loss's
+    if unread:
+        print(f"megarl sft: not read (RL settings; fine-tuning does not use them): {', '.join(unread)}",
+              file=sys.stderr, flush=True)  # fmt: skip
     if running_under_torchrun():
         raise ConfigError("megarl sft starts its own ranks on this machine; under torchrun it is not supported yet")
     if not Path(data).is_file():

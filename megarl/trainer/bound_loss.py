@@ -32,7 +32,9 @@ class BoundLoss:
     fn: LossFn
     params: Mapping[str, Any]  # the loss's keyword parameters, checked, defaults filled in (read-only)
     agg: str  # megarl.trainer.aggregation.AGG_MODES, resolved
-    temperature: float  # the sampler's (rollout.temperature): pi must be the distribution sampled from
+    # the sampler's (rollout.temperature): pi must be the distribution sampled from; 1 for a loss on
+    # targets nobody sampled (the sft loss's unsampled_targets)
+    temperature: float
     kl_coef: float  # > 0 needs a reference model
     kl_estimator: str
     advantage_estimator: str
@@ -67,7 +69,7 @@ def bind_loss(trainer, rollout, lag_bound: int) -> BoundLoss:
         fn=fn,
         params=MappingProxyType(params),
         agg=agg,
-        temperature=rollout.temperature,
+        temperature=1.0 if getattr(fn, "unsampled_targets", False) else rollout.temperature,
         kl_coef=trainer.kl_coef,
         kl_estimator=trainer.kl_estimator,
         advantage_estimator=trainer.advantage_estimator,

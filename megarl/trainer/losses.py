@@ -258,6 +258,11 @@ def sft(inputs: LossInputs) -> LossOutput:
     return LossOutput(-inputs.logprobs)
 
 
+# The records were written, not sampled: their likelihood is the model's own distribution (temperature
+# 1, as transformers' and Megatron's language-model loss), whatever rollout.temperature the RL sampler uses
+sft.unsampled_targets = True
+
+
 BUILTIN_LOSSES: Dict[str, LossFn] = {
     "aipo": aipo,
     "ppo_clip": ppo_clip,

@@ -29,9 +29,16 @@ def test_sft_loss_is_transformers_nll_of_the_responses(tmp_path):
     cmd = [sys.executable, "-m", "megarl.cli", "sft", "--config", str(ROOT / "configs" / "tiny_cpu.yaml"),
            "--data", str(data), "--epochs", "4", "--batch-size", "8", f"model.source={hf}",
            "model.tokenizer=smollm2", f"model.cache_dir={tmp_path / 'cache'}", f"run.output_dir={out}",
-           "run.progress=false", "optimizer.lr=3e-3"]  # fmt: skip
+           "run.progress=false", "optimizer.lr=3e-3",
+           # an RL config's loss settings, as configs/demo_cpu.yaml's: AIPO's parameter and the sampler's
+           # temperature change nothing (the reference below is at temperature 1), and are named
+           "trainer.loss_params.rho=4.0", "rollout.temperature=0.7"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    (notice,) = [line for line in proc.stderr.splitlines() if line.startswith("megarl sft: not read")]
+    named = notice.split(": ", 2)[2].split(", ")
+    assert {"trainer.loss_params", "rollout.temperature", "run.steps", "data.train"} <= set(named)
+    assert not any(k.startswith(("model.", "optimizer.", "run.output_dir")) for k in named), named
     summary = json.loads((out / "summary.json").read_text())
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert summary["steps"] == 4 and [m["epoch"] for m in metrics] == [1, 2, 3, 4]
