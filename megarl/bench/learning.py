@@ -40,7 +40,7 @@ from typing import Dict, List, Optional, Sequence
 
 from megarl.errors import ConfigError
 from megarl.metrics import read_metrics
-from megarl.plot import t_quantile_975
+from megarl.plot import t_band
 
 DEFAULT_CONFIG = "configs/learning_cpu.yaml"
 BOOTSTRAP_RESAMPLES = 10_000
@@ -297,19 +297,6 @@ def table(summary: dict) -> str:
 # -- plots -----------------------------------------------------------------------------------------
 
 
-def _band(curves):
-    """Mean and 95% t-band (Student's t, megarl.plot) over seeds of equal-length curves (no band for one seed)."""
-    import numpy as np
-
-    y = np.asarray(curves, dtype=np.float64)
-    mean = y.mean(axis=0)
-    if len(y) < 2:
-        return mean, mean, mean
-    t = t_quantile_975(len(y) - 1)
-    half = t * y.std(axis=0, ddof=1) / math.sqrt(len(y))
-    return mean, mean - half, mean + half
-
-
 # Each reward panel is one of the papers' comparisons; variants outside them get an "other" panel.
 REWARD_PANELS = [
     (
@@ -360,7 +347,7 @@ def plot(results: Dict[str, VariantResult], root: Path) -> List[Path]:
         times = [np.cumsum([s["time_step"] for s in steps[:n]]) for steps in r.runs]
         grid = np.linspace(0.0, min(t[-1] for t in times), 60)
         on_grid = [np.interp(grid, t, y) for t, y in zip(times, rewards)]
-        curves[name] = (samples, _band(rewards), grid, _band(on_grid), len(r.runs))
+        curves[name] = (samples, t_band(rewards), grid, t_band(on_grid), len(r.runs))
 
     written = []
     panels = reward_panels(list(results))
