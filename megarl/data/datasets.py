@@ -22,6 +22,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 from megarl.data.arithmetic import arithmetic_records
 from megarl.data.arithmetic_ood import PREFIX as OOD_PREFIX
 from megarl.data.arithmetic_ood import ood_records
+from megarl.data.repeat_words import PREFIX as REPEAT_PREFIX
+from megarl.data.repeat_words import repeat_records
 from megarl.errors import ConfigError
 from megarl.generator.tokenizer import encode_prompt
 
@@ -54,12 +56,15 @@ class TokenizedPrompt:
 
 
 def load_records(spec: str) -> List[PromptRecord]:
-    """The records a data spec names: ``arithmetic:...`` and ``arithmetic-ood:...`` (built in,
-    megarl/data/arithmetic.py, arithmetic_ood.py) or a .jsonl / .parquet file. ``random:...`` specs are token ids, not records: the caller's."""
+    """The records a data spec names: ``arithmetic:...``, ``arithmetic-ood:...`` and ``repeat:...`` (built in,
+    megarl/data/arithmetic.py, arithmetic_ood.py, repeat_words.py) or a .jsonl / .parquet file. ``random:...`` specs
+    are token ids, not records: the caller's."""
     if spec.startswith("arithmetic:"):
         return [parse_record(r, f"{spec}#{i}") for i, r in enumerate(arithmetic_records(spec))]
     if spec.startswith(OOD_PREFIX):
         return [parse_record(r, f"{spec}#{i}") for i, r in enumerate(ood_records(spec))]
+    if spec.startswith(REPEAT_PREFIX):
+        return [parse_record(r, f"{spec}#{i}") for i, r in enumerate(repeat_records(spec))]
     return load_prompts(spec)
 
 

@@ -91,4 +91,4 @@ def _qualified_name(fn) -> str:
 
 def _load_builtins() -> None:
     # Imported lazily: the built-ins import this module to register themselves.
-    from megarl.rewards import math_verify_reward, synthetic  # noqa: F401
+    from megarl.rewards import math_verify_reward, repeat, synthetic  # noqa: F401
