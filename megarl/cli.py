@@ -178,13 +178,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     learn = bench_sub.add_parser(
         "learning",
-        help="the seed papers' learning claims: variants x seeds of short runs, bootstrap intervals, plots",
+        help="learning claims as arms x seeds of short runs, each final policy scored on a held-out set, t intervals",
     )
-    learn.add_argument("--config", default="configs/learning_cpu.yaml")
-    learn.add_argument("--variants", default="", help="comma-separated (default: every one; see docs/learning.md)")
-    learn.add_argument("--seeds", type=int, default=8, help="seeds 0..N-1 of each variant")
-    learn.add_argument("--last", type=int, default=5, help="final reward: the mean of the last N steps")
-    learn.add_argument("--workdir", default="runs/bench_learning", help="resumable: finished runs are kept")
+    learn.add_argument("--task", default="synthetic", help="synthetic | repeat (docs/learning.md)")
+    learn.add_argument("--config", help="the RL config every arm overrides (default: the task's)")
+    learn.add_argument("--arms", default="", help="comma-separated (default: the task's and every --arm)")
+    learn.add_argument(
+        "--arm",
+        action="append",
+        default=[],
+        metavar="'NAME: key=value ...'",
+        help="define an arm by config overrides (repeatable; a task's arm of that name is replaced)",
+    )
+    learn.add_argument("--seeds", type=int, default=8, help="seeds 0..N-1 of each arm")
+    learn.add_argument("--last", type=int, default=5, help="the training-reward column: mean of the last N steps")
+    learn.add_argument("--workdir", help="resumable: finished runs are kept (default: the task's)")
+    learn.add_argument("--warm-start-records", type=int, help="demonstrations of the task's warm start (repeat)")
+    learn.add_argument("--report-only", action="store_true", help="remake summary, table and plots from the CSVs")
     learn.add_argument("--no-plots", action="store_true")
     learn.add_argument("overrides", nargs="*", help="config overrides for every run")
 
@@ -355,13 +365,17 @@ def dispatch(args: argparse.Namespace) -> None:
         from megarl.bench import learning
 
         learning.run_grid(
-            args.config,
-            [v for v in args.variants.split(",") if v] or list(learning.VARIANTS),
+            args.task,
+            [a for a in args.arms.split(",") if a],
             list(range(args.seeds)),
             args.overrides,
             args.workdir,
             args.last,
             plots=not args.no_plots,
+            extra_arms=args.arm,
+            config=args.config,
+            warm_start_records=args.warm_start_records,
+            report_only=args.report_only,
         )
     elif args.command == "bench" and args.benchmark == "weight-sync":
         from megarl.bench.weight_sync import WeightSyncBench, run

@@ -6,12 +6,15 @@ learning task (configs/learning_cpu.yaml: the tiny model on token ids, a few sec
   behaviour log-probs are the trainer's own policy (KL ~ 0) while the later ones' are not.
 - generator.inflight_updates=false: no trained sample holds tokens of two policies; with it on,
   the same run does have such samples (so the test fails if the knob is silently ignored).
-- a small grid (two variants, two seeds, four steps): the printed summary's arithmetic against
-  each run's own metrics.jsonl, the table and plots written, and a rerun keeps finished runs.
+- a small grid (two arms, two seeds, four steps): runs.csv against each run's own metrics.jsonl (the
+  final policy's held-out scores are its last evaluation), the table and plots written, remade from
+  the CSVs alone, and a rerun keeps finished runs.
+- the repeat task (the demo's regime, SmolLM2's tokenizer): two arms, two seeds from one warm start.
 """
 
 from __future__ import annotations
 
+import csv
 import json
 import subprocess
 import sys
@@ -67,41 +70,87 @@ def test_inflight_updates_off_keeps_every_sample_to_one_policy_version(tmp_path)
     assert max(m["lag_max"] for m in off_metrics) >= 2
 
 
-def test_a_small_grid_summarises_its_runs_and_resumes(tmp_path):
-    args = ("bench", "learning", "--config", CONFIG, "--variants", "sync,async_lag2", "--seeds", "2", "--last", "2")
+def _csv(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_a_small_grid_scores_final_policies_writes_csv_and_resumes(tmp_path):
+    args = ("bench", "learning", "--arms", "sync,async_lag2", "--seeds", "2", "--last", "2")
     args += ("--workdir", str(tmp_path), "run.steps=4")
     summary = json.loads(_megarl(*args).stdout.strip().splitlines()[-1])
-    finals = {}
-    for name in ("sync", "async_lag2"):
-        v = summary["variants"][name]
-        runs = []
-        for seed in (0, 1):
-            lines = (tmp_path / name / f"seed{seed}" / "metrics.jsonl").read_text().splitlines()
-            runs.append([json.loads(line) for line in lines if not json.loads(line).get("eval")])
-        finals[name] = [sum(r["reward_mean"] for r in steps[-2:]) / 2 for steps in runs]
-        assert v["n_seeds"] == 2 and v["final_rewards"] == pytest.approx(finals[name])
-        assert v["final_reward"] == pytest.approx(sum(finals[name]) / 2)
-        lo, hi = v["final_reward_ci95"]
-        assert min(finals[name]) - 1e-12 <= lo <= hi <= max(finals[name]) + 1e-12
-        tokens = {}
-        for steps in runs:
-            for r in steps:
-                for b in range(3):
-                    tokens[b] = tokens.get(b, 0) + r.get(f"tokens_lag{b}", 0)
-        assert v["lag_mean"] == pytest.approx(sum(b * k for b, k in tokens.items()) / sum(tokens.values()))
-    assert summary["variants"]["sync"]["lag_mean"] == 0.0
-    assert summary["variants"]["async_lag2"]["lag_mean"] > 0.5  # the generator runs ahead
-    diff = summary["variants"]["async_lag2"]["vs_sync"]
-    assert diff == pytest.approx(sum(finals["async_lag2"]) / 2 - sum(finals["sync"]) / 2)
+    rows = {(r["arm"], int(r["seed"])): r for r in _csv(tmp_path / "runs.csv")}
+    assert sorted(rows) == [("async_lag2", 0), ("async_lag2", 1), ("sync", 0), ("sync", 1)]
+    for (arm, seed), row in rows.items():
+        records = [
+            json.loads(line) for line in (tmp_path / arm / f"seed{seed}" / "metrics.jsonl").read_text().splitlines()
+        ]
+        steps = [r for r in records if not r.get("eval")]
+        final = next(r for r in records if r.get("eval") and r["step"] == 4)
+        start = next(r for r in records if r.get("eval") and r["step"] == 0)
+        # the final policy's held-out scores are its run's last evaluation, not its training reward
+        assert float(row["heldout_greedy_reward"]) == final["eval_greedy_reward_mean"]
+        assert float(row["heldout_sampled_reward"]) == final["eval_reward_mean@4"]
+        assert float(row["start_sampled_reward"]) == start["eval_reward_mean@4"]
+        assert int(row["heldout_n"]) == final["eval_n"] == 64 and int(row["eval_samples"]) == 4
+        assert float(row["train_reward_last"]) == pytest.approx(sum(r["reward_mean"] for r in steps[-2:]) / 2)
+        assert int(row["steps"]) == 4 and int(row["samples"]) == 128
+        tokens = {b: sum(r.get(f"tokens_lag{b}", 0) for r in steps) for b in range(3)}
+        lag = sum(b * k for b, k in tokens.items()) / sum(tokens.values())
+        assert float(row["lag_mean"]) == pytest.approx(lag)
+    assert all(float(rows[("sync", s)]["lag_mean"]) == 0.0 for s in (0, 1))
+    assert all(float(rows[("async_lag2", s)]["lag_mean"]) > 0.5 for s in (0, 1))  # the generator runs ahead
+    a = [float(rows[("async_lag2", s)]["heldout_sampled_reward"]) for s in (0, 1)]
+    b = [float(rows[("sync", s)]["heldout_sampled_reward"]) for s in (0, 1)]
+    diff = summary["arms"]["async_lag2"]["heldout_sampled_reward"]["vs_sync"]
+    assert diff["diff"] == pytest.approx(sum(a) / 2 - sum(b) / 2)
+    # curves: every trained sample counted once, under the version that generated it
+    curves = _csv(tmp_path / "curves.csv")
+    assert sum(int(c["samples"]) for c in curves if c["arm"] == "sync") == 256
+    assert {int(c["version"]) for c in curves if c["arm"] == "sync"} == {0, 1, 2, 3}
     table = (tmp_path / "table.md").read_text()
-    assert table.count("\n| sync |") == 1 and table.count("\n| async_lag2 |") == 1
-    for png in ("reward.png", "ess_kl_lag.png"):
+    assert table.count("\n| sync | 2 |") == 1 and table.count("\n| async_lag2 | 2 |") == 1
+    for png in ("reward_by_version.png", "heldout.png", "ess_kl_lag.png"):
         data = (tmp_path / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    # everything is remade from the CSVs alone
+    (tmp_path / "table.md").unlink()
+    _megarl("bench", "learning", "--workdir", str(tmp_path), "--report-only", "--no-plots")
+    assert (tmp_path / "table.md").read_text() == table
     # a rerun keeps the finished runs; a run cut short (no summary.json) is run again
     (tmp_path / "sync" / "seed1" / "summary.json").unlink()
     again = _megarl(*args)
     assert again.stdout.count("done before, kept") == 3
-    assert json.loads(again.stdout.strip().splitlines()[-1])["variants"]["async_lag2"]["final_rewards"] == (
-        pytest.approx(finals["async_lag2"])
-    )
+    assert _csv(tmp_path / "runs.csv")[2:] == [rows[("async_lag2", 0)], rows[("async_lag2", 1)]]
+
+
+def test_the_repeat_task_two_arms_two_seeds_from_one_warm_start(tmp_path):
+    """The demo's regime end to end: the warm start built once by `megarl sft`, every run starting from it,
+    answers ending at SmolLM2's stop token, each final policy scored on held-out pairs. Two sft steps and
+    two RL steps: the mechanics, not the learning (a policy that random rewards nothing, so filter_groups,
+    which would wait for a group with two rewards, is off here)."""
+    args = ("bench", "learning", "--task", "repeat", "--arms", "sync,async", "--seeds", "2", "--last", "1")
+    args += ("--warm-start-records", "64", "--workdir", str(tmp_path))
+    args += ("run.steps=2", "data.eval=repeat:8:0:heldout", "rollout.filter_groups=false")
+    out = _megarl(*args).stdout
+    assert out.count("sft steps") == 1
+    assert json.loads((tmp_path / "warm_start" / "warm_start.json").read_text())["steps"] == 2
+    warm = tmp_path / "warm_start" / "checkpoints"
+    rows = _csv(tmp_path / "runs.csv")
+    assert [(r["arm"], r["seed"]) for r in rows] == [("sync", "0"), ("sync", "1"), ("async", "0"), ("async", "1")]
+    starts = set()
+    for r in rows:
+        run = tmp_path / r["arm"] / f"seed{r['seed']}"
+        assert json.loads((run / "config.json").read_text())["model"]["source"] == str(warm)
+        rollouts = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
+        # each answer ends at the stop token or at rollout.max_new_tokens
+        assert all(s["finish_reason"] in ("stop", "length") for s in rollouts)
+        assert all(len(s["response_tokens"]) == 48 for s in rollouts if s["finish_reason"] == "length")
+        assert int(r["heldout_n"]) == 8 and int(r["samples"]) == 64
+        assert float(r["train_tokens_max"]) <= 48
+        starts.add(r["start_greedy_reward"])
+    assert len(starts) == 1  # one warm start, one greedy held-out score at step 0 whatever the arm and seed
+    assert "| async | 2 |" in (tmp_path / "table.md").read_text()
+    # a second call keeps the warm start and every run
+    again = _megarl(*args).stdout
+    assert "warm start" in again and "done before, kept" in again and "sft steps" not in again
