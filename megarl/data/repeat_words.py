@@ -92,7 +92,7 @@ def warm_start_records(n: int, seed: int) -> List[Dict]:
     prompts, written by a teacher that miscounts: the word count + d times, d uniform in +-``jitter(count)``
     (at least once). A policy that imitates it writes the right word about the right number of times, and
     sampled answers spread around the count, wider for long ones: what RL sharpens into the exact count.
-    An exact teacher gives a policy that either cannot stop or already counts (docs/learning.md)."""
+    An exact teacher gives a policy that either ignores the count or already counts (docs/learning.md)."""
     rng = random.Random(f"megarl-repeat-teacher:{seed}")
     out = []
     for record in repeat_records(f"{PREFIX}{n}:{seed}"):
