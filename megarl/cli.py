@@ -180,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
         "learning",
         help="learning claims as arms x seeds of short runs, each final policy scored on a held-out set, t intervals",
     )
-    learn.add_argument("--task", default="synthetic", help="synthetic | repeat (docs/learning.md)")
+    learn.add_argument("--task", help="synthetic | repeat (docs/learning.md; default: the workdir's, else synthetic)")
     learn.add_argument("--config", help="the RL config every arm overrides (default: the task's)")
     learn.add_argument("--arms", default="", help="comma-separated (default: the task's and every --arm)")
     learn.add_argument(

@@ -22,8 +22,8 @@ measures sample age as well as the policy. The same evaluation at step 0 gives e
 
 A run is WORKDIR/<arm>/seed<k> (run.seed = k), trained by `megarl train` one at a time (each run needs
 a trainer and a generator process: on 2 cores they cannot be packed). The grid is resumable: a run
-whose summary.json says it reached its last step, with its final evaluation, is kept; any other is
-started over. When the runs are done, every number the bench reports is first written as CSV:
+whose summary.json says it reached its last step, with its final evaluation, trained with the
+overrides its arm has now (bench_run.json), is kept; any other is started over. When the runs are done, every number the bench reports is first written as CSV:
 
     runs.csv    one row per arm x seed (RUN_COLUMNS): held-out scores at the end and at step 0, steps,
                 trained samples, lag, KL, ESS, groups aborted / dropped / filtered, lengths, seconds
@@ -623,12 +623,30 @@ def parse_arm(text: str) -> tuple:
     return name, overrides
 
 
-def _finished(out: Path, steps: int) -> bool:
+RUN_FILE = "bench_run.json"  # in each run's directory: the config and overrides it was trained with
+BENCH_FILE = "bench.json"  # in the workdir: the task its runs belong to
+
+
+def _finished(out: Path, steps: int, identity: dict) -> bool:
+    """Whether a run reached its last step and its final evaluation, trained as the arm now says (a run
+    of an arm whose overrides changed since is not the arm's any more)."""
     summary = out / "summary.json"
-    if not summary.exists() or not (out / "eval" / f"step_{steps}.jsonl").exists():
+    if not summary.exists() or not (out / "eval" / f"step_{steps}.jsonl").exists() or not (out / RUN_FILE).exists():
+        return False
+    if json.loads((out / RUN_FILE).read_text()) != identity:
         return False
     records = [r for r in read_metrics(out / "metrics.jsonl") if not r.get("eval")]
     return json.loads(summary.read_text()).get("stop_reason") == "steps" and len(records) == steps
+
+
+def workdir_task(root: Path, task: Optional[str]) -> str:
+    """The task of a workdir: the one its bench.json records (a workdir holds one task's grid), else
+    ``task``, else synthetic."""
+    path = root / BENCH_FILE
+    recorded = json.loads(path.read_text())["task"] if path.is_file() else None
+    if task is not None and recorded not in (None, task):
+        raise ConfigError(f"bench learning: {root} holds a --task {recorded} grid, not {task}; use another --workdir")
+    return task or recorded or "synthetic"
 
 
 def _check_run_config(cfg, arm: str) -> None:
@@ -702,7 +720,7 @@ def select_arms(task: Task, names: Sequence[str], extra: Sequence[str]) -> Dict[
 
 
 def run_grid(
-    task: str = "synthetic",
+    task: Optional[str] = None,
     arms: Sequence[str] = (),
     seeds: Sequence[int] = tuple(range(8)),
     overrides: Sequence[str] = (),
@@ -715,10 +733,11 @@ def run_grid(
     report_only: bool = False,
     log=print,
 ) -> dict:
-    if task not in TASKS:
+    if task is not None and task not in TASKS:
         raise ConfigError(f"bench learning: unknown --task {task!r}; known: {', '.join(TASKS)}")
+    root = Path(workdir or TASKS[task or "synthetic"].workdir)
+    task = workdir_task(root, task)
     spec = TASKS[task]
-    root = Path(workdir or spec.workdir)
     if report_only:
         summary = report(root, spec, plots)
         print(json.dumps(summary), flush=True)
@@ -747,6 +766,7 @@ def run_grid(
     if last > steps:
         raise ConfigError(f"bench learning: --last {last} is more than the runs' {steps} steps")
     root.mkdir(parents=True, exist_ok=True)
+    (root / BENCH_FILE).write_text(json.dumps({"task": task}))
     source = []
     if spec.warm_start is not None:
         with _own_thread_split():
@@ -757,15 +777,18 @@ def run_grid(
         for seed in seeds:
             out = run_dir(root, name, seed)
             done += 1
-            if _finished(out, steps):
+            extra = [f"run.seed={seed}", f"run.output_dir={out}", "run.progress=false", "run.save_every=0"]
+            identity = {"config": config, "overrides": source + args + extra + ["run.log_rollouts=true"]}
+            if _finished(out, steps, identity):
                 log(f"bench learning [{done}/{total}] {name} seed {seed}: done before, kept")
             else:
                 if out.exists():
-                    shutil.rmtree(out)  # a run cut short: started over, not resumed from a checkpoint
+                    # cut short, or trained by other overrides: started over, not resumed from a checkpoint
+                    shutil.rmtree(out)
                 start = time.perf_counter()
-                extra = [f"run.seed={seed}", f"run.output_dir={out}", "run.progress=false", "run.save_every=0"]
                 with _own_thread_split():
-                    train(config, source + args + extra + ["run.log_rollouts=true"])
+                    train(config, identity["overrides"])
+                (out / RUN_FILE).write_text(json.dumps(identity))
                 log(f"bench learning [{done}/{total}] {name} seed {seed}: {time.perf_counter() - start:.0f} s")
             records = read_metrics(out / "metrics.jsonl")
             rollouts = read_metrics(out / "rollouts.jsonl")

@@ -269,3 +269,24 @@ def test_reward_panels_group_the_papers_comparisons_and_keep_every_arm():
     ]
     assert learning.reward_panels(["sync_g8"], learning.SYNTHETIC_PANELS) == [("every arm", ["sync_g8"])]
     assert learning.reward_panels(["sync", "async"], ()) == [("every arm", ["sync", "async"])]
+
+
+def test_a_workdir_holds_one_tasks_grid_and_a_run_counts_only_as_its_arm_trained_it(tmp_path):
+    assert learning.workdir_task(tmp_path, None) == "synthetic"
+    (tmp_path / learning.BENCH_FILE).write_text('{"task": "repeat"}')
+    assert learning.workdir_task(tmp_path, None) == "repeat" == learning.workdir_task(tmp_path, "repeat")
+    with pytest.raises(ConfigError, match="holds a --task repeat grid, not synthetic"):
+        learning.workdir_task(tmp_path, "synthetic")
+    run = tmp_path / "async" / "seed0"
+    (run / "eval").mkdir(parents=True)
+    (run / "eval" / "step_2.jsonl").write_text("")
+    (run / "summary.json").write_text('{"stop_reason": "steps"}')
+    (run / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"step": 2, "eval": true}\n')
+    identity = {"config": "c.yaml", "overrides": ["run.mode=async"]}
+    assert not learning._finished(run, 2, identity)  # no record of how it was trained
+    (run / learning.RUN_FILE).write_text('{"config": "c.yaml", "overrides": ["run.mode=async"]}')
+    assert learning._finished(run, 2, identity)
+    assert not learning._finished(run, 2, {"config": "c.yaml", "overrides": ["run.mode=async", "rollout.max_lag=4"]})
+    assert not learning._finished(run, 3, identity)  # fewer steps than the runs now train
+    (run / "summary.json").write_text('{"stop_reason": "preempted"}')
+    assert not learning._finished(run, 2, identity)
