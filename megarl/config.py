@@ -87,7 +87,7 @@ class TrainerConfig:
     loss_agg: Optional[str] = None
     entropy_coef: float = 0.0  # entropy bonus: - entropy_coef * H(pi) per response token, any loss
     # samples cut by rollout.max_new_tokens: none | mask (left out of the loss) | penalty (DAPO's soft
-    # overlong penalty on the reward over the last overlong_buffer tokens)
+    # overlong penalty on the reward over the last overlong_buffer tokens; an episode's: its worst turn's)
     overlong: str = "none"
     overlong_buffer: int = 0
     cpu_threads: int = 0  # CPU runs: intra-op threads per trainer rank (0: the launcher's OMP_NUM_THREADS)
