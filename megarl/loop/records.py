@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -42,6 +43,8 @@ def step_record(
         "mode": run_mode,
         "policy_version": policy_version,
         "reward_mean": sum(rewards) / len(rewards),
+        # the spread of the samples' rewards: the health watch's standard error of a mean reward
+        "reward_std": statistics.pstdev(rewards),
         "accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
         "samples": len(samples),
         "samples_per_s": len(samples) / wall,

@@ -3,6 +3,7 @@ ids (never a re-encoding), environment ids are masked, behaviour log-probs and v
 sampler's, an in-flight update mid-episode gives two versions; through a scripted backend with
 the calculator, and through megarl's torch engine against transformers' own log-probs."""
 
+import dataclasses
 import math
 import re
 from typing import List
@@ -90,10 +91,10 @@ def reward_84(text, trajectory):
     return 1.0 if "84" in text else 0.0
 
 
-def runner(backend, **settings):
+def runner(backend, max_new_tokens=200, **settings):
     tools = {"calculator": Calculator()}
     fmt = ChatMLToolFormat(encode, SPECIALS["<|im_end|>"])
-    params = SamplingParams(max_new_tokens=200)
+    params = SamplingParams(max_new_tokens=max_new_tokens)
     return EpisodeRunner(
         backend, lambda i: ToolEnvironment(tools, fmt, reward_84), decode, params, EpisodeSettings(**settings)
     )
@@ -133,6 +134,51 @@ def test_episode_limits_end_it_with_the_reason():
     assert t.finish == "max_turns" and t.turns == 3 and t.tool_calls == 3
     [t] = runner(ScriptedBackend([forever]), max_context=150).run([encode("q")])
     assert t.finish == "length" and len(t.context()) == 150  # the last turn cut at the context limit
+
+
+def test_overlong_penalty_judges_each_turn_against_its_own_limit():
+    """rollout.max_new_tokens is a turn's limit: an episode is penalised for its worst turn, never for
+    its whole length (tool output and later turns included). The demo's fp32 collapse (issue 53)
+    had correct 3-turn episodes with no turn cut penalised -1 for their total length."""
+    from megarl.config import RolloutConfig, TrainerConfig
+    from megarl.rollout import EpisodeStats, sampled_turn_lengths
+    from megarl.trainer.aggregation import sample_overlong_penalty
+    from megarl.trainer.bound_loss import bind_loss
+    from megarl.trainer.policy_trainer import shape_batch
+
+    limit, buffer = 128, 32  # the tools demo's: no penalty up to 96 sampled ids, -1 at 128
+    answer = "The answer is 84.<|im_end|>"
+    call = CALL.format("12 * 7")  # 85 ids
+    thinking = "Let me use the calculator for this product, then read off its result. "
+    in_buffer = thinking[: 104 - len(encode(call))] + call  # 104 ids: (104 - 96) / 32 -> -0.25
+    cut = call + " and so on" * 10  # runs past the limit: cut at 128 ids after a complete call
+    scripts = [
+        [call, call, answer],  # 85 + 85 + 18 sampled ids, each turn well under the limit
+        [in_buffer, answer],
+        [cut, answer],
+    ]
+    done = sorted(runner(ScriptedBackend(scripts), limit).run([encode("q")] * 3), key=lambda t: t.group_id)
+    samples = [t.to_sample() for t in done]
+    for s in samples:
+        s.group_id = 0
+    assert [sampled_turn_lengths(s) for s in samples] == [[85, 85, 18], [104, 18], [128, 18]]
+    # each episode's total length is past the limit, and every one ended with the right answer
+    assert all(len(s.response_tokens) > limit and s.reward == 1.0 for s in samples)
+    assert [s.finish_reason for s in samples] == ["stop"] * 3  # no last turn was cut: none truncated
+    assert [sample_overlong_penalty(s, limit, buffer) for s in samples] == [0.0, -0.25, -1.0]
+
+    # through the trainer's own path: the shaped rewards 1, 0.75 and 0 less their group's mean
+    loss = bind_loss(TrainerConfig(overlong="penalty", overlong_buffer=buffer), RolloutConfig(max_new_tokens=limit), 0)
+    kept, advantages, info = shape_batch(samples, loss)
+    assert kept == samples and advantages == pytest.approx([1 - 1.75 / 3, 0.75 - 1.75 / 3, -1.75 / 3])
+    assert info["overlong_penalty_mean"] == pytest.approx(-1.25 / 3) and info["truncated_frac"] == 0.0
+
+    # a rollout recorded before turns were kept: the loss mask's runs of sampled ids give the same turns
+    old = [dataclasses.replace(s, episode=dataclasses.replace(s.episode, turn_tokens=())) for s in samples]
+    assert [sampled_turn_lengths(s) for s in old] == [[85, 85, 18], [104, 18], [128, 18]]
+    # read back from JSON (a list): the same episode, hashable as one
+    assert EpisodeStats(3, turn_tokens=[85, 85, 18]) == EpisodeStats(3, turn_tokens=(85, 85, 18))
+    assert hash(EpisodeStats(3, turn_tokens=[85, 85, 18])) == hash(EpisodeStats(3, turn_tokens=(85, 85, 18)))
 
 
 class Stuck:
