@@ -132,6 +132,7 @@ class GeneratorExecutor:
         self.in_flight = 0  # samples submitted and not yet returned
         self.next_group = 0
         self.ready: List[List[Completion]] = []  # finished groups not yet handed over, in the order they finished
+        self.oldest: Dict[int, Optional[int]] = {}  # group id -> _oldest, of each group in ready (read every step)
         self.stale_dropped = 0
         self.lag_counts = empty_lag_counts()
         # group id -> prompt index of every group not yet handed over (or dropped): a checkpoint
@@ -221,6 +222,7 @@ class GeneratorExecutor:
             if len(group) == n:
                 del self.groups[c.group_id]
                 self.ready.append(sorted(group, key=lambda x: x.sample_index))
+                self.oldest[c.group_id] = _oldest(group)
 
     def generate(self, train_version: int, n_groups: int, drain: bool) -> GeneratedGroups:
         """Groups for the trainer, and this replica's timing.
@@ -254,7 +256,7 @@ class GeneratorExecutor:
             self._drop_stale(train_version)
         if len(self.ready) < n_groups:
             return None
-        deadlines = [self._deadline(_oldest(g)) for g in self.ready]
+        deadlines = [self._deadline(self.oldest[g[0].group_id]) for g in self.ready]
         order = sorted(range(len(self.ready)), key=lambda i: (deadlines[i], i))  # oldest first, then as finished
         if self.rollout.max_lag_policy == "wait" and self._must_wait(
             train_version, [deadlines[i] for i in order[:n_groups]], [deadlines[i] for i in order[n_groups:]]
@@ -283,7 +285,7 @@ class GeneratorExecutor:
         """max_lag_policy=drop: finished groups whose oldest trained token is past the bound."""
         kept = []
         for group in self.ready:
-            oldest = _oldest(group)
+            oldest = self.oldest[group[0].group_id]
             if oldest is None or train_version - oldest <= self.rollout.max_lag:
                 kept.append(group)
                 continue
@@ -294,6 +296,7 @@ class GeneratorExecutor:
                     f"lag_dropped_samples_{length_bucket(len(c.output_ids), self.rollout.max_new_tokens)}"
                 ] += 1
             self.prompt_of.pop(group[0].group_id, None)
+            del self.oldest[group[0].group_id]
         self.ready = kept
 
     def _hand_over(self, groups: List[List[Completion]], start: float) -> GeneratedGroups:
@@ -301,6 +304,7 @@ class GeneratorExecutor:
         self.ready = [g for g in self.ready if id(g) not in taken]
         for group in groups:
             self.prompt_of.pop(group[0].group_id, None)
+            del self.oldest[group[0].group_id]
         counts, self.lag_counts = self.lag_counts, empty_lag_counts()
         return GeneratedGroups(
             groups=groups,

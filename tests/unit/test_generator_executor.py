@@ -238,6 +238,7 @@ def test_no_sample_is_excluded_for_its_length_under_the_default_policy(ahead_ste
     assert sorted(len(c.output_ids) for c in trained + waiting) == sorted(len(c.output_ids) for c in backend.finished)
     assert sum(len(c.output_ids) == 16 for c in trained) > 0 and len(waiting) <= 2 * 3
     assert backend.abort_calls == [] and sum(b.stale_dropped for b in batches) == 0
+    assert set(ex.oldest) == {g[0].group_id for g in ex.ready}  # its cache follows what waits
     for version, b in enumerate(batches):  # each batch within the bound, as the trainer checks it
         assert max(check_lag([c.to_sample() for g in b.groups for c in g], version, 2)) <= 2
     # no group whose deadline passed is missing: a group submitted at version v is in batch v + 2 or before
@@ -252,6 +253,7 @@ def test_drop_selects_by_length_and_the_metrics_show_it():
     length bucket say so -- the bias the default policy removes."""
     backend, ex, batches = _mixed_run("drop", ahead_steps=0)
     trained = [c for b in batches for g in b.groups for c in g]
+    assert set(ex.oldest) == {g[0].group_id for g in ex.ready}
     dropped = {q: sum(b.lag_counts[f"lag_dropped_samples_len_q{q}"] for b in batches) for q in (1, 2, 3, 4)}
     assert dropped[4] > 0 and dropped[1] == dropped[2] == dropped[3] == 0
     assert sum(b.lag_counts["lag_dropped_groups"] for b in batches) * 2 == dropped[4] == 2 * batches[-1].stale_dropped
