@@ -176,6 +176,12 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_lag: int = 2  # steps a token may be behind the trained policy (async); sync is always 0
+    # async: what happens to a group that would go past max_lag (executors/generator.py): wait (a batch
+    # waits for it: the bound holds and nothing is excluded) | keep (trained beyond the bound under the
+    # importance correction) | mask (its tokens beyond the bound are left out of the loss) | drop (the
+    # group is dropped: long groups are the ones that go past, so this one selects by length). wait is
+    # provisional, until the demo's measurement (issue 52) picks the default
+    max_lag_policy: str = "wait"
     # dynamic sampling (DAPO): groups whose samples all got one reward are not trained; more are generated
     filter_groups: bool = False
     # multi-turn episodes (megarl/environments, docs/multi-turn.md): > 1 with tools or an env
@@ -348,6 +354,7 @@ class Config:
         self._validate_episodes()
         self._validate_reward()
         self._validate_health()
+        self._validate_lag()
         if self.run.mode == "async" and r.prompts_per_step % g.replicas:
             raise ConfigError(
                 f"rollout.prompts_per_step={r.prompts_per_step} must be a multiple of "
@@ -450,6 +457,22 @@ class Config:
         elif t.overlong_buffer:
             raise ConfigError(
                 f"trainer.overlong_buffer: used only with trainer.overlong=penalty (it is {t.overlong!r})"
+            )
+
+    def _validate_lag(self) -> None:
+        r = self.rollout
+        _choice("rollout.max_lag_policy", r.max_lag_policy, ("wait", "keep", "mask", "drop"))
+        if self.run.mode == "sync":
+            if r.max_lag_policy != RolloutConfig().max_lag_policy:
+                raise ConfigError(
+                    "rollout.max_lag_policy: an async setting; sync mode trains every batch under the policy "
+                    "that generated it (or trainer.updates_per_batch - 1 versions later), nothing goes past a bound"
+                )
+        elif r.max_lag < 1:
+            # the batch an async generator makes while the trainer steps is one version behind when trained
+            raise ConfigError(
+                f"rollout.max_lag: async mode trains each batch one version after the policy that generated "
+                f"it, so the bound must be >= 1, got {r.max_lag}"
             )
 
     def _validate_moe_training(self) -> None:

@@ -23,6 +23,17 @@ from megarl.errors import ConfigError
 MASKED_LOGPROB = math.nan  # a masked token's behaviour log-prob: NaN, so a sum that read it would show
 MASKED_VERSION = -1  # a masked token's policy version: older than any real one, so a check that read it would fail
 
+# the response-length buckets of the lag metrics (executors/generator.py, executors/trainer.py): quarters
+# of rollout.max_new_tokens, so a policy that excludes by length shows in the last ones
+LENGTH_BUCKETS = ("len_q1", "len_q2", "len_q3", "len_q4")
+
+
+def length_bucket(response_tokens: int, max_new_tokens: int) -> str:
+    """len_q1: up to max_new_tokens / 4 response tokens, len_q2: up to 1/2, len_q3: up to 3/4,
+    len_q4: longer (an episode's response, several turns long, may exceed max_new_tokens: len_q4)."""
+    quarter = -(-4 * response_tokens // max_new_tokens)  # ceil(4 n / max_new_tokens)
+    return LENGTH_BUCKETS[min(max(quarter, 1), len(LENGTH_BUCKETS)) - 1]
+
 
 @dataclass(frozen=True)
 class EpisodeStats:

@@ -58,7 +58,8 @@ def step_record(
         "idle_trainer": max(0.0, wall - time_train - sync_s),
         "idle_generator": max(0.0, wall - gen_s - reward_s - sync_s),
         "stale_dropped": trained.stale_dropped,
-        "stale_aborted": trained.stale_aborted,
+        # what rollout.max_lag cost while the batch was made (executors/generator.py), drops by length
+        **trained.lag_counts,
         "reward_timeouts": trained.reward_timeouts,
         "reward_dropped_groups": trained.reward_dropped_groups,
         # rollout.filter_groups: groups of one reward not trained, and the samples refilling cost
