@@ -271,9 +271,10 @@ def test_parked_sessions_prefill_only_the_inserted_ids_and_sample_what_a_full_pr
 ):
     """Three 3-turn episodes on megarl's engine, fp32, seeded temperature-1 sampling: with each turn's
     slot parked for the episode's next one, the sampled ids equal those of the same engine prefilling
-    every context from scratch (`megarl bench episodes`' baseline arm), the log-probs agree to 1e-5, and the engine prefilled exactly the
-    first context plus, at each later turn, the inserted ids and the previous turn's last sampled id
-    (whose keys no forward had written), counted from the trajectories' own segments. With one slot
+    every context from scratch (`megarl bench episodes`' baseline arm), the log-probs agree to fp32
+    rounding (tests/fp32_bounds.py), and the engine prefilled exactly the first context plus, at each
+    later turn, the inserted ids and the previous turn's last sampled id (whose keys no forward had
+    written), counted from the trajectories' own segments. With one slot
     and no patience (timeout 0) a waiting episode evicts the parked one, which then prefills its whole
     context again; with one slot and a long timeout the others wait and nothing is evicted. Every slot
     is free when the episodes end."""
@@ -282,6 +283,7 @@ def test_parked_sessions_prefill_only_the_inserted_ids_and_sample_what_a_full_pr
     from megarl.generator.weights import load_generator_params
     from megarl.models.hf_checkpoint import SafetensorsCheckpoint
     from tests.conftest import make_tiny_llama
+    from tests.fp32_bounds import fp32_logprob_bound
 
     hf = SafetensorsCheckpoint(make_tiny_llama(tmp_path / "hf"))
     params = load_generator_params(hf, 1, 0, torch.float32)
@@ -298,11 +300,17 @@ def test_parked_sessions_prefill_only_the_inserted_ids_and_sample_what_a_full_pr
 
     parked_engine, plain_engine = engine(), engine()
     parked, plain = run(parked_engine), run(ForgetSessions(plain_engine))
+    # the same fp32 engine on the same ids, prefilled in other pieces (tests/fp32_bounds.py; 1e-5 set
+    # by hand before, 8.1e-6 measured on an AVX512 EPYC): a wrong position or a stale key moves a
+    # log-prob by far more than either
+    bound = fp32_logprob_bound(hf.path, [t.context() for t in parked])
     for a, b in zip(parked, plain):
         assert a.context() == b.context(), a.episode_id
         la = [x for s in a.segments if s.kind == GENERATED for x in s.logprobs]
         lb = [x for s in b.segments if s.kind == GENERATED for x in s.logprobs]
-        assert max(abs(x - y) for x, y in zip(la, lb)) < 1e-5
+        worst = max(abs(x - y) for x, y in zip(la, lb))
+        print(f"{a.episode_id}: parked vs full prefill, max |dlogp| {worst:.2e} (bound {bound:.2e})")
+        assert worst <= bound, (a.episode_id, worst, bound)
     full = sum(len(t.prompt_ids) + len(t.segments[0].token_ids) for t in parked)  # reset's ids, then turn 1
     for t in parked:
         context = len(t.prompt_ids) + len(t.segments[0].token_ids)
