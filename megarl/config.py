@@ -290,7 +290,7 @@ class HealthConfig:
     entropy_rise: float = 3.0  # flagged: entropy above this multiple of its baseline (at least 0.01 nats)
     kl_rise: float = 0.05  # flagged: KL(mu || pi) per token above its baseline by this many nats
     ess_drop: float = 0.15  # flagged: ESS below its baseline by this
-    grad_norm_spike: float = 5.0  # flagged: the gradient norm (before clipping) above this multiple of its baseline
+    grad_norm_spike: float = 5.0  # flagged: the gradient norm (before clipping) above this multiple of the steps before
     tool_error_rise: float = 0.2  # flagged: the failed fraction of a step's tool calls above its baseline by this
 
 

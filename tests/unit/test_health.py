@@ -107,10 +107,18 @@ def test_one_step_outlier_is_not_a_degradation():
 
 
 def test_a_gradient_norm_spike_against_steps_that_had_a_gradient():
-    # steps 2 (no advantage: no gradient) and 3 (skipped: NaN) are neither baseline nor judged:
-    # baseline (0.04 + 0.05 + 0.06) / 3 = 0.05, x 5 = 0.25
-    norms = [0.04, 0.0, math.nan, 0.05, 0.06, 0.24, 0.26, 0.0]
-    assert flagged_steps([{"grad_norm": g} for g in norms], "grad_norm") == [7]
+    # steps 2 (no advantage: no gradient), 3 (skipped: NaN) and 8 are neither baseline nor judged; each
+    # norm against 5 x the median of the 3 usable norms before it: step 6, 0.24 < 5 x 0.05; step 7,
+    # 0.26 < 5 x 0.06; step 9, 0.3 < 5 x 0.24; step 10, 2.0 > 5 x 0.26 = 1.3
+    norms = [0.04, 0.0, math.nan, 0.05, 0.06, 0.24, 0.26, 0.0, 0.3, 2.0]
+    assert flagged_steps([{"grad_norm": g} for g in norms], "grad_norm") == [10]
+    # against the run's first steps (0.05) instead, steps 7, 9 and 10 would all be past 0.25
+
+
+def test_a_gradient_norm_that_grows_as_the_run_learns_is_no_spike():
+    """1.3x a step for 12 steps (0.04 -> 0.93, 23x its start): never more than 5 x the steps before."""
+    norms = [0.04 * 1.3**k for k in range(13)]
+    assert flagged_steps([{"grad_norm": g} for g in norms], "grad_norm") == []
 
 
 def test_tool_errors_as_a_fraction_of_the_steps_tool_calls():
