@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.megarl-installed
 TEST_STAMP := $(VENV)/.megarl-test-installed
 
-.PHONY: setup setup-test demo demo-tools demo-convert lint test test-quick clean
+.PHONY: setup setup-test demo demo-tools demo-convert lint test test-quick test-as-avx2 clean
 
 # What `megarl train`, `megarl eval` and `make demo` need; `make test` adds setup-test's part.
 setup: $(STAMP)
@@ -86,6 +86,13 @@ test: setup-test
 # The unit tests alone: no process is started (tests/unit/conftest.py fails a test that starts one).
 test-quick: setup-test
 	$(PY) -m pytest -q tests/unit
+
+# The whole suite as an AVX2-only CPU computes it, on a CPU with AVX-512 (docs/testing.md): PyTorch's
+# own kernels at AVX2 (ATEN_CPU_CAPABILITY), oneDNN capped below its bf16 kernels (so bf16 matmuls are
+# emulated and `dtype: auto` resolves to fp32, as there), MKL's AVX2 code path.
+AVX2_ENV = ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
+test-as-avx2: setup-test
+	$(AVX2_ENV) $(PY) -m pytest -q
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

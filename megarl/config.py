@@ -87,7 +87,7 @@ class TrainerConfig:
     loss_agg: Optional[str] = None
     entropy_coef: float = 0.0  # entropy bonus: - entropy_coef * H(pi) per response token, any loss
     # samples cut by rollout.max_new_tokens: none | mask (left out of the loss) | penalty (DAPO's soft
-    # overlong penalty on the reward over the last overlong_buffer tokens)
+    # overlong penalty on the reward over the last overlong_buffer tokens; an episode's: its worst turn's)
     overlong: str = "none"
     overlong_buffer: int = 0
     cpu_threads: int = 0  # CPU runs: intra-op threads per trainer rank (0: the launcher's OMP_NUM_THREADS)
@@ -176,6 +176,12 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_lag: int = 2  # steps a token may be behind the trained policy (async); sync is always 0
+    # async: what happens to a group that would go past max_lag (executors/generator.py): wait (a batch
+    # waits for it: the bound holds and nothing is excluded) | keep (trained beyond the bound under the
+    # importance correction) | mask (its tokens beyond the bound are left out of the loss) | drop (the
+    # group is dropped: long groups are the ones that go past, so this one selects by length). wait is
+    # provisional, until the demo's measurement (issue 52) picks the default
+    max_lag_policy: str = "wait"
     # dynamic sampling (DAPO): groups whose samples all got one reward are not trained; more are generated
     filter_groups: bool = False
     # multi-turn episodes (megarl/environments, docs/multi-turn.md): > 1 with tools or an env
@@ -263,6 +269,32 @@ class RunConfig:
 
 
 @dataclass
+class HealthConfig:
+    """The loop's health watch (megarl/health.py, docs/long-runs.md#health): every step is judged against
+    the run's own first steps, and a degraded one is said on the progress line, on stderr, in
+    metrics.jsonl (health, health_flags, health_reasons) and in summary.json. A threshold of 0 turns
+    its check off. (Megatron-LM has no such watch; its nearest is --check-for-nan-in-loss-and-grad.)"""
+
+    action: str = "warn"  # warn: say so and train on | stop: end at the step boundary, its checkpoint saved
+    baseline_steps: int = 3  # each metric's first N values in the run: what later steps are judged against
+    patience: int = 2  # stop: degraded steps in a row before the run ends (one noisy step does not end it)
+    reward_window: int = 2  # the latest steps whose mean reward is judged
+    # the other checks judge the median of their last `window` values: one step's outlier is not a
+    # degradation (a single token with a large importance ratio pulls a step's ESS down); the gradient
+    # norm is judged per step (a spike is one step's)
+    window: int = 3
+    # flagged: that mean below the best mean of baseline_steps steps in a row so far (the baseline's the
+    # first) by reward_drop, in the reward's own units, and by reward_z standard errors of the two means
+    reward_drop: float = 0.2
+    reward_z: float = 3.0
+    entropy_rise: float = 3.0  # flagged: entropy above this multiple of its baseline (at least 0.01 nats)
+    kl_rise: float = 0.05  # flagged: KL(mu || pi) per token above its baseline by this many nats
+    ess_drop: float = 0.15  # flagged: ESS below its baseline by this
+    grad_norm_spike: float = 5.0  # flagged: the gradient norm (before clipping) above this multiple of the steps before
+    tool_error_rise: float = 0.2  # flagged: the failed fraction of a step's tool calls above its baseline by this
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -272,6 +304,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     data: DataConfig = field(default_factory=DataConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
     # free-form, for tools that read the same file (megarl plan: cluster, timing tables)
     plan: Dict[str, Any] = field(default_factory=dict)
 
@@ -320,6 +353,8 @@ class Config:
         self._validate_tokenizer_free()
         self._validate_episodes()
         self._validate_reward()
+        self._validate_health()
+        self._validate_lag()
         if self.run.mode == "async" and r.prompts_per_step % g.replicas:
             raise ConfigError(
                 f"rollout.prompts_per_step={r.prompts_per_step} must be a multiple of "
@@ -422,6 +457,22 @@ class Config:
         elif t.overlong_buffer:
             raise ConfigError(
                 f"trainer.overlong_buffer: used only with trainer.overlong=penalty (it is {t.overlong!r})"
+            )
+
+    def _validate_lag(self) -> None:
+        r = self.rollout
+        _choice("rollout.max_lag_policy", r.max_lag_policy, ("wait", "keep", "mask", "drop"))
+        if self.run.mode == "sync":
+            if r.max_lag_policy != RolloutConfig().max_lag_policy:
+                raise ConfigError(
+                    "rollout.max_lag_policy: an async setting; sync mode trains every batch under the policy "
+                    "that generated it (or trainer.updates_per_batch - 1 versions later), nothing goes past a bound"
+                )
+        elif r.max_lag < 1:
+            # the batch an async generator makes while the trainer steps is one version behind when trained
+            raise ConfigError(
+                f"rollout.max_lag: async mode trains each batch one version after the policy that generated "
+                f"it, so the bound must be >= 1, got {r.max_lag}"
             )
 
     def _validate_moe_training(self) -> None:
@@ -629,6 +680,48 @@ class Config:
                     f"rollout.tools: no tool {unknown[0]!r}; built in: {', '.join(builtin)}, "
                     "or a dotted path 'package.module:factory'"
                 )
+
+    def _validate_health(self) -> None:
+        h, defaults = self.health, HealthConfig()
+        if h.action == "rollback":
+            # a resumed run is the run that never stopped (same prompts, same sampling seeds: exact in sync
+            # mode), so reloading the last good checkpoint and training on would degrade the same way
+            raise ConfigError(
+                "health.action: rollback is not offered: a run resumed from its last good checkpoint draws the "
+                "same prompts and samples and degrades again unless its recipe changes. Use stop; the message "
+                "names the last checkpoint saved before the first flag (docs/long-runs.md#health)"
+            )
+        _choice("health.action", h.action, ("warn", "stop"))
+        for name in ("baseline_steps", "reward_window", "window", "patience"):
+            _positive(f"health.{name}", getattr(h, name))
+        for f in dataclasses.fields(HealthConfig):
+            value = getattr(h, f.name)
+            if isinstance(value, float) and not 0 <= value < float("inf"):
+                raise ConfigError(f"health.{f.name}: must be a finite number >= 0 (0: off), got {value}")
+        for name in ("entropy_rise", "grad_norm_spike"):
+            if 0 < getattr(h, name) <= 1:
+                raise ConfigError(
+                    f"health.{name}: a multiple of the baseline, must be > 1 (or 0: off), got {getattr(h, name)}"
+                )
+        if h.ess_drop >= 1:
+            raise ConfigError(f"health.ess_drop: ESS is at most 1, must be below 1 (or 0: off), got {h.ess_drop}")
+        if h.action != "stop" and h.patience != defaults.patience:
+            raise ConfigError(f"health.patience: used only with health.action=stop (it is {h.action!r})")
+        if not h.reward_drop:
+            for name in ("reward_window", "reward_z"):
+                if getattr(h, name) != getattr(defaults, name):
+                    raise ConfigError(f"health.{name}: used only with health.reward_drop > 0 (the reward check)")
+        if h.window != defaults.window and not (h.entropy_rise or h.kl_rise or h.ess_drop or h.tool_error_rise):
+            raise ConfigError(
+                "health.window: the medians of entropy, KL, ESS and tool errors; every one of those checks is off"
+            )
+        r = self.rollout
+        episodes = bool(r.tools) or r.env is not None or r.agent is not None
+        if not episodes and h.tool_error_rise != defaults.tool_error_rise:
+            raise ConfigError(
+                "health.tool_error_rise: judges episodes' tool calls; used only with rollout.tools, rollout.env "
+                "or rollout.agent"
+            )
 
     def _validate_sglang(self) -> None:
         g = self.generator

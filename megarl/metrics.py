@@ -26,6 +26,7 @@ from typing import Any, Dict, Optional
 
 from megarl.config import check_wandb_config
 from megarl.errors import ConfigError
+from megarl.health import progress_text
 
 PROGRESS_KEYS = ("reward_mean", "accuracy", "lag_mean", "samples_per_s")
 WANDB_RUN_FILE = "wandb_run_id.txt"  # a relaunch continues the same W&B run
@@ -125,9 +126,19 @@ class MetricsWriter:
 
     def progress_fields(self, record: dict) -> Dict[str, str]:
         fields = {k: f"{record[k]:.3g}" for k in PROGRESS_KEYS if k in record}
+        health = progress_text(record)  # megarl/health.py: ok | baseline | DEGRADED:<checks>
+        if health is not None:
+            fields["health"] = health
         if self.budget_end is not None:
             fields["budget_left"] = f"{max(0.0, self.budget_end - time.monotonic()) / 60:.1f}min"
         return fields
+
+    def say(self, line: str) -> None:
+        """A line on stderr that leaves the progress bar whole."""
+        if self.bar is not None:
+            self.bar.write(line, file=sys.stderr)
+        else:
+            print(line, file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -16,12 +16,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 from megarl.errors import ConfigError
 
 MASKED_LOGPROB = math.nan  # a masked token's behaviour log-prob: NaN, so a sum that read it would show
 MASKED_VERSION = -1  # a masked token's policy version: older than any real one, so a check that read it would fail
+
+# the response-length buckets of the lag metrics (executors/generator.py, executors/trainer.py): quarters
+# of rollout.max_new_tokens, so a policy that excludes by length shows in the last ones
+LENGTH_BUCKETS = ("len_q1", "len_q2", "len_q3", "len_q4")
+
+
+def length_bucket(response_tokens: int, max_new_tokens: int) -> str:
+    """len_q1: up to max_new_tokens / 4 response tokens, len_q2: up to 1/2, len_q3: up to 3/4,
+    len_q4: longer (an episode's response, several turns long, may exceed max_new_tokens: len_q4)."""
+    quarter = -(-4 * response_tokens // max_new_tokens)  # ceil(4 n / max_new_tokens)
+    return LENGTH_BUCKETS[min(max(quarter, 1), len(LENGTH_BUCKETS)) - 1]
 
 
 @dataclass(frozen=True)
@@ -30,7 +41,8 @@ class EpisodeStats:
     that failed, seconds its environment stepped, and why it ended (done | max_turns | length |
     max_context | env_timeout | env_error | aborted | history_edited); over its turns, the prompt
     ids the generator prefilled and those whose keys and values a cache kept (a parked session or
-    SGLang's radix cache)."""
+    SGLang's radix cache); the ids sampled in each turn, in order (each turn has its own
+    rollout.max_new_tokens: the overlong penalty judges them one by one)."""
 
     turns: int
     tool_calls: int = 0
@@ -39,6 +51,11 @@ class EpisodeStats:
     finish: str = ""
     prefill_tokens: int = 0
     cached_tokens: int = 0
+    turn_tokens: Tuple[int, ...] = ()  # empty in rollouts recorded before it was kept
+
+    def __post_init__(self) -> None:
+        # a tuple however it came (JSON gives a list), so episodes compare and hash alike
+        object.__setattr__(self, "turn_tokens", tuple(int(n) for n in self.turn_tokens))
 
 
 @dataclass
@@ -108,6 +125,25 @@ class Sample:
                 f"{name}: routed_experts has {self.routed_experts.shape[0]} positions for the {len(self)} the "
                 f"trainer feeds (prompt + response - 1)"
             )
+
+
+def sampled_turn_lengths(sample: Sample) -> List[int]:
+    """The ids the policy sampled in each turn of ``sample``: its whole response for one completion;
+    for an episode, each turn's (``EpisodeStats.turn_tokens``; in rollouts recorded before it was
+    kept, the runs of trained ids of its loss mask, which merge two turns only where an environment
+    inserted nothing between them)."""
+    if sample.episode is None:
+        return [len(sample.response_tokens)]
+    if sample.episode.turn_tokens:
+        return list(sample.episode.turn_tokens)
+    runs, n = [], 0
+    for m in sample.loss_mask + [0]:
+        if m:
+            n += 1
+        elif n:
+            runs.append(n)
+            n = 0
+    return runs
 
 
 def episode_metrics(samples: Sequence[Sample]) -> dict:

@@ -129,6 +129,7 @@ class Trajectory:
             self.finish or "",
             self.prefill_tokens,
             self.cached_tokens,
+            tuple(len(s.token_ids) for s in self.segments if s.kind == GENERATED),
         )
 
 

@@ -8,37 +8,55 @@ Everything here works the same for both:
 
 ``generate(train_version, n_groups)`` keeps the backend full -- up to
 ``generator.max_running`` samples in flight plus one group queued, so a freed
-slot refills at once -- and returns the first ``n_groups`` prompt groups whose
-samples have all finished. In async mode sequences still in flight stay in
+slot refills at once -- and returns ``n_groups`` prompt groups whose samples
+have all finished (which ones: the hand-over, below). In async mode sequences still in flight stay in
 the backend across steps (partial rollouts) and continue under each new
 policy version; weights are replaced between decode steps by the weight
 synchronizer (weight_sync/factory.py), never by draining the batch.
 
-Admission control for ``rollout.max_lag``: a group is handed to the trainer
-only if every token of it is at most ``max_lag`` versions behind the policy
-that trains on it (``train_version``). A finished group that is older is
-dropped (``stale_dropped``); a group still in flight whose first tokens were
-already sampled too long ago can never qualify, so it is aborted at once and
-its slots go to fresh prompts (``stale_aborted``). "Too long ago" uses the
-backend's policy version when the group was submitted: its samples start at
-once (the backend holds at most max_running + one group), so that is the
-version of their first tokens.
+The lag bound (``rollout.max_lag``): every token records the policy version that sampled it;
+a sample's lag is the training policy's version minus that of its oldest trained token. A group
+submitted with the backend at version v holds no token older than v (its samples start at once,
+or wait for a slot and start under the same or a newer policy), so the batches T .. v + max_lag
+can train it within the bound (T: the batch being made); v + max_lag is its deadline.
 
-While the trainer steps (``generate_until``), new prompts are admitted only
-as long as the groups ready or in flight do not already cover every batch a
-group started now could still join: with the backend at version v, a new
-group can be trained up to version v + max_lag, i.e. by batches T' .. v +
-max_lag (T' = the next batch's train version), ``groups_per_step`` each. A
-generator faster than the trainer then stops early instead of making groups
-that would only be dropped as stale; one slower than the trainer never
-reaches the cap.
+- Admission: a group starts only while the groups ready or in flight fit into the batches that
+  could still train a group started now -- the batch being made its missing groups, each later
+  one ``groups_per_step`` -- so that, taken in the order they started, every group would be
+  trained within the bound. A generator faster than the trainer stops there instead of making
+  groups it could not hand over in time; one slower than the trainer never reaches the cap.
+  (``lag_admission_waits``: backend steps run with a slot that the cap kept empty.)
+- Nothing in flight is aborted, and nothing is judged by the version it was submitted under:
+  a group finishes under the weight updates that land meanwhile (in-flight updates), and its
+  staleness is that of its oldest trained token.
+- Hand-over: a batch takes the finished groups oldest first (by their oldest trained token,
+  then in the order they finished), so that a group that took long is not passed over by
+  younger short ones. A group can still go past its deadline where it takes longer to generate
+  than the trainer takes to consume the batches before it; ``rollout.max_lag_policy`` says what
+  then happens:
+
+      wait  a batch waits for an older group still in flight where taking younger finished
+            ones instead would leave some later batches more groups due than they can hold
+            (``lag_handover_waits``: backend steps waited): the bound holds and no group is
+            excluded; the trainer may wait for a long group, as a sync run does
+      keep  batches never wait; the trainer trains a group past its deadline whole, its old
+            tokens under the importance correction (executors/trainer.py)
+      mask  batches never wait; the trainer leaves the tokens beyond the bound out of the loss
+      drop  batches never wait; a finished group past its deadline is dropped (``stale_dropped``,
+            ``lag_dropped_*`` by length) and a fresh prompt takes its place. The groups that go
+            past are the long ones, so this policy trains on a batch biased toward short answers:
+            it is kept to measure against.
+
+While the trainer steps (``generate_until``) the same admission cap holds for the batch after
+the one handed over.
 """
 
 from __future__ import annotations
 
+import math
 import time
-from dataclasses import dataclass
-from typing import Dict, List, Set
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -46,6 +64,19 @@ import torch.distributed as dist
 from megarl.data.datasets import PromptStream
 from megarl.errors import MegarlError
 from megarl.generator.interface import ABORTED, Completion, GenerationRequest, GeneratorBackend, SamplingParams
+from megarl.rollout import LENGTH_BUCKETS, length_bucket
+
+# what the lag bound cost while one batch was made (per replica, summed over replicas; the module doc)
+LAG_COUNT_KEYS = (
+    "lag_admission_waits",
+    "lag_handover_waits",
+    "lag_dropped_groups",
+    *(f"lag_dropped_samples_{b}" for b in LENGTH_BUCKETS),
+)
+
+
+def empty_lag_counts() -> Dict[str, int]:
+    return dict.fromkeys(LAG_COUNT_KEYS, 0)
 
 
 @dataclass
@@ -55,16 +86,22 @@ class GeneratedGroups:
     groups: List[List[Completion]]
     time_generate: float  # seconds of this call
     engine_version: int  # the backend's policy version at hand-over
-    stale_dropped: int  # running totals of the replica (admission control, see the module doc)
-    stale_aborted: int
+    stale_dropped: int  # running total of the replica (rollout.max_lag_policy=drop)
     in_flight: int  # samples still in the backend
+    # since the replica's previous hand-over (LAG_COUNT_KEYS)
+    lag_counts: Dict[str, int] = field(default_factory=empty_lag_counts)
 
 
 @dataclass
 class _InFlight:
     request_id: str
-    submitted_version: int
-    returned: int = 0  # samples back from the backend (finished or aborted)
+    submitted_version: int  # no token of the group is older (the module doc)
+    returned: int = 0  # samples back from the backend
+
+
+def _oldest(group: List[Completion]) -> Optional[int]:
+    """The version of the group's oldest trained token (None: it trains no token)."""
+    return min((v for c in group for v in c.trained_versions()), default=None)
 
 
 class GeneratorExecutor:
@@ -92,13 +129,12 @@ class GeneratorExecutor:
         self.stop_ids = tuple(stop_ids)
         self.groups: Dict[int, List[Completion]] = {}  # finished samples of groups not yet complete
         self.pending: Dict[int, _InFlight] = {}  # groups with samples still in the backend
-        self.doomed: Set[int] = set()  # aborted groups whose samples are still coming back
         self.in_flight = 0  # samples submitted and not yet returned
         self.next_group = 0
-        self.ready: List[List[Completion]] = []  # finished groups not yet handed over
+        self.ready: List[List[Completion]] = []  # finished groups not yet handed over, in the order they finished
+        self.oldest: Dict[int, Optional[int]] = {}  # group id -> _oldest, of each group in ready (read every step)
         self.stale_dropped = 0
-        self.stale_aborted = 0
-        self.aborted_samples = 0
+        self.lag_counts = empty_lag_counts()
         # group id -> prompt index of every group not yet handed over (or dropped): a checkpoint
         # lists them so that a resumed run generates them again
         self.prompt_of: Dict[int, int] = {}
@@ -147,11 +183,21 @@ class GeneratorExecutor:
             self.in_flight += req.n
         self.backend.submit(requests)
 
-    def _keep_full(self, admit_until: int = 1 << 62) -> None:
+    def _admission_cap(self, train_version: int, missing: int) -> int:
+        """How many groups may be ready or in flight: what the batches that could train a group
+        started now within max_lag hold -- batch ``train_version`` its ``missing`` groups, each
+        later one up to version + max_lag ``groups_per_step`` (0 where no batch could)."""
+        later = self.version + self.rollout.max_lag - train_version
+        return missing + self.groups_per_step * later if later >= 0 else 0
+
+    def _keep_full(self, admit_until: int = 1 << 62) -> bool:
         """Every slot busy, and one group queued so that freed slots refill at once -- while the
-        groups ready or in flight number fewer than ``admit_until``."""
-        while self.in_flight <= self.max_running and len(self.ready) + len(self.pending) < admit_until:
+        groups ready or in flight number fewer than ``admit_until``. True: that cap kept a slot empty."""
+        while self.in_flight <= self.max_running:
+            if len(self.ready) + len(self.pending) >= admit_until:
+                return True
             self._submit([self._request()])
+        return False
 
     def _step_backend(self) -> None:
         """One backend step; finished samples join their group, complete groups wait in ``ready``."""
@@ -166,11 +212,6 @@ class GeneratorExecutor:
             entry.returned += 1
             if entry.returned == n:
                 del self.pending[c.group_id]
-            if c.group_id in self.doomed:
-                self.aborted_samples += c.finish_reason == ABORTED
-                if entry.returned == n:
-                    self.doomed.discard(c.group_id)
-                continue
             if c.finish_reason == ABORTED:
                 raise MegarlError(
                     f"generator replica {self.replica}: sample {c.request_id}#{c.sample_index} was "
@@ -181,22 +222,7 @@ class GeneratorExecutor:
             if len(group) == n:
                 del self.groups[c.group_id]
                 self.ready.append(sorted(group, key=lambda x: x.sample_index))
-
-    def _abort_doomed(self, train_version: int) -> None:
-        """Abort groups in flight that cannot be trained within max_lag (see the module doc)."""
-        doomed = [
-            gid
-            for gid, entry in self.pending.items()
-            if gid not in self.doomed and train_version - entry.submitted_version > self.rollout.max_lag
-        ]
-        if not doomed:
-            return
-        self.backend.abort([self.pending[gid].request_id for gid in doomed])
-        for gid in doomed:
-            self.doomed.add(gid)
-            self.prompt_of.pop(gid, None)
-            self.groups.pop(gid, None)  # its finished samples are useless without the rest
-        self.stale_aborted += len(doomed)
+                self.oldest[c.group_id] = _oldest(group)
 
     def generate(self, train_version: int, n_groups: int, drain: bool) -> GeneratedGroups:
         """Groups for the trainer, and this replica's timing.
@@ -206,39 +232,93 @@ class GeneratorExecutor:
         start = time.perf_counter()
         if drain:
             self._submit([self._request() for _ in range(n_groups)])
-        else:
-            self._abort_doomed(train_version)
         while True:
-            self.ready = [g for g in self.ready if self._fresh(g, train_version, drain)]
-            if len(self.ready) >= n_groups:
+            batch = self._take(train_version, n_groups, drain)
+            if batch is not None:
                 break
+            held = False
             if not drain:
-                self._keep_full()
+                # never below the missing groups, so that the batch can always be filled: the cap is
+                # smaller only where train_version overstates the trainer's version (skipped steps)
+                held = self._keep_full(max(self._admission_cap(train_version, n_groups), n_groups))
+            self.lag_counts["lag_admission_waits"] += held
             self._step_backend()
-        if drain:  # the batch in group order, not in the engine's slot order (which a restart changes)
-            self.ready.sort(key=lambda g: g[0].group_id)
-        return self._hand_over(n_groups, start)
+        return self._hand_over(batch, start)
 
-    def _hand_over(self, n_groups: int, start: float) -> "GeneratedGroups":
-        ready, self.ready = self.ready[:n_groups], self.ready[n_groups:]
-        for group in ready:
+    def _take(self, train_version: int, n_groups: int, drain: bool) -> Optional[List[List[Completion]]]:
+        """The ``n_groups`` groups to hand over now, or None to step the backend first."""
+        if drain:  # the batch in group order, not in the engine's slot order (which a restart changes)
+            if len(self.ready) < n_groups:
+                return None
+            self.ready.sort(key=lambda g: g[0].group_id)
+            return self.ready[:n_groups]
+        if self.rollout.max_lag_policy == "drop":
+            self._drop_stale(train_version)
+        if len(self.ready) < n_groups:
+            return None
+        deadlines = [self._deadline(self.oldest[g[0].group_id]) for g in self.ready]
+        order = sorted(range(len(self.ready)), key=lambda i: (deadlines[i], i))  # oldest first, then as finished
+        if self.rollout.max_lag_policy == "wait" and self._must_wait(
+            train_version, [deadlines[i] for i in order[:n_groups]], [deadlines[i] for i in order[n_groups:]]
+        ):
+            self.lag_counts["lag_handover_waits"] += 1
+            return None
+        return [self.ready[i] for i in order[:n_groups]]
+
+    def _deadline(self, oldest: Optional[int]) -> float:
+        """The last batch that can train a group whose oldest trained token is of version ``oldest``."""
+        return math.inf if oldest is None else oldest + self.rollout.max_lag
+
+    def _must_wait(self, train_version: int, taken: List[float], ready_rest: List[float]) -> bool:
+        """max_lag_policy=wait: whether handing over the groups of deadlines ``taken`` now would
+        leave more groups due by some batch d than batches train_version + 1 .. d hold (an earliest-
+        deadline-first check over the groups left: ready ones, and those in flight by the version
+        they were submitted under, which no token of theirs is older than). Waiting helps only for
+        a group in flight due before one taken; without one, the groups taken are the earliest due."""
+        in_flight = [self._deadline(e.submitted_version) for e in self.pending.values()]
+        if not any(d < max(taken) for d in in_flight):
+            return False
+        left = sorted(ready_rest + in_flight)
+        return any(k + 1 > self.groups_per_step * (d - train_version) for k, d in enumerate(left))
+
+    def _drop_stale(self, train_version: int) -> None:
+        """max_lag_policy=drop: finished groups whose oldest trained token is past the bound."""
+        kept = []
+        for group in self.ready:
+            oldest = self.oldest[group[0].group_id]
+            if oldest is None or train_version - oldest <= self.rollout.max_lag:
+                kept.append(group)
+                continue
+            self.stale_dropped += 1  # too old to train on: dropped, a fresh prompt takes its slot
+            self.lag_counts["lag_dropped_groups"] += 1
+            for c in group:
+                self.lag_counts[
+                    f"lag_dropped_samples_{length_bucket(len(c.output_ids), self.rollout.max_new_tokens)}"
+                ] += 1
             self.prompt_of.pop(group[0].group_id, None)
+            del self.oldest[group[0].group_id]
+        self.ready = kept
+
+    def _hand_over(self, groups: List[List[Completion]], start: float) -> GeneratedGroups:
+        taken = {id(g) for g in groups}
+        self.ready = [g for g in self.ready if id(g) not in taken]
+        for group in groups:
+            self.prompt_of.pop(group[0].group_id, None)
+            del self.oldest[group[0].group_id]
+        counts, self.lag_counts = self.lag_counts, empty_lag_counts()
         return GeneratedGroups(
-            groups=ready,
+            groups=groups,
             time_generate=time.perf_counter() - start,
             engine_version=self.version,
             stale_dropped=self.stale_dropped,
-            stale_aborted=self.stale_aborted,
             in_flight=self.in_flight,
+            lag_counts=counts,
         )
 
     def generate_until(self, stop, next_train_version: int) -> int:
         """Keep decoding (groups that finish wait for the next batch) until ``stop()`` says the
         trainer is done: PipelineRL's generator never idles while the trainer works. The
         replica's first rank decides; its TP peers follow, so all run the same steps."""
-        self._abort_doomed(next_train_version)
-        # batches next_train_version .. version + max_lag can still take a group started now
-        useful = self.groups_per_step * max(0, self.version + self.rollout.max_lag - next_train_version + 1)
         steps = 0
         while True:
             flag = torch.tensor([1 if (self.tp_rank == 0 and stop()) else 0])
@@ -246,8 +326,11 @@ class GeneratorExecutor:
                 dist.broadcast(flag, group=self.tp_group, group_src=0)
             if flag.item():
                 return steps
-            self._keep_full(admit_until=useful)
+            if self.rollout.max_lag_policy == "drop":
+                self._drop_stale(next_train_version)  # its place goes to a fresh prompt now
+            held = self._keep_full(self._admission_cap(next_train_version, self.groups_per_step))
             if self.in_flight:
+                self.lag_counts["lag_admission_waits"] += held
                 self._step_backend()
             else:
                 self.on_step(True)  # quiet by design: waiting for the trainer
@@ -260,14 +343,6 @@ class GeneratorExecutor:
         ``ready`` for the next batch, under admission control as usual."""
         while self.in_flight:
             self._step_backend()
-
-    def _fresh(self, group: List[Completion], train_version: int, drain: bool) -> bool:
-        oldest = min(min(c.trained_versions(), default=train_version) for c in group)
-        if drain or train_version - oldest <= self.rollout.max_lag:
-            return True
-        self.stale_dropped += 1  # too old to train on: dropped, a fresh prompt takes its slot
-        self.prompt_of.pop(group[0].group_id, None)
-        return False
 
     # -- evaluation ----------------------------------------------------------------------------
 
@@ -322,20 +397,21 @@ class GeneratorExecutor:
         the checkpoint's policy, with the same group ids and sampling seeds, before any new
         prompt. In sync mode nothing is ever in flight at a step boundary.
         """
-        redo = sorted((gid, i) for gid, i in self.prompt_of.items() if gid not in self.doomed)
+        redo = sorted(self.prompt_of.items())
         return {
             "stream": self.stream.state_dict(),
             "next_group": self.next_group,
             "requeue": [list(x) for x in redo + self.requeued],
             "stale_dropped": self.stale_dropped,
-            "stale_aborted": self.stale_aborted,
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.stream.load_state_dict(state["stream"])
         self.next_group = state["next_group"]
         self.requeued = [tuple(x) for x in state["requeue"]]
-        self.stale_dropped, self.stale_aborted = state["stale_dropped"], state["stale_aborted"]
+        # checkpoints from before max_lag_policy also hold "stale_aborted" (groups in flight aborted
+        # by the version they were submitted under, which nothing does any more): not read
+        self.stale_dropped = state["stale_dropped"]
 
     def close(self) -> None:
         self.backend.close()

@@ -2,7 +2,8 @@
 
 step(samples) runs one optimizer step (PolicyTrainer) after checking that no
 trained token is older than the lag bound (``rollout.max_lag`` in async mode, 0
-in sync). How the new policy reaches the generators is the weight
+in sync) -- unless ``rollout.max_lag_policy`` says otherwise for the tokens
+that still are (apply_lag_policy). How the new policy reaches the generators is the weight
 synchronizer's business (weight_sync/factory.py); it reads ``chunks`` and
 ``norm_names`` from here.
 """
@@ -19,7 +20,7 @@ from megarl.errors import MegarlError
 from megarl.generator.tokenizer import NO_TOKENIZER
 from megarl.models.megatron_model import build_model_chunks, transformer_config, transformer_engine_usable
 from megarl.models.spec import ModelSpec
-from megarl.rollout import Sample
+from megarl.rollout import LENGTH_BUCKETS, Sample, length_bucket
 from megarl.runtime.distributed import init_megatron
 from megarl.trainer.bound_loss import bind_loss
 from megarl.trainer.features import gradient_accumulation_fusion
@@ -29,16 +30,45 @@ class StaleSampleError(MegarlError):
     """A sample older than max_lag reached the trainer: the generator's admission control failed."""
 
 
-def check_lag(samples: Sequence[Sample], version: int, lag_bound: int) -> List[int]:
+# per step, by response length (rollout.LENGTH_BUCKETS): the batch's samples, those with a trained token
+# older than the lag bound, and the tokens max_lag_policy=mask left out of the loss
+TRAINER_LAG_KEYS = tuple(
+    f"{name}_{b}" for name in ("trained_samples", "lag_stale_samples", "lag_masked_tokens") for b in LENGTH_BUCKETS
+)
+
+
+def apply_lag_policy(samples: Sequence[Sample], version: int, lag_bound: int, policy: str, max_new_tokens: int) -> dict:
+    """What ``rollout.max_lag_policy`` does with trained tokens older than ``lag_bound`` that reach
+    the trainer, and the counts of TRAINER_LAG_KEYS. mask: those tokens' loss_mask becomes 0, in
+    place (their sample's reward still counts in its group's baseline; the tokens after them, of
+    newer policies, are trained); keep: nothing changes (check_lag lets them through); wait, drop:
+    the generator lets none through, and check_lag refuses any that does."""
+    counts = dict.fromkeys(TRAINER_LAG_KEYS, 0)
+    for s in samples:
+        bucket = length_bucket(len(s.response_tokens), max_new_tokens)
+        counts[f"trained_samples_{bucket}"] += 1
+        stale = [i for i, (v, m) in enumerate(zip(s.policy_versions, s.loss_mask)) if m and version - v > lag_bound]
+        if not stale:
+            continue
+        counts[f"lag_stale_samples_{bucket}"] += 1
+        if policy == "mask":
+            for i in stale:
+                s.loss_mask[i] = 0
+            counts[f"lag_masked_tokens_{bucket}"] += len(stale)
+    return counts
+
+
+def check_lag(samples: Sequence[Sample], version: int, lag_bound: int, refuse: bool = True) -> List[int]:
     """Per-token lags (trainer version - token version) of the trained tokens; fail loudly beyond
-    ``lag_bound``. A masked token's version is a placeholder (rollout.MASKED_VERSION): never read."""
+    ``lag_bound`` (unless not ``refuse``: rollout.max_lag_policy=keep). A masked token's version is
+    a placeholder (rollout.MASKED_VERSION) or, masked for its age, past the bound: never read."""
     lags: List[int] = []
     for i, s in enumerate(samples):
         versions = s.trained(s.policy_versions)
         if not versions:  # every token masked: nothing of it is trained
             continue
         oldest = min(versions)
-        if version - oldest > lag_bound:
+        if refuse and version - oldest > lag_bound:
             raise StaleSampleError(
                 f"sample {i} (group {s.group_id}) has a token of policy version {oldest}; "
                 f"the trainer is at {version} and trains on lags up to {lag_bound} (rollout.max_lag in async mode)"
@@ -166,7 +196,9 @@ class TrainerExecutor:
     # -- the step ------------------------------------------------------------------------------
 
     def step(self, samples: Sequence[Sample]) -> dict:
-        lags = check_lag(samples, self.version, self.lag_bound)
+        r = self.cfg.rollout  # sync mode refuses every max_lag_policy but the default (wait): nothing passes
+        lag_counts = apply_lag_policy(samples, self.version, self.lag_bound, r.max_lag_policy, r.max_new_tokens)
+        lags = check_lag(samples, self.version, self.lag_bound, refuse=r.max_lag_policy != "keep")
         metrics = self.trainer.step(samples, version=self.version)
         # no trained token at all: the trainer skipped the step (its skip_reason says so)
         metrics.update(
@@ -174,6 +206,7 @@ class TrainerExecutor:
             lag_max=max(lags, default=0),
             trained_version=self.version,
             mixed_version_frac=mixed_version_fraction(samples),
+            **lag_counts,
         )
         if not metrics.get("skipped"):
             self.version += 1

@@ -21,13 +21,13 @@ so every rank runs the same engine steps.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from megarl.errors import MegarlError
-from megarl.executors.generator import GeneratedGroups, GeneratorExecutor
+from megarl.executors.generator import GeneratedGroups, GeneratorExecutor, empty_lag_counts
 from megarl.executors.reward import RewardExecutor, ScoredSamples
 from megarl.rollout import Sample
 
@@ -39,13 +39,14 @@ class Batch:
     samples: List[Sample] = field(default_factory=list)
     time_generate: float = 0.0  # seconds the replicas generated (the slowest's, once merged)
     time_reward: float = 0.0  # seconds they scored (the slowest's)
-    stale_dropped: int = 0  # groups dropped or aborted by admission control (running totals)
-    stale_aborted: int = 0
+    stale_dropped: int = 0  # groups dropped as past rollout.max_lag (max_lag_policy=drop; running total)
     reward_timeouts: int = 0  # samples whose reward timed out or failed, scored 0 (reward.on_error zero)
     reward_dropped_groups: int = 0  # groups left out because a reward failed (reward.on_error drop)
     filtered_groups: int = 0  # rollout.filter_groups: groups of one reward not trained ...
     filter_extra_samples: int = 0  # ... and the samples refilling them cost
     in_flight: int = 0  # samples still in the generators when the batch was handed over
+    # what the lag bound cost while the batch was made (executors/generator.py's LAG_COUNT_KEYS)
+    lag_counts: Dict[str, int] = field(default_factory=empty_lag_counts)
 
     @property
     def generated_tokens(self) -> int:
@@ -60,12 +61,12 @@ class Batch:
             time_generate=max(p.time_generate for p in parts),
             time_reward=max(p.time_reward for p in parts),
             stale_dropped=sum(p.stale_dropped for p in parts),
-            stale_aborted=sum(p.stale_aborted for p in parts),
             reward_timeouts=sum(p.reward_timeouts for p in parts),
             reward_dropped_groups=sum(p.reward_dropped_groups for p in parts),
             filtered_groups=sum(p.filtered_groups for p in parts),
             filter_extra_samples=sum(p.filter_extra_samples for p in parts),
             in_flight=sum(p.in_flight for p in parts),
+            lag_counts={k: sum(p.lag_counts.get(k, 0) for p in parts) for k in empty_lag_counts()},
         )
 
 
@@ -124,8 +125,10 @@ class BatchMaker:
         batch.time_generate += out.time_generate
         batch.time_reward += scored.time_reward
         batch.reward_timeouts += scored.reward_timeouts
-        # the replica's running totals and latest state
-        batch.stale_dropped, batch.stale_aborted, batch.in_flight = out.stale_dropped, out.stale_aborted, out.in_flight
+        # the replica's running total and latest state; the lag counts of every round (since the last hand-over)
+        batch.stale_dropped, batch.in_flight = out.stale_dropped, out.in_flight
+        for key, count in out.lag_counts.items():
+            batch.lag_counts[key] += count
         return batch
 
     def _broadcast(self, missing: int) -> int:

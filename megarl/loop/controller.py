@@ -14,7 +14,9 @@ never the mode); everything a rank runs is wired by wiring.py:
             copies the new policy into its own engine: generation and training
             alternate on the same ranks (the baseline)
 
-Metrics of training step k (metrics.jsonl) are written by the trainer's first rank.
+Metrics of training step k (metrics.jsonl) are written by the trainer's first rank, which also
+judges each step's health against the run's first steps (megarl/health.py: health.action warn
+says so, stop ends the run at that step boundary with its checkpoint saved).
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from megarl.checkpointing.resume import list_iterations
 from megarl.executors.evaluator import EvalCollector, eval_steps
+from megarl.health import HealthWatch
 from megarl.loop import records
 from megarl.loop.batch import Batch
 from megarl.loop.loop_state import checkpoint_loop_state, generator_states, pending_from_state
@@ -91,6 +95,7 @@ class Controller:
                 time_budget_s=cfg.run.time_budget_min * 60.0,
                 budget_spent_s=self.resume.train_seconds,
             )
+        health = self._health_watch() if writer is not None else None
         collector = None
         if writer is not None and cfg.data.eval:
             collector = EvalCollector(job.store, self.topo.generator.replicas, cfg.data.eval_samples, self.out)
@@ -159,7 +164,7 @@ class Controller:
                 and step_done < cfg.run.steps
                 and spent_before + time.perf_counter() - wall_start >= budget_s
             )
-            stop = preemption.agree_stop(self.job.control, over_budget)
+            record = None
             if writer is not None and train_metrics is not None:
                 trained += len(work.trained.samples)
                 record = records.step_record(
@@ -174,6 +179,20 @@ class Controller:
                     self.last_sync,
                     self.rank.verifies_sync,
                 )
+                verdict = health.observe(record)
+                record.update(verdict.fields())
+                if verdict.degraded:
+                    writer.say(
+                        f"megarl: health: step {verdict.step} degraded: {record['health_reasons']} "
+                        f"(health.action={cfg.health.action})"
+                    )
+            stop = preemption.agree_stop(
+                self.job.control,
+                over_budget,
+                # as the budget: the last step ends the run anyway (the summary says it degraded)
+                unhealthy=record is not None and step_done < cfg.run.steps and health.should_stop,
+            )
+            if record is not None:
                 if stop is not None or step_done == cfg.run.steps:  # the launch's last step says why
                     record["stop_reason"] = stop or "steps"
                 writer.write(record)
@@ -197,7 +216,9 @@ class Controller:
                 saved = self._save(step_done, it + 1, pending, spent)
                 checkpoint_s += time.perf_counter() - save_start
                 if stop is not None:
-                    if job.rank == 0:
+                    if stop == "health" and writer is not None:  # the rank that judged says why
+                        self._say_unhealthy(writer, health, step_done, saved)
+                    elif stop != "health" and job.rank == 0:
                         self._say_stopped(stop, step_done, saved, spent, spent_before)
                     break
         stopped_early = stop is not None
@@ -226,8 +247,44 @@ class Controller:
                 summary.update(preempted=True, checkpoint=str(saved))
             elif stop == "time_budget":
                 summary.update(checkpoint=str(saved or self.out / CHECKPOINTS))
+            elif stop == "health":
+                summary.update(checkpoint=str(saved))
+            summary["health"] = health.summary()
+            if summary["health"]["status"] == "degraded" and stop != "health":
+                h = summary["health"]
+                print(
+                    f"megarl: health: this run degraded: {h['steps_degraded']} of its {h['steps_judged']} steps "
+                    f"flagged, first at step {h['first_degraded_step']} ({', '.join(h['flagged'])}); "
+                    f"health_flags and health_reasons in {self.out / 'metrics.jsonl'}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary
+
+    def _health_watch(self) -> HealthWatch:
+        """The health watch, with the run's history when it resumes (its metrics.jsonl up to the checkpoint)."""
+        health = HealthWatch(self.cfg.health)
+        path = self.out / "metrics.jsonl"
+        if self.resume.steps_done and path.exists():
+            health.restore(read_metrics(path), self.resume.steps_done)
+        return health
+
+    def _say_unhealthy(self, writer: MetricsWriter, health: HealthWatch, step: int, saved) -> None:
+        first = health.streak[0].step
+        good = [(k, p) for k, p in list_iterations(self.out / CHECKPOINTS) if k < first]
+        before = (
+            f"the last checkpoint saved before it: {good[-1][1]} (step {good[-1][0]})"
+            if good
+            else "no checkpoint was saved before it (run.save_every)"
+        )
+        writer.say(
+            f"megarl: health: stopped after step {step}: degraded {len(health.streak)} steps in a row from step "
+            f"{first} ({', '.join(health.streak_checks())}; health.action=stop, health.patience="
+            f"{self.cfg.health.patience}); checkpoint of step {step} saved in {saved}; {before}. A relaunch "
+            f"resumes from the newest checkpoint and stops again at the next degraded step: change the recipe, "
+            f"or set health.action=warn to train on (docs/long-runs.md#health)"
+        )
 
     def _evaluate(self, step: int, collector) -> None:
         self.heartbeat.beat(f"evaluating step {step}", force=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -42,6 +43,8 @@ def step_record(
         "mode": run_mode,
         "policy_version": policy_version,
         "reward_mean": sum(rewards) / len(rewards),
+        # the spread of the samples' rewards: the health watch's standard error of a mean reward
+        "reward_std": statistics.pstdev(rewards),
         "accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
         "samples": len(samples),
         "samples_per_s": len(samples) / wall,
@@ -55,7 +58,8 @@ def step_record(
         "idle_trainer": max(0.0, wall - time_train - sync_s),
         "idle_generator": max(0.0, wall - gen_s - reward_s - sync_s),
         "stale_dropped": trained.stale_dropped,
-        "stale_aborted": trained.stale_aborted,
+        # what rollout.max_lag cost while the batch was made (executors/generator.py), drops by length
+        **trained.lag_counts,
         "reward_timeouts": trained.reward_timeouts,
         "reward_dropped_groups": trained.reward_dropped_groups,
         # rollout.filter_groups: groups of one reward not trained, and the samples refilling cost

@@ -7,7 +7,11 @@ bf16 ``F.linear`` ran at ~9 GFLOP/s against 45-70 for fp32. So ``auto`` is:
 
 - CUDA: bf16 (what Megatron-Core and SGLang train and serve in);
 - x86 CPU: bf16 only with ``avx512_bf16`` or ``amx_bf16`` in /proc/cpuinfo's flags
-  (oneDNN's native bf16 dot products / tiles), else fp32;
+  (oneDNN's native bf16 dot products / tiles), and only where ``ONEDNN_MAX_CPU_ISA``
+  (or its old name ``DNNL_MAX_CPU_ISA``) does not cap oneDNN below them: capped, PyTorch
+  takes its emulated bf16 GEMM (1.2 GFLOP/s against 790 uncapped on an AVX512-BF16 EPYC),
+  which is how the suite is run as an AVX2-only machine would run it (docs/testing.md);
+  else fp32;
 - aarch64 CPU: bf16 only with the ``bf16`` feature (ARMv8.6 BFDOT / BFMMLA, which
   PyTorch's oneDNN + ACL kernels use), else fp32; ``sve`` alone is not bf16 math;
 - anything else (no /proc/cpuinfo: macOS, Windows): fp32, the safe choice.
@@ -21,11 +25,26 @@ moving a run to another machine does not switch its precision halfway.
 
 from __future__ import annotations
 
+import os
 import platform
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import List, Mapping, Optional, Tuple
 
 X86_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+# oneDNN's ISA caps (ONEDNN_MAX_CPU_ISA's values) that still allow its native bf16 kernels; every
+# lower cap (SSE41, AVX, AVX2, AVX2_VNNI, AVX2_VNNI_2, AVX512_CORE, AVX512_CORE_VNNI) leaves bf16
+# matmuls to PyTorch's emulation.
+ONEDNN_BF16_ISAS = (
+    "AVX512_CORE_BF16",
+    "AVX10_1_512",
+    "AVX512_CORE_FP16",
+    "AVX10_1_512_AMX",
+    "AVX512_CORE_AMX",
+    "AVX10_1_512_AMX_FP16",
+    "AVX512_CORE_AMX_FP16",
+    "ALL",
+)
+ONEDNN_ISA_VARIABLES = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
 ARM_BF16_FEATURES = ("bf16",)
 DTYPE_FIELDS = ("model.dtype", "generator.dtype")
 
@@ -43,10 +62,25 @@ def read_cpu_flags(path: str = "/proc/cpuinfo") -> Optional[str]:
     return ""
 
 
-def cpu_bf16_native(flags: Optional[str] = None, machine: Optional[str] = None) -> Tuple[bool, str]:
+def onednn_isa_cap(environ: Optional[Mapping[str, str]] = None) -> Optional[Tuple[str, str]]:
+    """(variable, value) of the oneDNN ISA cap set in the environment, or None."""
+    environ = os.environ if environ is None else environ
+    for name in ONEDNN_ISA_VARIABLES:
+        if environ.get(name):
+            return name, environ[name]
+    return None
+
+
+def cpu_bf16_native(
+    flags: Optional[str] = None, machine: Optional[str] = None, environ: Optional[Mapping[str, str]] = None
+) -> Tuple[bool, str]:
     """Whether this CPU multiplies bf16 natively, and why. ``flags``: /proc/cpuinfo's flags or
-    Features line (read when None); ``machine``: platform.machine() (read when None)."""
+    Features line (read when None); ``machine``: platform.machine() (read when None); ``environ``:
+    where a oneDNN ISA cap is read from (when None: os.environ if the flags are this machine's,
+    none if they describe another CPU)."""
     machine = (machine if machine is not None else platform.machine()).lower()
+    if environ is None:
+        environ = os.environ if flags is None else {}
     if flags is None:
         flags = read_cpu_flags()
         if flags is None:
@@ -54,6 +88,12 @@ def cpu_bf16_native(flags: Optional[str] = None, machine: Optional[str] = None) 
     have = set(flags.split())
     if machine in ("x86_64", "amd64", "i686", "i386", "x86"):
         found = [f for f in X86_BF16_FLAGS if f in have]
+        cap = onednn_isa_cap(environ)
+        if found and cap and cap[1].strip().upper() not in ONEDNN_BF16_ISAS:
+            return False, (
+                f"this x86 CPU has {' and '.join(found)}, but {cap[0]}={cap[1]} caps oneDNN below its bf16 "
+                f"kernels: PyTorch would emulate bf16 matmuls, several times slower than fp32"
+            )
         if found:
             return True, f"this x86 CPU has {' and '.join(found)} (native bf16 dot products)"
         return False, (

@@ -16,6 +16,8 @@ or a rank -- the ranks end up with a flag set:
 The same agreement carries ``run.time_budget_min``: the trainer's first rank (rank 0)
 owns the budget's clock and says at each step boundary whether it is spent; the
 ranks then save the same step and stop exactly as for a signal (``agree_stop``).
+So does ``health.action: stop``: the trainer's first rank, which writes the metrics,
+says whether its health watch calls for a stop (megarl/health.py).
 
 Under torchrun, signal the ranks (or scripts/launch.sh, which forwards): torchrun
 answers SIGTERM itself by killing its workers after 30 s, before a long step ends.
@@ -62,17 +64,20 @@ def install(forward: Optional[Callable[[int], None]] = None, signals=SIGNALS) ->
         signal.signal(sig, handler)
 
 
-def agree_stop(group, budget_reached: bool = False) -> Optional[str]:
+def agree_stop(group, budget_reached: bool = False, unhealthy: bool = False) -> Optional[str]:
     """Why the job stops at this step boundary, the same on every rank of ``group`` (a collective:
-    all ranks call it): "preempted" if any rank got a signal, else "time_budget" if any rank says
-    the time budget is spent (``budget_reached``), else None."""
+    all ranks call it): "preempted" if any rank got a signal, else "health" if any rank's health
+    watch says stop (``unhealthy``: health.action=stop, megarl/health.py), else "time_budget" if
+    any rank says the time budget is spent (``budget_reached``), else None."""
     # torch here, not at the top: the `megarl train` launcher installs these handlers (runtime/launch.py)
     # and must not import torch (tests/multiprocess/test_launch.py: ~4 s of CPU per launch on 2 cores)
     import torch
     import torch.distributed as dist
 
-    flags = torch.tensor([1 if _requested is not None else 0, 1 if budget_reached else 0])
+    flags = torch.tensor([1 if _requested is not None else 0, 1 if budget_reached else 0, 1 if unhealthy else 0])
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
     if flags[0].item():
         return "preempted"
+    if flags[2].item():
+        return "health"
     return "time_budget" if flags[1].item() else None

@@ -41,7 +41,13 @@ it gets no trainer_logprobs.
 Overlong samples (finish_reason "length", cut by rollout.max_new_tokens):
 ``trainer.overlong=mask`` leaves them out of the loss (their rewards still count
 in their group's baseline); ``penalty`` adds DAPO's soft overlong penalty
-(arXiv 2503.14476, eq. 13) to the reward before the advantages.
+(arXiv 2503.14476, eq. 13) to the reward before the advantages. An episode's
+limit is per turn (each turn is sampled with its own rollout.max_new_tokens), so
+its penalty is that of its worst turn, never of the episode's whole length:
+tool output and later turns are not the length the policy chose in one go.
+An episode is "length" (masked by ``mask``) when its last turn was cut or it
+ran out of context; a cut earlier turn whose episode went on to an end has a
+meaningful reward and is left to the penalty.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional
 
 from megarl.errors import ConfigError
+from megarl.rollout import Sample, sampled_turn_lengths
 
 if TYPE_CHECKING:  # imported where the weights are made: config checks need no torch
     import torch
@@ -110,3 +117,9 @@ def overlong_penalty(length: int, max_new_tokens: int, buffer: int) -> float:
     if length > max_new_tokens:
         return -1.0
     return -(length - start) / buffer
+
+
+def sample_overlong_penalty(sample: Sample, max_new_tokens: int, buffer: int) -> float:
+    """A sample's overlong penalty: its worst turn's (one completion: its only turn). The worst rather
+    than a sum keeps an episode's penalty in [-1, 0] as a completion's is, and names the turn that ran on."""
+    return min((overlong_penalty(n, max_new_tokens, buffer) for n in sampled_turn_lengths(sample)), default=0.0)

@@ -35,7 +35,7 @@ from megatron.core import parallel_state as mpu
 from megarl.models.megatron_model import transformer_engine_usable
 from megarl.rollout import Sample, episode_metrics, validate_samples
 from megarl.trainer.advantages import compute_advantages
-from megarl.trainer.aggregation import overlong_penalty
+from megarl.trainer.aggregation import sample_overlong_penalty
 from megarl.trainer.bound_loss import BoundLoss
 from megarl.trainer.hooks import make_forward_step, make_logprob_collector
 from megarl.trainer.moe_losses import moe_loss_metrics
@@ -56,15 +56,14 @@ def shape_batch(samples: Sequence[Sample], loss: BoundLoss) -> Tuple[List[Sample
     normaliser counts only what is trained), their rewards still in their group's
     baseline: with overlong=mask, those cut by max_new_tokens (as DAPO's overlong
     filtering does); always, those whose every token is masked (loss_mask all 0).
-    penalty: DAPO's soft overlong penalty added to each reward before the advantages.
+    penalty: DAPO's soft overlong penalty added to each reward before the advantages; an episode's is
+    its worst turn's, each turn against rollout.max_new_tokens (aggregation.sample_overlong_penalty).
     """
     validate_samples(samples)
     truncated = [s.finish_reason == TRUNCATED for s in samples]
     penalties = [0.0] * len(samples)
     if loss.overlong == "penalty":
-        penalties = [
-            overlong_penalty(len(s.response_tokens), loss.max_new_tokens, loss.overlong_buffer) for s in samples
-        ]
+        penalties = [sample_overlong_penalty(s, loss.max_new_tokens, loss.overlong_buffer) for s in samples]
     advantages = compute_advantages(
         samples,
         loss.advantage_estimator,

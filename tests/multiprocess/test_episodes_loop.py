@@ -35,6 +35,9 @@ def test_multi_turn_episodes_train_end_to_end(tmp_path):
         # the segments: runs of mask 1 (sampled) and 0 (inserted), alternating, 3 and 2 of them
         runs = [mask[0]] + [m for a, m in zip(mask, mask[1:]) if m != a]
         assert runs == [1, 0, 1, 0, 1], runs
+        # each turn's sampled ids, as the overlong penalty reads them: the runs of mask 1, in order
+        turns = [len(run) for run in "".join(map(str, mask)).split("0") if run]
+        assert r["episode"]["turn_tokens"] == turns, (r["episode"], turns)
         pos = 0
         for _ in range(2):  # each inserted run is the environment's glue for the turn before it
             start = mask.index(0, pos)

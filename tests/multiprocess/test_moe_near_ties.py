@@ -11,6 +11,7 @@ compared with transformers' fp32 model routed by its own top-k (no replay) and f
 generator's experts (replay)."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -105,28 +106,43 @@ def near_ties(tmp_path_factory):
     return hf, samples, records
 
 
-def _k1(samples, trainer_logprobs):
-    """KL(mu || pi) estimated on the sampled tokens: mean of log mu - log pi (tokens drawn from mu)."""
-    diffs = [m - p for s, pis in zip(samples, trainer_logprobs) for m, p in zip(s.behaviour_logprobs, pis)]
-    return sum(diffs) / len(diffs)
+def _k3(samples, trainer_logprobs):
+    """KL(mu || pi) on the sampled tokens as the k3 estimate, the mean of r - 1 - log r with
+    r = pi / mu: every token's term is >= 0, so tokens where pi > mu cannot cancel those where it is
+    below (the plain mean of log mu - log pi can, and on eight short samples does)."""
+    terms = [
+        math.exp(p - m) - 1 - (p - m)
+        for s, pis in zip(samples, trainer_logprobs)
+        for m, p in zip(s.behaviour_logprobs, pis)
+    ]
+    return sum(terms) / len(terms)
 
 
 def test_replay_removes_the_routing_mismatch(near_ties):
     """Without replay the trainer disagrees with the generator on a share of the routes and the
     mismatch KL is large; replay takes every route and leaves only the precision gap. Fails if replay
-    is silently off (both arms then equal) or observes nothing."""
+    is silently off (both arms then equal) or observes nothing.
+
+    What replay guarantees on any CPU is the ratio, not a level: at these near ties the bf16
+    generator's and the fp32 trainer's top-2 of 4 are close to independent (chance agreement 1/6),
+    so the mismatch KL without replay depends on which experts each picked for the few tokens
+    sampled (k3 0.114 on an AVX512-BF16 EPYC, 0.092 as an AVX2 one computes it), while replay leaves the
+    bf16 rounding alone (k3 5.0e-4 and 4.8e-4): 228x and 193x."""
     _, samples, records = near_ties
     off, on = records[RUNS[0]], records[RUNS[1]]
-    kl_off, kl_on = _k1(samples, off["trainer_logprobs"]), _k1(samples, on["trainer_logprobs"])
+    kl_off, kl_on = _k3(samples, off["trainer_logprobs"]), _k3(samples, on["trainer_logprobs"])
+    agreement = off["moe_metrics"]["moe_route_agreement"]
     print(
-        f"agreement {off['moe_metrics']['moe_route_agreement']:.3f}; KL(mu||pi) without replay {kl_off:.2e} "
-        f"(megarl's {off['metrics']['kl_mu_pi']:.2e}), with {kl_on:.2e} (megarl's {on['metrics']['kl_mu_pi']:.2e})"
+        f"agreement {agreement:.3f}; KL(mu||pi) without replay {kl_off:.2e} (megarl's "
+        f"{off['metrics']['kl_mu_pi']:.2e}), with {kl_on:.2e} (megarl's {on['metrics']['kl_mu_pi']:.2e})"
     )
-    assert 0.2 < off["moe_metrics"]["moe_route_agreement"] < 0.95
+    # routes disagree, but not below chance (half of 1/6 would mean anti-correlated indices: a bug)
+    assert 1 / 12 < agreement < 0.95
     assert off["moe_metrics"]["moe_routes_replayed"] == 0.0 and on["moe_metrics"]["moe_routes_replayed"] == 1.0
-    assert kl_off > 20 * kl_on and kl_off > 1e-2
-    # megarl's own metric says the same
-    assert off["metrics"]["kl_mu_pi"] > 20 * on["metrics"]["kl_mu_pi"]
+    assert kl_off > 20 * kl_on
+    # megarl's own metric is the same k3 over the same tokens
+    for arm, kl in ((off, kl_off), (on, kl_on)):
+        assert arm["metrics"]["kl_mu_pi"] == pytest.approx(kl, rel=1e-3)
 
 
 def test_trainer_logprobs_are_transformers_routed_as_each_arm_says(near_ties):

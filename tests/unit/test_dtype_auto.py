@@ -145,3 +145,32 @@ def test_the_planner_prices_auto_as_bf16():
     assert _precision("model.dtype", "auto", "") == "bf16"
     with pytest.raises(ConfigError, match="model.dtype: 'fp32'"):
         _precision("model.dtype", "fp32", "")
+
+
+@pytest.mark.parametrize(
+    "cap, native",
+    [
+        ("AVX2", False),  # how the suite runs as an AVX2-only machine would (docs/testing.md)
+        ("avx512_core", False),  # AVX-512 without its bf16 kernels; oneDNN reads the value case-blind
+        ("AVX512_CORE_BF16", True),
+        ("AVX512_CORE_AMX", True),
+        ("ALL", True),
+    ],
+)
+def test_a_onednn_isa_cap_below_bf16_makes_auto_fp32(cap, native):
+    """ONEDNN_MAX_CPU_ISA below AVX512_CORE_BF16 sends PyTorch's bf16 matmuls to its emulation
+    (measured: 1.2 GFLOP/s against 790 uncapped on a Zen 4 EPYC), so auto must not pick bf16 there."""
+    ok, why = cpu_bf16_native(ZEN4, "x86_64", environ={"ONEDNN_MAX_CPU_ISA": cap})
+    assert ok is native, why
+    if not native:
+        assert f"ONEDNN_MAX_CPU_ISA={cap}" in why
+    assert cpu_bf16_native(ZEN4, "x86_64", environ={"DNNL_MAX_CPU_ISA": cap})[0] is native  # oneDNN's old name
+    assert cpu_bf16_native(EPYC_AVX2, "x86_64", environ={"ONEDNN_MAX_CPU_ISA": cap})[0] is False  # no flags, no bf16
+
+
+def test_described_flags_ignore_this_process_cap(monkeypatch):
+    """Flags passed in describe some CPU, not this process: a cap in os.environ does not apply to them,
+    while the flags read from this machine do take it."""
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert cpu_bf16_native(ZEN4, "x86_64")[0] is True
+    assert cpu_bf16_native(None, "x86_64")[0] is False  # this machine's flags, capped

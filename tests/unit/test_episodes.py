@@ -3,6 +3,7 @@ ids (never a re-encoding), environment ids are masked, behaviour log-probs and v
 sampler's, an in-flight update mid-episode gives two versions; through a scripted backend with
 the calculator, and through megarl's torch engine against transformers' own log-probs."""
 
+import dataclasses
 import math
 import re
 from typing import List
@@ -90,10 +91,10 @@ def reward_84(text, trajectory):
     return 1.0 if "84" in text else 0.0
 
 
-def runner(backend, **settings):
+def runner(backend, max_new_tokens=200, **settings):
     tools = {"calculator": Calculator()}
     fmt = ChatMLToolFormat(encode, SPECIALS["<|im_end|>"])
-    params = SamplingParams(max_new_tokens=200)
+    params = SamplingParams(max_new_tokens=max_new_tokens)
     return EpisodeRunner(
         backend, lambda i: ToolEnvironment(tools, fmt, reward_84), decode, params, EpisodeSettings(**settings)
     )
@@ -133,6 +134,51 @@ def test_episode_limits_end_it_with_the_reason():
     assert t.finish == "max_turns" and t.turns == 3 and t.tool_calls == 3
     [t] = runner(ScriptedBackend([forever]), max_context=150).run([encode("q")])
     assert t.finish == "length" and len(t.context()) == 150  # the last turn cut at the context limit
+
+
+def test_overlong_penalty_judges_each_turn_against_its_own_limit():
+    """rollout.max_new_tokens is a turn's limit: an episode is penalised for its worst turn, never for
+    its whole length (tool output and later turns included). The demo's fp32 collapse (issue 53)
+    had correct 3-turn episodes with no turn cut penalised -1 for their total length."""
+    from megarl.config import RolloutConfig, TrainerConfig
+    from megarl.rollout import EpisodeStats, sampled_turn_lengths
+    from megarl.trainer.aggregation import sample_overlong_penalty
+    from megarl.trainer.bound_loss import bind_loss
+    from megarl.trainer.policy_trainer import shape_batch
+
+    limit, buffer = 128, 32  # the tools demo's: no penalty up to 96 sampled ids, -1 at 128
+    answer = "The answer is 84.<|im_end|>"
+    call = CALL.format("12 * 7")  # 85 ids
+    thinking = "Let me use the calculator for this product, then read off its result. "
+    in_buffer = thinking[: 104 - len(encode(call))] + call  # 104 ids: (104 - 96) / 32 -> -0.25
+    cut = call + " and so on" * 10  # runs past the limit: cut at 128 ids after a complete call
+    scripts = [
+        [call, call, answer],  # 85 + 85 + 18 sampled ids, each turn well under the limit
+        [in_buffer, answer],
+        [cut, answer],
+    ]
+    done = sorted(runner(ScriptedBackend(scripts), limit).run([encode("q")] * 3), key=lambda t: t.group_id)
+    samples = [t.to_sample() for t in done]
+    for s in samples:
+        s.group_id = 0
+    assert [sampled_turn_lengths(s) for s in samples] == [[85, 85, 18], [104, 18], [128, 18]]
+    # each episode's total length is past the limit, and every one ended with the right answer
+    assert all(len(s.response_tokens) > limit and s.reward == 1.0 for s in samples)
+    assert [s.finish_reason for s in samples] == ["stop"] * 3  # no last turn was cut: none truncated
+    assert [sample_overlong_penalty(s, limit, buffer) for s in samples] == [0.0, -0.25, -1.0]
+
+    # through the trainer's own path: the shaped rewards 1, 0.75 and 0 less their group's mean
+    loss = bind_loss(TrainerConfig(overlong="penalty", overlong_buffer=buffer), RolloutConfig(max_new_tokens=limit), 0)
+    kept, advantages, info = shape_batch(samples, loss)
+    assert kept == samples and advantages == pytest.approx([1 - 1.75 / 3, 0.75 - 1.75 / 3, -1.75 / 3])
+    assert info["overlong_penalty_mean"] == pytest.approx(-1.25 / 3) and info["truncated_frac"] == 0.0
+
+    # a rollout recorded before turns were kept: the loss mask's runs of sampled ids give the same turns
+    old = [dataclasses.replace(s, episode=dataclasses.replace(s.episode, turn_tokens=())) for s in samples]
+    assert [sampled_turn_lengths(s) for s in old] == [[85, 85, 18], [104, 18], [128, 18]]
+    # read back from JSON (a list): the same episode, hashable as one
+    assert EpisodeStats(3, turn_tokens=[85, 85, 18]) == EpisodeStats(3, turn_tokens=(85, 85, 18))
+    assert hash(EpisodeStats(3, turn_tokens=[85, 85, 18])) == hash(EpisodeStats(3, turn_tokens=(85, 85, 18)))
 
 
 class Stuck:
@@ -225,9 +271,10 @@ def test_parked_sessions_prefill_only_the_inserted_ids_and_sample_what_a_full_pr
 ):
     """Three 3-turn episodes on megarl's engine, fp32, seeded temperature-1 sampling: with each turn's
     slot parked for the episode's next one, the sampled ids equal those of the same engine prefilling
-    every context from scratch (`megarl bench episodes`' baseline arm), the log-probs agree to 1e-5, and the engine prefilled exactly the
-    first context plus, at each later turn, the inserted ids and the previous turn's last sampled id
-    (whose keys no forward had written), counted from the trajectories' own segments. With one slot
+    every context from scratch (`megarl bench episodes`' baseline arm), the log-probs agree to fp32
+    rounding (tests/fp32_bounds.py), and the engine prefilled exactly the first context plus, at each
+    later turn, the inserted ids and the previous turn's last sampled id (whose keys no forward had
+    written), counted from the trajectories' own segments. With one slot
     and no patience (timeout 0) a waiting episode evicts the parked one, which then prefills its whole
     context again; with one slot and a long timeout the others wait and nothing is evicted. Every slot
     is free when the episodes end."""
@@ -236,6 +283,7 @@ def test_parked_sessions_prefill_only_the_inserted_ids_and_sample_what_a_full_pr
     from megarl.generator.weights import load_generator_params
     from megarl.models.hf_checkpoint import SafetensorsCheckpoint
     from tests.conftest import make_tiny_llama
+    from tests.fp32_bounds import fp32_logprob_bound
 
     hf = SafetensorsCheckpoint(make_tiny_llama(tmp_path / "hf"))
     params = load_generator_params(hf, 1, 0, torch.float32)
@@ -252,11 +300,17 @@ def test_parked_sessions_prefill_only_the_inserted_ids_and_sample_what_a_full_pr
 
     parked_engine, plain_engine = engine(), engine()
     parked, plain = run(parked_engine), run(ForgetSessions(plain_engine))
+    # the same fp32 engine on the same ids, prefilled in other pieces (tests/fp32_bounds.py; 1e-5 set
+    # by hand before, 8.1e-6 measured on an AVX512 EPYC): a wrong position or a stale key moves a
+    # log-prob by far more than either
+    bound = fp32_logprob_bound(hf.path, [t.context() for t in parked])
     for a, b in zip(parked, plain):
         assert a.context() == b.context(), a.episode_id
         la = [x for s in a.segments if s.kind == GENERATED for x in s.logprobs]
         lb = [x for s in b.segments if s.kind == GENERATED for x in s.logprobs]
-        assert max(abs(x - y) for x, y in zip(la, lb)) < 1e-5
+        worst = max(abs(x - y) for x, y in zip(la, lb))
+        print(f"{a.episode_id}: parked vs full prefill, max |dlogp| {worst:.2e} (bound {bound:.2e})")
+        assert worst <= bound, (a.episode_id, worst, bound)
     full = sum(len(t.prompt_ids) + len(t.segments[0].token_ids) for t in parked)  # reset's ids, then turn 1
     for t in parked:
         context = len(t.prompt_ids) + len(t.segments[0].token_ids)

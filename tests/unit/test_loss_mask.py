@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from megarl.config import RolloutConfig, TrainerConfig
-from megarl.executors.trainer import StaleSampleError, check_lag
+from megarl.executors.trainer import StaleSampleError, apply_lag_policy, check_lag
 from megarl.rollout import MASKED_LOGPROB, MASKED_VERSION, Sample
 from megarl.trainer.advantages import compute_advantages
 from megarl.trainer.bound_loss import bind_loss
@@ -246,6 +246,34 @@ def test_check_lag_reads_only_trained_tokens():
     decreasing[0].policy_versions[4] = 3  # trained tokens 4, 4, 3
     with pytest.raises(StaleSampleError, match="sample 0 .*decrease"):
         check_lag(decreasing, VERSION, LAG_BOUND)
+
+
+def test_lag_policy_masks_only_trained_tokens_past_the_bound():
+    """rollout.max_lag_policy at the trainer, 2 versions ahead of the batch: version 7, bound 2 leaves
+    versions 3 and 4 behind -- two trained tokens each of samples 0 (versions 4, 4, 5; 6 response
+    tokens: len_q3 of M = 8), 1 (3, 3; 4 tokens: len_q2) and 2 (4, 4, 5, 5; 8 tokens: len_q4); the
+    placeholders (version -1) of masked tokens are no token at all."""
+    want = {"trained_samples": (1, 2, 1, 1), "lag_stale_samples": (0, 1, 1, 1)}
+    for policy in ("wait", "keep", "mask", "drop"):
+        batch = samples()
+        counts = apply_lag_policy(batch, 7, LAG_BOUND, policy, M)
+        masked = (0, 2, 2, 2) if policy == "mask" else (0, 0, 0, 0)
+        for name, per_bucket in {**want, "lag_masked_tokens": masked}.items():
+            assert tuple(counts[f"{name}_len_q{q}"] for q in (1, 2, 3, 4)) == per_bucket, (policy, name)
+        if policy != "mask":
+            assert [s.loss_mask for s in batch] == [list(s[3]) for s in SAMPLES]  # nothing changes
+            with pytest.raises(StaleSampleError, match="sample 0 .*policy version 4"):
+                check_lag(batch, 7, LAG_BOUND)
+            assert max(check_lag(batch, 7, LAG_BOUND, refuse=False)) == 4  # keep: trained as they are
+            continue
+        assert [s.loss_mask for s in batch] == [
+            [0, 0, 0, 0, 1, 0],
+            [0, 0, 0, 0],  # wholly masked now: its reward still counts in group 0's baseline
+            [0, 0, 1, 1, 0, 0, 0, 0],
+            [0, 0, 0],
+            [1, 1],
+        ]
+        assert check_lag(batch, 7, LAG_BOUND) == [2] * 5
 
 
 def test_packing_keeps_placeholders_out_of_every_row():

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from megarl.errors import ConfigError
-from megarl.rollout import Sample, sample_from_dict
+from megarl.rollout import Sample, length_bucket, sample_from_dict
 
 
 def _sample(**kw):
@@ -46,3 +46,9 @@ def test_a_checkpoints_sample_round_trips_and_older_meta_is_read():
         "1 + 2 = 3",
         [1, 1, 1],
     )
+
+
+def test_length_buckets_are_quarters_of_max_new_tokens():
+    edges = {1: 1, 32: 1, 33: 2, 64: 2, 65: 3, 96: 3, 97: 4, 128: 4, 300: 4}  # 300: an episode's several turns
+    assert {n: length_bucket(n, 128) for n in edges} == {n: f"len_q{q}" for n, q in edges.items()}
+    assert [length_bucket(n, 8) for n in (1, 2, 3, 8)] == ["len_q1", "len_q1", "len_q2", "len_q4"]

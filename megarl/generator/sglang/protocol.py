@@ -27,9 +27,10 @@ Tokens generated after step 6 report version V; a finished request's
 ``meta_info.weight_versions`` lists ``{"version", "start", "end"}`` spans over
 its output tokens.
 
-Requests whose group can no longer be trained within ``max_lag`` are stopped
-with ``POST /abort_request {"rid": ...}``; their ``/generate`` call then
-answers with ``finish_reason.type == "abort"``.
+``backend.abort`` stops a request's samples with ``POST /abort_request
+{"rid": ...}``; their ``/generate`` call then answers with
+``finish_reason.type == "abort"``. (The loop's generator executor aborts
+nothing for its age: groups in flight finish under in-flight updates.)
 
 Routing replay (``trainer.moe_enable_routing_replay``): the server runs with
 ``--enable-return-routed-experts`` and each request asks ``return_routed_experts``
