@@ -89,8 +89,8 @@ SYNTHETIC_PANELS = [
 ]  # fmt: skip
 
 # issue 52's diagnosis arms, on the demo's regime: the async arm as configured (max lag 2, groups past
-# it aborted or dropped by the generator); the same with a bound it never reaches (16: the runs' lag
-# stays far below it, and runs.csv's stale_aborted / stale_dropped say whether anything was excluded);
+# it held by the generator's rollout.max_lag_policy); the same with a bound it never reaches (16: the
+# runs' lag stays far below it, and runs.csv's lag_handover_waits / stale_dropped say whether the bound acted);
 # sync with 3 optimizer steps per generated batch (staleness without the async machinery)
 REPEAT_ARMS: Dict[str, List[str]] = {
     "sync": _SYNC,
@@ -176,8 +176,8 @@ RUN_COLUMNS = [
     "kl_mu_pi",  # means over the steps
     "ess",
     "mixed_version_frac",
-    "stale_aborted",  # groups the generator aborted / dropped for the lag bound (the run's totals)
-    "stale_dropped",
+    "lag_handover_waits",  # backend steps a batch waited for an older group (max_lag_policy=wait), summed
+    "stale_dropped",  # groups dropped for the lag bound (max_lag_policy=drop; the run's total)
     "filtered_groups",  # groups of one reward not trained (rollout.filter_groups), summed over the steps
     "truncated_frac",  # trained samples cut by rollout.max_new_tokens
     "train_tokens_mean",  # trained response lengths (tokens, the stop token included) over the run's samples
@@ -195,7 +195,7 @@ _INT_COLUMNS = {
     "eval_samples",
     "train_reward_last_steps",
     "lag_max",
-    "stale_aborted",
+    "lag_handover_waits",
     "stale_dropped",
     "filtered_groups",
     "train_tokens_max",
@@ -290,7 +290,7 @@ def run_row(
         "kl_mu_pi": _finite_mean(r.get("kl_mu_pi") for r in steps),
         "ess": _finite_mean(r.get("ess") for r in steps),
         "mixed_version_frac": _finite_mean(r.get("mixed_version_frac") for r in steps),
-        "stale_aborted": int(steps[-1]["stale_aborted"]),
+        "lag_handover_waits": sum(int(r.get("lag_handover_waits", 0)) for r in steps),
         "stale_dropped": int(steps[-1]["stale_dropped"]),
         "filtered_groups": sum(int(r.get("filtered_groups", 0)) for r in steps),
         "truncated_frac": sum(r.get("truncated_frac", 0.0) * r["samples"] for r in steps) / samples,
@@ -454,7 +454,7 @@ def table(summary: dict, rows: Sequence[dict]) -> str:
         "How each arm trained (means over its seeds; groups: per run).",
         "",
         f"| arm | train reward, last {'/'.join(map(str, last))} steps [t 95%] | vs {base} [Welch 95%] | mean lag (max) | "
-        "groups aborted / dropped / filtered | trained tokens p50 / p95 / max | held-out greedy tokens | ESS | "
+        "hand-over waits / groups dropped / filtered | trained tokens p50 / p95 / max | held-out greedy tokens | ESS | "
         "KL(mu‖pi) | s per run |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -462,7 +462,7 @@ def table(summary: dict, rows: Sequence[dict]) -> str:
         t = v["train_reward_last"]
         lines.append(
             f"| {arm} | {_ci(t)} | {_ci(t[vs]) if vs in t else '—'} | {v['lag_mean']:.2f} ({v['lag_max']}) | "
-            f"{v['stale_aborted']:.1f} / {v['stale_dropped']:.1f} / {v['filtered_groups']:.1f} | "
+            f"{v['lag_handover_waits']:.1f} / {v['stale_dropped']:.1f} / {v['filtered_groups']:.1f} | "
             f"{v['train_tokens_p50']:.1f} / {v['train_tokens_p95']:.1f} / {v['train_tokens_max']:.1f} | "
             f"{v['heldout_greedy_tokens_mean']:.1f} | {v['ess']:.3f} | {v['kl_mu_pi']:.2e} | {v['wall_s']:.0f} |"
         )

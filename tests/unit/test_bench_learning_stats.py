@@ -74,7 +74,7 @@ def test_the_percentile_bootstrap_of_a_mean_at_8_seeds_is_about_0_78_of_the_t_in
 
 
 def _step(k, reward, samples=32, **extra):
-    return {"step": k, "reward_mean": reward, "samples": samples, "lag_max": 0, "stale_aborted": 0, "stale_dropped": 0,
+    return {"step": k, "reward_mean": reward, "samples": samples, "lag_max": 0, "stale_dropped": 0,
             **extra}  # fmt: skip
 
 
@@ -92,10 +92,10 @@ def _run():
         _step(1, 0.1, tokens_lag0=30, tokens_lag1=10, kl_mu_pi_lag0=0.0, kl_mu_pi_lag1=0.02, kl_mu_pi=0.005,
               ess=1.0, lag_max=1, filtered_groups=1, truncated_frac=0.5, mixed_version_frac=0.0),
         _step(2, 0.5, tokens_lag0=10, tokens_lag1=30, kl_mu_pi_lag0=0.0, kl_mu_pi_lag1=0.04, kl_mu_pi=0.03,
-              ess=0.9, lag_max=1, filtered_groups=0, truncated_frac=0.0, mixed_version_frac=0.5, stale_aborted=2),
+              ess=0.9, lag_max=1, filtered_groups=0, truncated_frac=0.0, mixed_version_frac=0.5, lag_handover_waits=2),
         _step(3, 0.7, samples=16, tokens_lag0=0, tokens_lag1=20, tokens_lag2=20, kl_mu_pi_lag0=float("nan"),
               kl_mu_pi_lag1=0.01, kl_mu_pi_lag2=0.1, kl_mu_pi=float("nan"), ess=0.8, lag_max=2, filtered_groups=2,
-              truncated_frac=0.25, mixed_version_frac=0.25, stale_aborted=3, stale_dropped=1),
+              truncated_frac=0.25, mixed_version_frac=0.25, lag_handover_waits=3, stale_dropped=1),
         _eval(3, 0.5, 0.6, 0.45, 0.75),
     ]  # fmt: skip
     rollouts = [
@@ -124,7 +124,7 @@ def test_a_runs_row_by_hand():
         "lag_mean": 100 / 120, "lag_max": 2,
         "kl_mu_pi": (0.005 + 0.03) / 2,  # the NaN step left out
         "ess": 0.9, "mixed_version_frac": 0.25,
-        "stale_aborted": 3, "stale_dropped": 1,  # the last step's running totals
+        "lag_handover_waits": 5, "stale_dropped": 1,  # 2 + 3 waits over the steps; the last step's running total of drops
         "filtered_groups": 3,
         "truncated_frac": (0.5 * 32 + 0.0 * 32 + 0.25 * 16) / 80,
         # trained lengths 3, 2, 10, 4: sorted 2 3 4 10; p50 between 3 and 4; p95 at 2.85 of 3 gaps
@@ -199,7 +199,7 @@ def test_the_csvs_read_back_exactly_and_the_table_comes_from_them(tmp_path):
     assert "(4 per prompt, T 0.7)" in text and "8 prompts" in text
     # the diagnostics table: the old measure with its interval, lag, exclusions, lengths
     train = next(line for line in text.splitlines() if line.startswith("| async | 0.600"))
-    assert "| 0.83 (2) | 3.0 / 1.0 / 3.0 | 3.5 / 9.1 / 10.0 | 3.0 |" in train
+    assert "| 0.83 (2) | 5.0 / 1.0 / 3.0 | 3.5 / 9.1 / 10.0 | 3.0 |" in train
     # the comparison repeat's task draws where both arms ran
     assert summary["comparisons"] == []  # async_no_exclusion did not run
     assert (tmp_path / "summary.json").exists()
