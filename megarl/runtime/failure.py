@@ -21,6 +21,16 @@ USER_ERROR_EXIT_CODE = 2
 ROLE_SUFFIX = ".role"  # beside the error report: what the rank is, read by runtime.launch
 
 
+def write_report(path, text: str) -> None:
+    """Write a rank's report whole or not at all: the launcher reads the error directory while other
+    ranks may still be writing theirs, and a file it opened between their truncate and write read
+    as empty (a launcher crashed on it: "could not convert string to float: ''")."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def announce_role(role: str) -> None:
     """Tell the local launcher what this rank is (its executor) and its pid, ahead of any failure:
     a rank killed without a word (SIGKILL, the OOM killer) writes no report, and the launcher
@@ -38,8 +48,7 @@ def fail_rank(message: str) -> None:
     path = os.environ.get(REPORT_ENV)
     if path:
         try:
-            with open(path, "w") as f:
-                f.write(f"{time.time()}\n{message}")
+            write_report(path, f"{time.time()}\n{message}")
         except OSError:
             pass
     print(f"megarl: rank {rank}: {message}", file=sys.stderr, flush=True)

@@ -35,7 +35,7 @@ from typing import Any, Callable, List, Tuple, Union
 
 from megarl.errors import MegarlError
 from megarl.runtime import preemption
-from megarl.runtime.failure import REPORT_ENV, ROLE_SUFFIX, USER_ERROR_EXIT_CODE
+from megarl.runtime.failure import REPORT_ENV, ROLE_SUFFIX, USER_ERROR_EXIT_CODE, write_report
 from megarl.runtime.ports import free_port
 
 
@@ -104,7 +104,7 @@ def _child(index: int, worlds: list, error_dir: str, launcher_pid: int) -> None:
     try:
         _resolve(fn)(*args)
     except MegarlError as err:
-        report.with_suffix(".user").write_text(f"{time.time()}\n{err}")
+        write_report(report.with_suffix(".user"), f"{time.time()}\n{err}")
         sys.exit(USER_ERROR_EXIT_CODE)
     except KeyboardInterrupt:  # Ctrl-C reaches the whole process group; the launcher reports it
         sys.exit(130)
@@ -113,7 +113,7 @@ def _child(index: int, worlds: list, error_dir: str, launcher_pid: int) -> None:
     except BaseException:
         # the launcher prints this traceback in its error; exiting rather than re-raising keeps
         # multiprocessing from printing it a second time
-        report.with_suffix(".crash").write_text(f"{time.time()}\n{traceback.format_exc()}")
+        write_report(report.with_suffix(".crash"), f"{time.time()}\n{traceback.format_exc()}")
         sys.exit(1)
 
 
@@ -125,19 +125,26 @@ def _named(error_dir: Path, index: int) -> str:
         return f"rank {index}"
 
 
+def _reports(error_dir: Path, suffix: str) -> List[Tuple[float, str, str]]:
+    """(time, rank file stem, text) of each complete report; one that does not parse (a rank killed
+    inside an older megarl's non-atomic write) is passed over, never a crash of the launcher."""
+    found = []
+    for path in error_dir.glob(f"*{suffix}"):
+        try:
+            stamp, _, text = path.read_text().partition("\n")
+            found.append((float(stamp), path.stem, text))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
 def _failure_message(error_dir: Path, fallback: str) -> str:
     """The first failure: a peer that failed because another rank vanished reports later."""
-    users = []
-    for path in error_dir.glob("*.user"):
-        stamp, _, text = path.read_text().partition("\n")
-        users.append((float(stamp), path.stem, text))
+    users = _reports(error_dir, ".user")
     if users:
         _, rank, text = min(users)
         return f"rank {rank[4:]}: {text}"
-    crashes = []
-    for path in error_dir.glob("*.crash"):
-        stamp, _, text = path.read_text().partition("\n")
-        crashes.append((float(stamp), path.stem, text))
+    crashes = _reports(error_dir, ".crash")
     if crashes:
         _, rank, text = min(crashes)
         return f"rank {rank[4:]} failed first:\n{text}"
