@@ -20,13 +20,14 @@ UNIT_ROUNDOFF = 2.0**-24
 LAMBDA = 2.0
 
 
-def fp32_logprob_bound(model_dir: Path, sequences) -> float:
+def fp32_logprob_bound(model_dir: Path, sequences, **load_kwargs) -> float:
     """delta above for the checkpoint in ``model_dir`` (fp32, temperature 1), max|logit| taken by
-    transformers over ``sequences`` (lists of token ids)."""
+    transformers over ``sequences`` (lists of token ids); ``load_kwargs`` go to from_pretrained
+    (experts_implementation="eager" for the MoE families)."""
     from transformers import AutoModelForCausalLM
 
     config = json.loads((Path(model_dir) / "config.json").read_text())
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **load_kwargs).eval()
     max_logit, longest_seq = 0.0, 0
     with torch.no_grad():
         for ids in sequences:

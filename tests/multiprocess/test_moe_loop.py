@@ -10,16 +10,17 @@ random init at a large scale (tests/conftest.py make_tiny_family), not Megatron'
 that one's nearly uniform outputs hide a wrong expert (measured: a generator using the wrong expert
 half moved KL(mu || pi) of lag-0 tokens to 1.05e-5 only)."""
 
-import json
 import math
 
 import pytest
 
 from tests.conftest import make_tiny_family
+from tests.fp32_bounds import fp32_logprob_bound as shared_logprob_bound
 from tests.multiprocess.test_rl_loop import REWARD, _train
 from tests.unit.test_rl_loop import ROOT
 
 pytestmark = pytest.mark.slow
+
 
 # How far two fp32 computations of one token's log-prob may differ, from the arithmetic (the model
 # test_conversion_families.py uses for logits): a sum of n fp32 terms errs by about LAMBDA sqrt(n) u of
@@ -34,28 +35,10 @@ pytestmark = pytest.mark.slow
 # weights by lr 1e-3 Adam steps, a percent of their 0.2 scale). The guarded mistake (a generator using
 # the wrong expert half) moved that KL to 1.05e-5: ~500x this bound, where the 1e-5 it replaces sat at
 # 0.95 of it.
-UNIT_ROUNDOFF = 2.0**-24
-LAMBDA = 2.0
-
-
 def fp32_logprob_bound(hf, rollouts) -> float:
     """delta above: the largest |log pi_a - log pi_b| of two fp32 computations of one token."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    config = json.loads((hf / "config.json").read_text())
-    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32, experts_implementation="eager").eval()
-    max_logit, longest_seq = 0.0, 0
-    with torch.no_grad():
-        for r in rollouts:
-            ids = r["prompt_tokens"] + r["response_tokens"]
-            max_logit = max(max_logit, model(torch.tensor([ids])).logits.abs().max().item())
-            longest_seq = max(longest_seq, len(ids))
-    widths = [config["hidden_size"], config["intermediate_size"], config.get("moe_intermediate_size", 0)]
-    longest = max(*widths, config["head_dim"], longest_seq)
-    logit = LAMBDA * ((6 * config["num_hidden_layers"] + 1) * longest) ** 0.5 * UNIT_ROUNDOFF * max_logit
-    logsumexp = LAMBDA * config["vocab_size"] ** 0.5 * UNIT_ROUNDOFF
-    return 2**0.5 * (2 * logit + logsumexp)
+    sequences = [r["prompt_tokens"] + r["response_tokens"] for r in rollouts]
+    return shared_logprob_bound(hf, sequences, experts_implementation="eager")
 
 
 def k3_bound(delta: float) -> float:
