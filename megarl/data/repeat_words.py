@@ -1,4 +1,4 @@
-r"""Repeat-a-word prompts, ``repeat:<n>:<seed>`` and ``repeat:<n>:<seed>:heldout``: the learning bench's
+r"""Repeat-a-word prompts, ``repeat:<n>:<seed>``, ``repeat:<n>:<seed>:validation`` and ``repeat:<n>:<seed>:heldout``: the learning bench's
 task in the demo's regime (docs/learning.md), where the right answer's length varies from prompt to prompt.
 
     "Write this word 3 times, one per line:\nfox"  ->  "fox\nfox\nfox", then the end-of-turn token
@@ -10,12 +10,13 @@ writing it is copying, and counting is what is learned), and so is the newline: 
 tokens with the stop token, 2 to 40. The length is the task: a policy, or a sampler, that favours
 short answers loses the long prompts.
 
-Held out by construction: each (word, count) pair belongs to the held-out part or to the training part
-by a fixed rule (``heldout_pair``: a fifth of the pairs, spread so that every word and every count also
-occurs in training with other partners). ``repeat:<n>:<seed>`` draws only training pairs, and
-``repeat:<n>:<seed>:heldout`` only held-out ones (distinct pairs, as many as there are), whatever the
-seeds: no held-out prompt asks for a pair any training prompt asks for, so the held-out score is the
-policy's, not its memory of the prompt.
+Held out by construction: each (word, count) pair belongs to one of three parts by a fixed rule
+(``part_of``): held-out (a fifth of the pairs), validation (a tenth) and training (the rest), spread so
+that every word and every count also occurs in training with other partners. ``repeat:<n>:<seed>`` draws
+only training pairs, ``repeat:<n>:<seed>:validation`` and ``repeat:<n>:<seed>:heldout`` only pairs of
+their part (distinct pairs, as many as there are), whatever the seeds: no evaluated prompt asks for a pair
+any training prompt asks for, so a score is the policy's, not its memory of the prompt. Recipe choices
+(learning rate, warm start) are made on the validation part; the held-out part only reports results.
 """
 
 from __future__ import annotations
@@ -38,17 +39,19 @@ TEMPLATES = (
     "Repeat the word below {count} times, each on its own line.\n{word}",
     "{count} lines, each holding only this word:\n{word}",
 )
-HELDOUT_EVERY = 5  # one pair in five is held out
+PARTS = ("train", "validation", "heldout")
 
 
-def heldout_pair(word: str, count: int) -> bool:
-    """Whether (word, count) belongs to the held-out part: for word i, the counts n with (7i + n) % 5 == 0,
-    so each word keeps four in five of its counts for training and each count four in five of its words."""
-    return (7 * WORDS.index(word) + count) % HELDOUT_EVERY == 0
+def part_of(word: str, count: int) -> str:
+    """The part (word, count) belongs to: for word i and r = (7i + count) % 10, held-out when r is 0 or 5 (a
+    fifth of the pairs), validation when r is 1 (a tenth), training otherwise. Each word keeps 14 of its 20
+    counts for training and each count about 7 in 10 of its words."""
+    r = (7 * WORDS.index(word) + count) % 10
+    return "heldout" if r % 5 == 0 else "validation" if r == 1 else "train"
 
 
-def _pairs(heldout: bool) -> List[tuple]:
-    return [(w, n) for w in WORDS for n in range(1, MAX_COUNT + 1) if heldout_pair(w, n) == heldout]
+def _pairs(part: str) -> List[tuple]:
+    return [(w, n) for w in WORDS for n in range(1, MAX_COUNT + 1) if part_of(w, n) == part]
 
 
 def _record(rng: random.Random, word: str, count: int) -> Dict:
@@ -61,23 +64,23 @@ def _record(rng: random.Random, word: str, count: int) -> Dict:
 
 def repeat_records(spec: str) -> List[Dict]:
     """A spec's records: ``repeat:<n>:<seed>`` n prompts of training pairs (drawn with replacement, each
-    with a random wording), ``repeat:<n>:<seed>:heldout`` n distinct held-out pairs."""
+    with a random wording), ``repeat:<n>:<seed>:validation`` / ``:heldout`` n distinct pairs of that part."""
     parts = spec.split(":")
     try:
         n, seed = int(parts[1]), int(parts[2])
-        heldout = parts[3:] == ["heldout"]
-        if len(parts) not in (3, 4) or (len(parts) == 4 and not heldout):
+        part = parts[3] if len(parts) == 4 else "train"
+        if len(parts) not in (3, 4) or part not in PARTS[1:] and len(parts) == 4:
             raise ValueError
     except (ValueError, IndexError):
-        raise ConfigError(f"{spec!r}: expected repeat:<n>:<seed> or repeat:<n>:<seed>:heldout") from None
-    pairs = _pairs(heldout)
+        raise ConfigError(f"{spec!r}: expected repeat:<n>:<seed>[:validation|:heldout]") from None
+    pairs = _pairs(part)
     if n < 1:
         raise ConfigError(f"{spec!r}: n must be >= 1, got {n}")
-    if heldout and n > len(pairs):
-        raise ConfigError(f"{spec!r}: the held-out part has {len(pairs)} (word, count) pairs, not {n}")
-    # a string seed is hashed (sha512) by random.Random: the two parts' streams are unrelated
-    rng = random.Random(f"megarl-repeat:{seed}:{'heldout' if heldout else 'train'}")
-    chosen = rng.sample(pairs, n) if heldout else [rng.choice(pairs) for _ in range(n)]
+    if part != "train" and n > len(pairs):
+        raise ConfigError(f"{spec!r}: the {part} part has {len(pairs)} (word, count) pairs, not {n}")
+    # a string seed is hashed (sha512) by random.Random: the parts' streams are unrelated
+    rng = random.Random(f"megarl-repeat:{seed}:{part}")
+    chosen = [rng.choice(pairs) for _ in range(n)] if part == "train" else rng.sample(pairs, n)
     return [_record(rng, w, c) for w, c in chosen]
 
 

@@ -15,13 +15,20 @@ def _pairs(records):
     return {(r["meta"]["word"], r["meta"]["count"]) for r in records}
 
 
-def test_no_held_out_pair_is_asked_by_any_training_prompt_whatever_the_seeds():
+def test_no_held_out_or_validation_pair_is_asked_by_any_other_part_whatever_the_seeds():
     heldout = repeat_words.repeat_records("repeat:128:0:heldout")
+    validation = repeat_words.repeat_records("repeat:64:0:validation")
     assert len(_pairs(heldout)) == 128  # every held-out pair once (32 words x 20 counts / 5)
+    assert len(_pairs(validation)) == 64  # every validation pair once (/ 10)
+    assert not _pairs(heldout) & _pairs(validation)
     for seed in (0, 1, 2, 99):
         train = repeat_words.repeat_records(f"repeat:4000:{seed}")
         assert not _pairs(train) & _pairs(heldout)
+        assert not _pairs(train) & _pairs(validation)
         assert not _pairs(train) & _pairs(repeat_words.repeat_records(f"repeat:50:{seed}:heldout"))
+        assert not _pairs(train) & _pairs(repeat_words.repeat_records(f"repeat:30:{seed}:validation"))
+    # 4000 draws reach every one of the 448 training pairs: the three parts cover the 640 pairs
+    assert len(_pairs(repeat_words.repeat_records("repeat:4000:3"))) == 640 - 128 - 64
     # every word and every count is trained with other partners
     train = _pairs(repeat_words.repeat_records("repeat:4000:1"))
     assert {w for w, _ in train} == set(repeat_words.WORDS)
@@ -44,8 +51,10 @@ def test_records_ask_for_a_word_a_number_of_times_and_the_answer_is_that_many_li
     [
         ("repeat:5", "expected repeat:<n>:<seed>"),
         ("repeat:5:1:test", "expected repeat:<n>:<seed>"),
+        ("repeat:5:1:train", "expected repeat:<n>:<seed>"),
         ("repeat:0:1", "n must be >= 1"),
-        ("repeat:129:0:heldout", "the held-out part has 128"),
+        ("repeat:129:0:heldout", "the heldout part has 128"),
+        ("repeat:65:0:validation", "the validation part has 64"),
     ],
 )
 def test_bad_specs_are_refused(spec, message):
