@@ -89,17 +89,26 @@ SYNTHETIC_PANELS = [
 ]  # fmt: skip
 
 # issue 52's diagnosis arms, on the demo's regime: the async arm as configured (max lag 2, groups past
-# it held by the generator's rollout.max_lag_policy); the same with a bound it never reaches (16: the
-# runs' lag stays far below it, and runs.csv's lag_handover_waits / stale_dropped say whether the bound acted);
-# sync with 3 optimizer steps per generated batch (staleness without the async machinery)
+# it handled by rollout.max_lag_policy, default wait); the same under the drop policy, the finished-group
+# rule of the enforcement before issue 52 (length-biased: it drops the groups that finish last), and under
+# keep and mask (the policy's default is chosen between the four on the validation set); the same
+# with a bound it never reaches (16: the runs' lag stays far below it, and runs.csv's lag_handover_waits /
+# stale_dropped say whether the bound acted); sync with 3 optimizer steps per generated batch (staleness
+# without the async machinery)
 REPEAT_ARMS: Dict[str, List[str]] = {
     "sync": _SYNC,
     "async": ["run.mode=async"],
+    "async_drop": ["run.mode=async", "rollout.max_lag_policy=drop"],
+    "async_keep": ["run.mode=async", "rollout.max_lag_policy=keep"],
+    "async_mask": ["run.mode=async", "rollout.max_lag_policy=mask"],
     "async_no_exclusion": ["run.mode=async", "rollout.max_lag=16"],
     "sync_g3": _SYNC + ["trainer.updates_per_batch=3"],
 }
 REPEAT_COMPARISONS = [
-    ("async", "async_no_exclusion"),  # what the lag bound's exclusions cost
+    ("async", "async_drop"),  # the lag bound's policy against the length-biased rule it replaced
+    ("async", "async_keep"),
+    ("async", "async_mask"),
+    ("async", "async_no_exclusion"),  # what the bound costs
     ("async_no_exclusion", "sync_g3"),  # async staleness against the same staleness in sync mode
 ]
 
@@ -169,6 +178,13 @@ RUN_COLUMNS = [
     "start_greedy_reward",
     "start_sampled_reward",
     "heldout_greedy_tokens_mean",  # the final greedy answers' length (tokens, the stop token included)
+    # the same on the validation set where the run evaluated one (data.eval names "validation=..." beside
+    # "heldout=..."; nan otherwise): what recipe choices are made on, never the held-out scores
+    "validation_n",
+    "validation_greedy_accuracy",
+    "validation_greedy_reward",
+    "validation_sampled_reward",
+    "validation_start_greedy_accuracy",
     "train_reward_last",  # the training reward of the last train_reward_last_steps steps (the old measure)
     "train_reward_last_steps",
     "lag_mean",  # trained tokens' lag, token-weighted over the run; its max over the steps
@@ -192,6 +208,7 @@ _INT_COLUMNS = {
     "steps",
     "samples",
     "heldout_n",
+    "validation_n",
     "eval_samples",
     "train_reward_last_steps",
     "lag_max",
@@ -220,11 +237,20 @@ def _finite_mean(values) -> float:
     return sum(vals) / len(vals) if vals else math.nan
 
 
-def eval_prefix(config: dict) -> str:
-    """The metric prefix of the run's one held-out set (executors/evaluator.py: eval_ or eval_<name>_)."""
-    (item,) = config["data"]["eval"]
-    name, sep, _ = item.partition("=")
-    return f"eval_{name}_" if sep and name.isidentifier() and name.islower() else "eval_"
+def eval_prefixes(config: dict) -> Dict[str, str]:
+    """The metric prefixes (executors/evaluator.py: eval_ or eval_<name>_) of the run's held-out set and,
+    where it has one, its validation set: one set is the held-out one whatever its name; of several, the
+    sets named ``heldout`` and ``validation``."""
+    items = config["data"]["eval"]
+    named = {}
+    for item in items:
+        name, sep, _ = item.partition("=")
+        named[name if sep else ""] = f"eval_{name}_" if sep and name.isidentifier() and name.islower() else "eval_"
+    if len(items) == 1:
+        return {"heldout": next(iter(named.values()))}
+    if "heldout" not in named:
+        raise ConfigError(f"bench learning: data.eval {items}: with several sets, one must be named heldout=...")
+    return {k: named[k] for k in ("heldout", "validation") if k in named}
 
 
 def heldout_scores(record: dict, prefix: str, k: int) -> dict:
@@ -254,10 +280,16 @@ def run_row(
     if not steps:
         raise ConfigError(f"bench learning: {arm} seed {seed} recorded no step")
     evals = {r["step"]: r for r in records if r.get("eval")}
-    k, prefix = config["data"]["eval_samples"], eval_prefix(config)
+    k, prefixes = config["data"]["eval_samples"], eval_prefixes(config)
     if len(steps) not in evals or 0 not in evals:
         raise ConfigError(f"bench learning: {arm} seed {seed} has no held-out evaluation at step 0 and its last step")
-    end, start = heldout_scores(evals[len(steps)], prefix, k), heldout_scores(evals[0], prefix, k)
+    end, start = (heldout_scores(evals[s], prefixes["heldout"], k) for s in (len(steps), 0))
+    nan = {"n": 0, "greedy_accuracy": math.nan, "greedy_reward": math.nan, "sampled_reward": math.nan}
+    val_end, val_start = (
+        heldout_scores(evals[s], prefixes["validation"], k) if "validation" in prefixes else nan for s in (len(steps), 0)
+    )
+    if len(prefixes) > 1:  # the answers file holds every set's, each marked with its set's name
+        final_answers = [a for a in final_answers if a.get("set") == "heldout"]
     tail = steps[-last:]
     tokens = {}
     for r in steps:
@@ -283,6 +315,11 @@ def run_row(
         "start_greedy_reward": start["greedy_reward"],
         "start_sampled_reward": start["sampled_reward"],
         "heldout_greedy_tokens_mean": _finite_mean(len(a["response_tokens"]) for a in final_answers),
+        "validation_n": val_end["n"],
+        "validation_greedy_accuracy": val_end["greedy_accuracy"],
+        "validation_greedy_reward": val_end["greedy_reward"],
+        "validation_sampled_reward": val_end["sampled_reward"],
+        "validation_start_greedy_accuracy": val_start["greedy_accuracy"],
         "train_reward_last": sum(r["reward_mean"] for r in tail) / len(tail),
         "train_reward_last_steps": len(tail),
         "lag_mean": sum(b * n for b, n in tokens.items()) / sum(tokens.values()) if sum(tokens.values()) else math.nan,
@@ -368,6 +405,15 @@ def _column(rows: Sequence[dict], arm: str, column: str) -> List[float]:
     return [r[column] for r in rows if r["arm"] == arm]
 
 
+def validation_column(heldout_column: str) -> str:
+    return "validation_" + heldout_column[len("heldout_") :]
+
+
+def has_validation(rows: Sequence[dict]) -> bool:
+    """Whether every run scored a validation set (runs.csv's validation_n)."""
+    return bool(rows) and all(int(r.get("validation_n") or 0) > 0 for r in rows)
+
+
 def _interval(iv) -> dict:
     return {"mean": iv.estimate, "ci95": [iv.low, iv.high]}
 
@@ -381,6 +427,8 @@ def summarize(rows: Sequence[dict], greedy: str, baseline: str, comparisons: Seq
     of the old training-reward measure, with t intervals, each one's difference to ``baseline``'s with
     Welch's interval, and the means of the diagnostics; then each comparison (a - b) where both ran."""
     scored = (greedy, "heldout_sampled_reward", "train_reward_last")
+    if has_validation(rows):
+        scored += (validation_column(greedy), "validation_sampled_reward")
     arms = _arms_in(rows)
     out = {"greedy": greedy, "baseline": baseline, "arms": {}, "comparisons": []}
     for arm in arms:
@@ -403,7 +451,11 @@ def summarize(rows: Sequence[dict], greedy: str, baseline: str, comparisons: Seq
                 {
                     "a": a,
                     "b": b,
-                    **{c: _difference(welch_interval(_column(rows, a, c), _column(rows, b, c))) for c in scored[:2]},
+                    **{
+                        c: _difference(welch_interval(_column(rows, a, c), _column(rows, b, c)))
+                        for c in scored
+                        if c != "train_reward_last"
+                    },
                 }
             )
     return out
@@ -474,7 +526,32 @@ def table(summary: dict, rows: Sequence[dict]) -> str:
         ]
         for c in summary["comparisons"]:
             lines.append(f"| {c['a']} - {c['b']} | {_ci(c[greedy])} | {_ci(c['heldout_sampled_reward'])} |")
+    if has_validation(rows):
+        lines += _validation_table(summary, rows)
     return "\n".join(lines) + "\n"
+
+
+def _validation_table(summary: dict, rows: Sequence[dict]) -> List[str]:
+    """The validation set's scores: what recipe choices (an arm's policy, a learning rate) are made on."""
+    base, vs = summary["baseline"], "vs_" + summary["baseline"]
+    greedy = validation_column(summary["greedy"])
+    n = "/".join(str(x) for x in sorted({r["validation_n"] for r in rows}))
+    lines = [
+        "",
+        f"The validation set ({n} prompts, no pair shared with training or the held-out set): where recipe "
+        "choices are made.",
+        "",
+        f"| arm | start | validation {_LABELS[summary['greedy']].split(' ', 1)[1]} | vs {base} | "
+        f"validation sampled reward | vs {base} |",
+        "|---|---|---|---|---|---|",
+    ]
+    for arm, v in summary["arms"].items():
+        g, s = v[greedy], v["validation_sampled_reward"]
+        lines.append(
+            f"| {arm} | {v['validation_start_greedy_accuracy']:.3f} | {_ci(g)} | {_ci(g[vs]) if vs in g else '—'} | "
+            f"{_ci(s)} | {_ci(s[vs]) if vs in s else '—'} |"
+        )
+    return lines
 
 
 # -- plots -----------------------------------------------------------------------------------------

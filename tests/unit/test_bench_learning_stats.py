@@ -2,6 +2,7 @@
 quantile against the t table and mpmath, the Welch-Satterthwaite degrees of freedom and intervals by
 hand, each CSV row from a run's records by hand, the CSVs read back exactly, and the table from them."""
 
+import json
 import math
 
 import pytest
@@ -119,6 +120,9 @@ def test_a_runs_row_by_hand():
         "heldout_pass_at_k": 0.75,
         "start_greedy_accuracy": 0.25, "start_greedy_reward": 0.4, "start_sampled_reward": 0.3,
         "heldout_greedy_tokens_mean": 3.0,  # (2 + 4) / 2
+        # no validation set evaluated
+        "validation_n": 0, "validation_greedy_accuracy": math.nan, "validation_greedy_reward": math.nan,
+        "validation_sampled_reward": math.nan, "validation_start_greedy_accuracy": math.nan,
         "train_reward_last": 0.6, "train_reward_last_steps": 2,  # (0.5 + 0.7) / 2: the last 2 steps
         # tokens: lag 0: 40, lag 1: 60, lag 2: 20 -> (60 + 40) / 120
         "lag_mean": 100 / 120, "lag_max": 2,
@@ -131,13 +135,33 @@ def test_a_runs_row_by_hand():
         "train_tokens_mean": 19 / 4, "train_tokens_p50": 3.5, "train_tokens_p95": 4 + 0.85 * 6, "train_tokens_max": 10,
         "wall_s": 12.5,
     }  # fmt: skip
-    assert row == pytest.approx(expected)
+    assert row == pytest.approx(expected, nan_ok=True)
     # a named set's metrics (eval_<name>_accuracy, ...) are read as the one unnamed set's
     named = {"data": {"eval": ["held=repeat:8:0:heldout"], "eval_samples": 4}, "rollout": {"temperature": 0.7}}
     renamed = [
         {k.replace("eval_", "eval_held_") if k.startswith("eval_") else k: v for k, v in r.items()} for r in records
     ]
-    assert learning.run_row("async", 3, renamed, rollouts, answers, named, 12.5, 2) == pytest.approx(expected)
+    assert learning.run_row("async", 3, renamed, rollouts, answers, named, 12.5, 2) == pytest.approx(
+        expected, nan_ok=True
+    )
+    # beside a validation set, the set named heldout is the held-out one, its answers alone are measured, and the
+    # validation set's scores fill their columns
+    both = {"data": {"eval": ["validation=repeat:4:0:validation", "heldout=repeat:8:0:heldout"], "eval_samples": 4},
+            "rollout": {"temperature": 0.7}}  # fmt: skip
+    two_sets = [
+        {**{k.replace("eval_", "eval_heldout_") if k.startswith("eval_") else k: v for k, v in r.items()},
+         **({f"eval_validation_{k[5:]}": v * 0.5 for k, v in r.items() if k.startswith("eval_")} if r.get("eval") else {})}
+        for r in records
+    ]  # fmt: skip
+    marked = [{"set": "heldout", **a} for a in answers] + [{"set": "validation", "response_tokens": [1] * 30}]
+    row = learning.run_row("async", 3, two_sets, rollouts, marked, both, 12.5, 2)
+    assert row == pytest.approx(
+        {**expected, "validation_n": 4, "validation_greedy_accuracy": 0.25, "validation_greedy_reward": 0.3,
+         "validation_sampled_reward": 0.225, "validation_start_greedy_accuracy": 0.125}  # fmt: skip
+    )
+    unnamed = {**both, "data": {**both["data"], "eval": ["validation=repeat:4:0:validation", "repeat:8:0:heldout"]}}
+    with pytest.raises(ConfigError, match="one must be named heldout"):
+        learning.run_row("async", 3, two_sets, rollouts, marked, unnamed, 12.5, 2)
     with pytest.raises(ConfigError, match="no held-out evaluation at step 0 and its last step"):
         learning.run_row("async", 3, records[:-1], rollouts, answers, CONFIG, 12.5, 2)
 
@@ -177,7 +201,8 @@ def test_the_csvs_read_back_exactly_and_the_table_comes_from_them(tmp_path):
     learning.write_csv(tmp_path / "runs.csv", rows, learning.RUN_COLUMNS)
     learning.write_csv(tmp_path / "curves.csv", curves, learning.CURVE_COLUMNS)
     learning.write_csv(tmp_path / "lags.csv", lags, learning.LAG_COLUMNS)
-    assert learning.read_csv(tmp_path / "runs.csv") == rows  # exactly: floats written by repr
+    # exactly: floats written by repr (json compares the nan of a run without a validation set as text)
+    assert json.dumps(learning.read_csv(tmp_path / "runs.csv")) == json.dumps(rows)
     assert learning.read_csv(tmp_path / "curves.csv") == curves
     assert learning.read_csv(tmp_path / "lags.csv") == lags
     summary = learning.report(tmp_path, learning.TASKS["repeat"], plots=False)
@@ -232,7 +257,7 @@ def test_report_only_needs_the_csvs(tmp_path):
 
 def test_arms_are_config_overrides_and_an_arm_can_be_added_or_replaced():
     repeat = learning.TASKS["repeat"]
-    assert list(learning.select_arms(repeat, [], [])) == ["sync", "async", "async_no_exclusion", "sync_g3"]
+    assert list(learning.select_arms(repeat, [], [])) == ["sync", "async", "async_drop", "async_keep", "async_mask", "async_no_exclusion", "sync_g3"]
     arms = learning.select_arms(repeat, [], ["async_new: run.mode=async rollout.max_lag=2 'rollout.env_timeout_s=9'"])
     assert arms["async_new"] == ["run.mode=async", "rollout.max_lag=2", "rollout.env_timeout_s=9"]
     assert list(arms)[-1] == "async_new"
@@ -290,3 +315,22 @@ def test_a_workdir_holds_one_tasks_grid_and_a_run_counts_only_as_its_arm_trained
     assert not learning._finished(run, 3, identity)  # fewer steps than the runs now train
     (run / "summary.json").write_text('{"stop_reason": "preempted"}')
     assert not learning._finished(run, 2, identity)
+
+
+def test_validation_scores_get_their_own_intervals_and_table_where_every_run_has_them():
+    rows = _rows("sync", [0.5, 0.7], [0.3, 0.4]) + _rows("async", [0.4, 0.4], [0.2, 0.1])
+    without = learning.summarize(rows, "heldout_greedy_accuracy", "sync")
+    assert math.isnan(without["arms"]["sync"]["validation_greedy_accuracy"])  # a plain mean of nan, no interval
+    assert "validation set" not in learning.table(without, rows)
+    for row, v in zip(rows, [0.2, 0.4, 0.5, 0.6]):
+        row.update(validation_n=64, validation_greedy_accuracy=v, validation_sampled_reward=v / 2,
+                   validation_start_greedy_accuracy=0.1)  # fmt: skip
+    summary = learning.summarize(rows, "heldout_greedy_accuracy", "sync", [("async", "sync")])
+    val = summary["arms"]["async"]["validation_greedy_accuracy"]
+    check = intervals.welch_interval([0.5, 0.6], [0.2, 0.4])
+    assert val["mean"] == pytest.approx(0.55) and val["vs_sync"]["diff"] == pytest.approx(check.estimate)
+    assert val["vs_sync"]["ci95"] == pytest.approx([check.low, check.high])
+    assert summary["comparisons"][0]["validation_sampled_reward"]["diff"] == pytest.approx(0.275 - 0.15)
+    text = learning.table(summary, rows)
+    assert "The validation set (64 prompts" in text
+    assert next(line for line in text.splitlines() if line.startswith("| async | 0.100 | 0.550 ["))
