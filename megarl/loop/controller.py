@@ -2,7 +2,7 @@
 
 Each iteration: let the local executors work, run the channels, sync the weights,
 checkpoint. What runs concurrently is decided only by which ranks the executors own
-(topology.py) and, in time, by run.mode's schedule (schedule.py: the loop asks it,
+(megarl/layout.py) and, in time, by run.mode's schedule (schedule.py: the loop asks it,
 never the mode); everything a rank runs is wired by wiring.py:
 
     async   iteration i: generators make batch i  ||  trainer trains batch i-1
