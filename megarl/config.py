@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from megarl.errors import ConfigError
+from megarl.layout import BACKENDS, MODES, RunLayout
 from megarl.parallel_dims import GeneratorDims, ParallelDims
 
 
@@ -313,8 +314,8 @@ class Config:
 
     def validate(self) -> "Config":
         t, g, r = self.trainer, self.generator, self.rollout
-        _choice("run.mode", self.run.mode, ("async", "sync"))
-        _choice("generator.backend", g.backend, ("torch", "sglang"))
+        _choice("run.mode", self.run.mode, MODES)
+        _choice("generator.backend", g.backend, BACKENDS)
         _choice("model.dtype", self.model.dtype, ("fp32", "bf16", "auto"))
         _choice("generator.dtype", g.dtype, ("fp32", "bf16", "auto"))
         self.trainer_dims()  # each dimension checked, naming its field
@@ -360,10 +361,11 @@ class Config:
                 f"rollout.prompts_per_step={r.prompts_per_step} must be a multiple of "
                 f"generator.replicas={g.replicas} (each replica makes an equal share)"
             )
-        if self.run.mode == "sync" and r.prompts_per_step % self.world_size():
+        ranks = self.layout().world_size
+        if self.run.mode == "sync" and r.prompts_per_step % ranks:
             raise ConfigError(
                 f"rollout.prompts_per_step={r.prompts_per_step} must be a multiple of the "
-                f"{self.world_size()} ranks in sync mode (each generates an equal share)"
+                f"{ranks} ranks in sync mode (each generates an equal share)"
             )
         if self.data.eval_samples < 1:
             raise ConfigError(f"data.eval_samples: must be >= 1, got {self.data.eval_samples}")
@@ -767,16 +769,21 @@ class Config:
 
     def generator_dims(self) -> GeneratorDims:
         """The generators as configured (async mode's; sync mode colocates TP-1 engines on the
-        trainer's ranks instead: loop/wiring.py)."""
+        trainer's ranks instead: megarl/layout.py)."""
         g = self.generator
         return GeneratorDims(tp=g.tp, replicas=g.replicas, ep=g.ep)
 
-    def world_size(self) -> int:
-        """GPUs (ranks) of the job: trainer + generators (async; SGLang servers' GPUs included),
-        or the trainer's alone (sync, colocated)."""
-        if self.run.mode == "sync":
-            return self.trainer_dims().world_size
-        return self.trainer_dims().world_size + self.generator_dims().world_size
+    def layout(self) -> RunLayout:
+        """The job's ranks as run.mode and generator.backend lay them out: its world size, lag bound
+        and topology (megarl/layout.py, the one place that derives them)."""
+        return RunLayout(
+            self.run.mode,
+            self.generator.backend,
+            self.trainer_dims(),
+            self.generator_dims(),
+            self.rollout.max_lag,
+            self.trainer.updates_per_batch,
+        )
 
     def get(self, dotted: str) -> Any:
         section, _, name = dotted.partition(".")

@@ -20,7 +20,9 @@ right): how far sharpening the policy could take its greedy accuracy. They are
 drawn at ``--temperature`` / ``--top-p`` with per-prompt seeds from ``--seed``,
 each defaulting to the training run's ``rollout.temperature`` / ``rollout.top_p``
 / ``run.seed`` (else 1.0 / 1.0 / 1234): the draws of the run's own evaluation
-during training (``data.eval_samples``, executors/generator.py) on the same prompts.
+during training (``data.eval_samples``) on the same prompts: both evaluate through
+executors/evaluation.py (its requests, seeds, sums and metrics); this module loads the checkpoint
+into an engine and writes what it found.
 
 ``--tools calculator [--max-turns N]`` evaluates episodes as ``rollout.tools`` trains them: the
 tools described in every prompt (environments/chat_render.py), each ``<tool_call>`` answered in a
@@ -42,18 +44,17 @@ import torch
 
 from megarl.checkpointing.manifest import MANIFEST_FILE
 from megarl.checkpointing.megatron_checkpoint import TOKENIZER_DIR, TRACKER_FILE, resolve_checkpoint_dir
-from megarl.config import ModelConfig, RolloutConfig
+from megarl.config import Config, ModelConfig, RewardConfig, RolloutConfig
 from megarl.data.datasets import load_records, tokenize_prompts
 from megarl.environments.factory import episode_backend, prompt_renderer
 from megarl.environments.tool import resolve_tools
 from megarl.errors import CheckpointError, ConfigError
-from megarl.executors.reward import final_turn_ids
-from megarl.generator.interface import GenerationRequest, SamplingParams
+from megarl.executors.evaluation import EvalSettings, eval_metrics, eval_sums, evaluate_prompts, run_alone
+from megarl.executors.reward import RewardExecutor
 from megarl.generator.tokenizer import load_tokenizer, stop_ids
 from megarl.generator.torch_engine.engine import TorchEngine
 from megarl.model_source import prepare_model
 from megarl.rewards.registry import FIELD, reward_spec
-from megarl.rewards.scoring import score_batch
 from megarl.runtime.cpu_dtype import resolve_dtype
 from megarl.runtime.distributed import init_distributed, init_megatron, shutdown, world_dims
 from megarl.runtime.launch import run_world
@@ -216,56 +217,35 @@ def _eval_rank(
     context = longest + (max_new_tokens if not tools else max_turns * (max_new_tokens + TOOL_TURN_TOKENS))
     engine = TorchEngine(spec, params, max_running=batch, max_seq_len=context + 1)
     backend = episode_backend(episodes, engine, tokenizer, context)  # the engine itself without tools
-    stops = stop_ids(tokenizer)
     sampling = sampling or {"samples": 1}
     k = sampling["samples"]
-    sp = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=stops)
-    requests = [GenerationRequest(str(i), p.ids, sp, group_id=i) for i, p in enumerate(prompts)]
-    if k > 1:  # seeded per prompt as the run's in-training evaluation seeds them (executors/generator.py)
-        requests += [
-            GenerationRequest(
-                f"{i}s",
-                p.ids,
-                SamplingParams(
-                    temperature=sampling["temperature"],
-                    top_p=sampling["top_p"],
-                    max_new_tokens=max_new_tokens,
-                    stop_token_ids=stops,
-                    seed=(sampling["seed"] * 7919 + 104729 * i) % 2**31,
-                ),
-                n=k,
-                group_id=-1 - i,
-            )
-            for i, p in enumerate(prompts)
-        ]
-    backend.submit(requests)
+    # greedy alone (k = 1) draws nothing: the sampling settings are not read
+    settings = EvalSettings(max_new_tokens, k, sampling.get("temperature", 1.0), sampling.get("top_p", 1.0),
+                            sampling.get("seed", 0))  # fmt: skip
     start = time.perf_counter()
-    finished = backend.run_until_idle()
-    greedy = sorted((c for c in finished if c.group_id >= 0), key=lambda c: c.group_id)
-    sampled = sorted((c for c in finished if c.group_id < 0), key=lambda c: (-c.group_id, c.sample_index))
-    done = greedy + sampled  # prompt order; then each prompt's k samples in order
-    texts = [tokenizer.decode(c.output_ids, skip_special_tokens=True) for c in done]
+    groups = evaluate_prompts(run_alone(backend), "", prompts, settings, stop_ids(tokenizer))
+    generate_s = time.perf_counter() - start
     # an episode is scored on its final turn (reward.scored_text: final_turn), not a tool's output
-    scored_texts = (
-        [tokenizer.decode(final_turn_ids(c.output_ids, c.loss_mask), skip_special_tokens=True) for c in done]
-        if tools
-        else texts
-    )
-    answers = [p.record.answer for p in prompts] + [prompts[-1 - c.group_id].record.answer for c in sampled]
-    scores = score_batch(scored_texts, answers, reward, timeout_s=10.0)
-    n = len(prompts)
+    scoring = RewardConfig(function=reward, timeout_s=10.0, scored_text="final_turn" if tools else "response")
+    scorer = RewardExecutor(Config(reward=scoring), tokenizer)
+    flat = scorer.score(groups, on_error="zero").samples
+    scored, at = [], 0  # per prompt, as groups: the greedy answer's sample, then the sampled ones'
+    for g in groups:
+        scored.append(flat[at : at + len(g)])
+        at += len(g)
+    n, metrics = len(prompts), eval_metrics([eval_sums([[s.reward for s in ss] for ss in scored])], k)
     result = {
         "checkpoint": ckpt_dir,
         "data": data,
         "n": n,
-        "accuracy": sum(s.score >= 1.0 for s in scores[:n]) / n,
-        "reward_mean": sum(s.score for s in scores[:n]) / n,
-        "generate_s": time.perf_counter() - start,
-        "example": texts[0][:200],
+        "accuracy": metrics["accuracy"],
+        "reward_mean": metrics["greedy_reward_mean"],
+        "generate_s": generate_s,
+        "example": scored[0][0].response_text[:200],
         "dtype": dtype,
     }
     if tools:  # what the greedy episodes did with the tools
-        stats = [c.episode for c in greedy]
+        stats = [g[0].episode for g in groups]
         result.update(
             {
                 "tools": list(tools),
@@ -278,31 +258,33 @@ def _eval_rank(
             }
         )
     if k > 1:
-        per_prompt = [scores[n + i * k : n + (i + 1) * k] for i in range(n)]
-        result.update(
-            {
-                f"reward_mean@{k}": sum(s.score for s in scores[n:]) / (n * k),
-                f"pass@{k}": sum(any(s.score >= 1.0 for s in group) for group in per_prompt) / n,
-                "sampling": sampling,
-            }
-        )
+        result.update({f"reward_mean@{k}": metrics[f"reward_mean@{k}"], f"pass@{k}": metrics[f"pass@{k}"]})
+        result["sampling"] = sampling
     Path(out).write_text(json.dumps(result))
-    if dump:  # the greedy answers in prompt order, then (with --samples) each prompt's sampled ones
-        with open(dump, "w") as f:
-            for c, text, scored, score in zip(done, texts, scored_texts, scores):
-                i = c.group_id if c.group_id >= 0 else -1 - c.group_id
-                line = {
-                    "prompt": prompts[i].record.messages,
-                    "answer": prompts[i].record.answer,
-                    "response": text,
-                    **({"scored": scored, "episode": asdict(c.episode)} if tools else {}),
-                    "reward": score.score,
-                    "reason": score.reason,
-                }
-                if c.group_id < 0:
-                    line["sample"] = c.sample_index
-                f.write(json.dumps(line) + "\n")
+    if dump:
+        _write_dump(dump, prompts, groups, scored, scorer if tools else None)
     shutdown()
+
+
+def _write_dump(path: str, prompts, groups, scored, episodes_scorer) -> None:
+    """The greedy answers in prompt order, then (with --samples) each prompt's sampled ones;
+    ``episodes_scorer``: with --tools, the episode and the text its reward read are added."""
+    greedy = [(i, 0) for i in range(len(prompts))]
+    sampled = [(i, j) for i in range(len(prompts)) for j in range(1, len(groups[i]))]
+    with open(path, "w") as f:
+        for i, j in greedy + sampled:
+            c, s = groups[i][j], scored[i][j]
+            line = {
+                "prompt": prompts[i].record.messages,
+                "answer": prompts[i].record.answer,
+                "response": s.response_text,
+            }
+            if episodes_scorer is not None:
+                line.update(scored=episodes_scorer.decode(c, scored=True), episode=asdict(c.episode))
+            line.update(reward=s.reward, reason=s.reward_reason)
+            if j:
+                line["sample"] = c.sample_index
+            f.write(json.dumps(line) + "\n")
 
 
 def evaluate(

@@ -73,7 +73,7 @@ def train(
                 {
                     "prepared": prepared.checkpoint or cfg.model.source,
                     "tokenizer": prepared.tokenizer,
-                    "world_size": cfg.world_size(),
+                    "world_size": cfg.layout().world_size,
                 }
             ),
             flush=True,
@@ -90,7 +90,7 @@ def train(
         run_world("megarl.loop.replay:replay_rank", cfg.trainer_dims().world_size, cfg.to_dict(), prepared, replay)
     else:
         # by path: this launcher never imports the controller, nor torch (runtime/launch.py)
-        run_world("megarl.loop.controller:run_rank", cfg.world_size(), cfg.to_dict(), prepared)
+        run_world("megarl.loop.controller:run_rank", cfg.layout().world_size, cfg.to_dict(), prepared)
     summary = json.loads((Path(cfg.run.output_dir) / "summary.json").read_text())
     print(json.dumps(summary), flush=True)
     return summary

@@ -87,7 +87,7 @@ export TOKENIZERS_PARALLELISM=${TOKENIZERS_PARALLELISM:-false}
 if [[ "$DRY_RUN" == 1 ]]; then
     # no conversion: the world size from the config alone
     WORLD_SIZE=$("$PYTHON" -c 'import sys; from megarl.config import load_config
-print(load_config(sys.argv[1], sys.argv[2:]).world_size())' "$CONFIG" "$@")
+print(load_config(sys.argv[1], sys.argv[2:]).layout().world_size)' "$CONFIG" "$@")
     echo "+ $PYTHON -m megarl.cli train --config $CONFIG --prepare-only $*   # node 0 only"
 elif [[ "$NODE_RANK" == 0 ]]; then
     PREPARED=$("$PYTHON" -m megarl.cli train --config "$CONFIG" --prepare-only "$@" | tee /dev/stderr | tail -n 1)
@@ -110,7 +110,7 @@ while True:
         if "not converted yet" not in str(err) or time.monotonic() > deadline:
             raise SystemExit(f"scripts/launch.sh: {err}")
         time.sleep(20)
-print(cfg.world_size())
+print(cfg.layout().world_size)
 EOF
 )
 fi

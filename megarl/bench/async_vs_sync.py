@@ -85,7 +85,7 @@ def rank_threads(cfg, role: str, world: int, cores: int) -> int:
 
 def run(config: str, overrides: Sequence[str] = (), workdir: str = "runs/bench_async_vs_sync") -> dict:
     cfg = load_config(config, list(overrides) + ["run.mode=async"])
-    ranks = cfg.world_size()
+    ranks = cfg.layout().world_size
     trainer = cfg.trainer_dims()
     model_parallel = trainer.world_size // trainer.dp  # TP x PP x CP: one replica
     if ranks % model_parallel:

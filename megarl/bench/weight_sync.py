@@ -38,6 +38,7 @@ import torch.distributed as dist
 from megarl.checkpointing.megatron_checkpoint import read_spec, resolve_checkpoint_dir
 from megarl.config import load_config
 from megarl.errors import ConfigError, MegarlError
+from megarl.layout import disaggregated_world_size
 from megarl.models.hf_checkpoint import SafetensorsCheckpoint, gguf_spec, smollm2_gguf_path
 from megarl.models.megatron_model import build_model_chunks, transformer_config
 from megarl.models.presets import HF_CONFIGS, PRESETS, preset_spec
@@ -195,7 +196,7 @@ def plan_only(b: WeightSyncBench) -> dict:
     per_rank = rank_bytes(plan, b.fp8, links)
     recv = [
         sum(v for k, v in per_rank[r].items() if k.startswith("recv"))
-        for r in range(dims.world_size, dims.world_size + gdims.world_size)
+        for r in range(dims.world_size, disaggregated_world_size(dims, gdims))
     ]
     send = [sum(v for k, v in per_rank[r].items() if k.startswith("send")) for r in range(dims.world_size)]
     p = predict(plan, b.fp8, links, bucket_bytes=b.bucket_bytes)
@@ -265,7 +266,7 @@ def _groups(b: WeightSyncBench, port: int, sync_rank: int, stage_member):
     """The sync group, and the baseline's per-stage broadcast groups this rank belongs to
     ({stage: group}), all over one TCP store hosted by sync rank 0."""
     dims, generators = b.trainer_dims(), b.generator_dims().world_size
-    world = dims.world_size + generators
+    world = disaggregated_world_size(dims, b.generator_dims())
     store = dist.TCPStore("127.0.0.1", port, world, is_master=sync_rank == 0, timeout=datetime.timedelta(seconds=300))
     sync = init_sync_group("127.0.0.1", port, world, sync_rank, store=store)
     stages = {}

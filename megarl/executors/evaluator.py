@@ -9,8 +9,9 @@ trainer does not wait for it: in async mode only the replica's next batch is lat
 by the evaluation's time. Each replica posts its sums to the job's store; the
 trainer's first rank writes one record per evaluation to metrics.jsonl (and
 TensorBoard) once every replica has posted, and the responses to
-RUN_DIR/eval/step_<k>.jsonl. The greedy answers are those of `megarl eval` on the
-checkpoint of the same step (the same engine and dtype, greedy decoding).
+RUN_DIR/eval/step_<k>.jsonl. The requests, seeds, sums and metrics are
+executors/evaluation.py's, which `megarl eval` runs too: its answers on the checkpoint of the
+same step are these (the same engine and dtype).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import json
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
+
+from megarl.executors.evaluation import EvalSettings, eval_metrics, eval_sums, evaluate_prompts
 
 KEY = "megarl/eval/{}/{}"
 
@@ -49,36 +52,29 @@ class ReplicaEvaluator:
     def _run_set(self, step: int, name: str, prompts) -> Optional[dict]:
         start = time.perf_counter()
         tag = f"{step}-{name}" if name else str(step)
-        groups = self.generator.evaluate(tag, prompts, self.cfg.eval_max_new_tokens, self.cfg.eval_samples)
+        g = self.generator
+        settings = EvalSettings(
+            self.cfg.eval_max_new_tokens, self.cfg.eval_samples, g.rollout.temperature, g.rollout.top_p, g.seed
+        )
+        groups = evaluate_prompts(g.run_alongside, tag, prompts, settings, g.stop_ids)
         if not self.report:
             return None
         scored = self.reward.score(groups, on_error="zero").samples  # every prompt scored, failures as 0
-        k = self.cfg.eval_samples
-        per = 1 + (k if k > 1 else 0)
-        sums = {
-            "n": len(groups),
-            "correct": 0,
-            "greedy_reward": 0.0,
-            "sampled_reward": 0.0,
-            "pass": 0,
-            "seconds": 0.0,
-            "responses": [],
-        }
-        for i, prompt in enumerate(prompts):
-            greedy, sampled = scored[i * per], scored[i * per + 1 : (i + 1) * per]
-            sums["correct"] += greedy.reward >= 1.0
-            sums["greedy_reward"] += greedy.reward
-            sums["sampled_reward"] += sum(s.reward for s in sampled)
-            sums["pass"] += any(s.reward >= 1.0 for s in sampled)
-            sums["responses"].append(
-                {
-                    "prompt_index": i,
-                    "answer": prompt.record.answer,
-                    "response": greedy.response_text,
-                    "reward": greedy.reward,
-                    "response_tokens": greedy.response_tokens,
-                }
-            )
+        per_prompt, at = [], 0
+        for group in groups:
+            per_prompt.append(scored[at : at + len(group)])
+            at += len(group)
+        sums = eval_sums([[s.reward for s in answers] for answers in per_prompt])
+        sums["responses"] = [
+            {
+                "prompt_index": i,
+                "answer": prompt.record.answer,
+                "response": answers[0].response_text,
+                "reward": answers[0].reward,
+                "response_tokens": answers[0].response_tokens,
+            }
+            for i, (prompt, answers) in enumerate(zip(prompts, per_prompt))
+        ]
         sums["seconds"] = time.perf_counter() - start
         return sums
 
@@ -107,7 +103,7 @@ class EvalCollector:
         eval_n, ...; named sets eval_<name>_accuracy, eval_<name>_n, ..."""
         record = {"step": step, "eval": True}
         for name in posts[0]:
-            record.update(self._set_metrics(f"eval_{name}_" if name else "eval_", [p[name] for p in posts]))
+            record.update(eval_metrics([p[name] for p in posts], self.samples, f"eval_{name}_" if name else "eval_"))
         folder = self.out / "eval"
         folder.mkdir(parents=True, exist_ok=True)
         with open(folder / f"step_{step}.jsonl", "w") as f:
@@ -116,16 +112,3 @@ class EvalCollector:
                     for r in p[name]["responses"]:
                         f.write(json.dumps({**({"set": name} if name else {}), "replica": replica, **r}) + "\n")
         return record
-
-    def _set_metrics(self, prefix: str, posts: List[Dict]) -> dict:
-        n = sum(p["n"] for p in posts)
-        out = {
-            f"{prefix}n": n,
-            f"{prefix}accuracy": sum(p["correct"] for p in posts) / n,
-            f"{prefix}greedy_reward_mean": sum(p["greedy_reward"] for p in posts) / n,
-            f"{prefix}time_s": max(p["seconds"] for p in posts),
-        }
-        if self.samples > 1:
-            out[f"{prefix}reward_mean@{self.samples}"] = sum(p["sampled_reward"] for p in posts) / (n * self.samples)
-            out[f"{prefix}pass@{self.samples}"] = sum(p["pass"] for p in posts) / n
-        return out

@@ -63,6 +63,7 @@ import torch.distributed as dist
 
 from megarl.data.datasets import PromptStream
 from megarl.errors import MegarlError
+from megarl.executors.evaluation import sampling_seed
 from megarl.generator.interface import ABORTED, Completion, GenerationRequest, GeneratorBackend, SamplingParams
 from megarl.rollout import LENGTH_BUCKETS, length_bucket
 
@@ -164,7 +165,7 @@ class GeneratorExecutor:
             top_p=r.top_p,
             max_new_tokens=r.max_new_tokens,
             stop_token_ids=self.stop_ids,
-            seed=(self.seed * 7919 + gid) % (2**31),
+            seed=sampling_seed(self.seed, gid),
         )
         return GenerationRequest(
             f"g{gid}",
@@ -205,7 +206,7 @@ class GeneratorExecutor:
         self.on_step()
         for c in self.backend.step():
             self.in_flight -= 1
-            if c.group_id < 0:  # an evaluation request (evaluate), never a training group
+            if c.group_id < 0:  # an evaluation request (run_alongside), never a training group
                 self.eval_done.append(c)
                 continue
             entry = self.pending[c.group_id]
@@ -346,45 +347,18 @@ class GeneratorExecutor:
 
     # -- evaluation ----------------------------------------------------------------------------
 
-    def evaluate(self, tag: str, prompts, max_new_tokens: int, samples: int) -> List[List[Completion]]:
-        """Per prompt: its greedy answer, then ``samples`` sampled ones when ``samples`` > 1 (seeded
-        by prompt, so every evaluation draws the same random numbers). The requests decode alongside
-        the training groups in flight (which go on and finish as usual): the engine never drains."""
-        r = self.rollout
-        requests = []
-        for i, prompt in enumerate(prompts):
-            meta = {"answer": prompt.record.answer, **prompt.record.meta, "messages": prompt.record.messages}
-            greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=self.stop_ids)
-            requests.append(
-                GenerationRequest(f"eval{tag}-{i}", list(prompt.ids), greedy, n=1, group_id=-1 - 2 * i, meta=meta)
-            )
-            if samples > 1:
-                sampled = SamplingParams(
-                    temperature=r.temperature,
-                    top_p=r.top_p,
-                    max_new_tokens=max_new_tokens,
-                    stop_token_ids=self.stop_ids,
-                    seed=(self.seed * 7919 + 104729 * i) % 2**31,
-                )
-                requests.append(
-                    GenerationRequest(
-                        f"eval{tag}-{i}s", list(prompt.ids), sampled, n=samples, group_id=-2 - 2 * i, meta=meta
-                    )
-                )
+    def run_alongside(self, requests: List[GenerationRequest]) -> List[Completion]:
+        """Decode ``requests`` (an evaluation's: negative group ids, executors/evaluation.py) alongside
+        the training groups in flight, which go on and finish as usual: the engine never drains.
+        Returns every completion of them."""
         total = sum(req.n for req in requests)
         self.eval_done = []
         self.in_flight += total
         self.backend.submit(requests)
         while len(self.eval_done) < total:
             self._step_backend()
-        by_group: Dict[int, List[Completion]] = {}
-        for c in self.eval_done:
-            by_group.setdefault(c.group_id, []).append(c)
-        self.eval_done = []
-        out = []
-        for i in range(len(prompts)):
-            out.append(by_group[-1 - 2 * i] + sorted(by_group.get(-2 - 2 * i, []), key=lambda c: c.sample_index))
-        return out
+        done, self.eval_done = self.eval_done, []
+        return done
 
     # -- checkpointing -------------------------------------------------------------------------
 

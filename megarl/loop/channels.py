@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.errors import MegarlError
-from megarl.loop.topology import BROADCAST, GATHER, SCATTER, ChannelSpec
+from megarl.layout import BROADCAST, GATHER, SCATTER, ChannelSpec
 
 
 def send_object(obj: Any, dst: int, group) -> None:

@@ -2,7 +2,7 @@
 
 Each iteration: let the local executors work, run the channels, sync the weights,
 checkpoint. What runs concurrently is decided only by which ranks the executors own
-(topology.py) and, in time, by run.mode's schedule (schedule.py: the loop asks it,
+(megarl/layout.py) and, in time, by run.mode's schedule (schedule.py: the loop asks it,
 never the mode); everything a rank runs is wired by wiring.py:
 
     async   iteration i: generators make batch i  ||  trainer trains batch i-1
@@ -31,11 +31,12 @@ from typing import Optional
 import torch.distributed as dist
 
 from megarl.checkpointing.resume import list_iterations
-from megarl.executors.evaluator import EvalCollector, eval_steps
+from megarl.executors.evaluator import EvalCollector
 from megarl.health import HealthWatch
 from megarl.loop import records
 from megarl.loop.batch import Batch
 from megarl.loop.loop_state import checkpoint_loop_state, generator_states, pending_from_state
+from megarl.loop.run_clock import EvalPlan, RunClock
 from megarl.loop.schedule import StepParts, TrainerDone
 from megarl.loop.wiring import CHECKPOINTS, Rank, concrete_config, wire_rank
 from megarl.metrics import MetricsWriter, read_metrics, summarize
@@ -80,21 +81,8 @@ class Controller:
     # -- the loop ----------------------------------------------------------------------------------
 
     def run(self) -> Optional[dict]:
-        cfg, job = self.cfg, self.job
-        writer = None
-        if job.rank == self.topo.first_trainer_rank:
-            (self.out).mkdir(parents=True, exist_ok=True)
-            (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
-            writer = MetricsWriter(
-                self.out,
-                cfg.run.steps,
-                self.resume.steps_done,
-                progress=cfg.run.progress,
-                wandb=cfg.run.wandb,
-                run_config=cfg.to_dict(),
-                time_budget_s=cfg.run.time_budget_min * 60.0,
-                budget_spent_s=self.resume.train_seconds,
-            )
+        cfg, job, schedule = self.cfg, self.job, self.schedule
+        writer = self._metrics_writer()
         health = self._health_watch() if writer is not None else None
         collector = None
         if writer is not None and cfg.data.eval:
@@ -102,7 +90,6 @@ class Controller:
         self.sync_weights()  # the generators start from the trainer's policy
         if job.rank in (0, job.world_size - 1):  # two watchers: one stuck watcher hides no hang
             self.heartbeat.watch()
-        schedule = self.schedule
         iterations = schedule.iterations(self.start, cfg.run.steps)
         # the batch the trainer trains next (async; trainer ranks); has_pending: whether there is
         # one, known on every rank (a resumed run may start with the checkpoint's)
@@ -110,156 +97,164 @@ class Controller:
             pending_from_state(self.trainer.loop_state.get("pending")) if self.trainer is not None else None
         )
         has_pending = self.resume.has_pending
-        wall_start, trained, written = time.perf_counter(), 0, 0
-        # run.time_budget_min: the training loop's seconds, from here (start-up and conversion excluded),
-        # summed over the run's launches through the checkpoints; rank 0's clock decides (agree_stop)
-        budget_s, spent_before = cfg.run.time_budget_min * 60.0, self.resume.train_seconds
-        stop, saved = None, None  # why this launch stopped early: "preempted" | "time_budget"
-        if budget_s and spent_before >= budget_s and self.resume.steps_done < cfg.run.steps:
+        clock, trained, written = RunClock(cfg, self.resume, job), 0, 0
+        stop, saved = None, None  # why this launch stopped early: "preempted" | "time_budget" | "health"
+        if clock.already_spent(self.resume.steps_done):
             iterations, stop = range(0), "time_budget"  # every rank knows the resume point: no collective
-            if job.rank == 0:
-                print(
-                    f"megarl: time budget of {cfg.run.time_budget_min:g} min already spent by this run "
-                    f"({_minutes(spent_before)} min of training up to step {self.resume.steps_done}); its "
-                    f"checkpoint of step {self.resume.steps_done} is in {self.out / CHECKPOINTS}; nothing "
-                    f"trained. Raise run.time_budget_min to train further, or use another run.output_dir "
-                    f"to start over",
-                    file=sys.stderr,
-                    flush=True,
-                )
-        checkpoint_s = 0.0  # time spent saving: reported apart from the loop's wall time
-        # held-out evaluations (executors/evaluator.py) at the top of the iteration where step k's
-        # policy is in the generators; the last step's after the loop
-        evals = (
-            [
-                k
-                for k in eval_steps(cfg.data.eval_every, cfg.run.steps)
-                if k > self.resume.steps_done or k == 0 == self.resume.steps_done
-            ]
-            if cfg.data.eval
-            else []
-        )
-        eval_at = {schedule.eval_iteration(k): k for k in evals if k < cfg.run.steps}
+            self._say_budget_spent(clock)
+        evals = EvalPlan(cfg, schedule, self.resume.steps_done)
         for it in iterations:
-            if it in eval_at:
-                self._evaluate(eval_at[it], collector)
+            if it in evals.at:
+                self._evaluate(evals.at[it], collector)
             t0 = time.perf_counter()
-            make_batch = it < cfg.run.steps
-            trains_now = schedule.trains(has_pending)
-            work = schedule.work(self.parts, it, make_batch, pending)
-            train_metrics = work.train_metrics
-            sync_s = 0.0
-            if schedule.syncs_after(it, cfg.run.steps, trains_now):
-                schedule.before_sync(self.parts)
-                self.heartbeat.beat(f"iteration {it}: weight sync", force=True, waiting=True)
-                sync_s = self.sync_weights()
-            wall = time.perf_counter() - t0
-            step_done = schedule.step_of(it)
-            # stop here? a signal on any rank, or rank 0's budget clock; a step must have been trained in
-            # this iteration (async iteration 0 only generates), and the last step ends the run anyway
-            over_budget = (
-                job.rank == 0
-                and budget_s > 0
-                and trains_now
-                and step_done < cfg.run.steps
-                and spent_before + time.perf_counter() - wall_start >= budget_s
-            )
-            record = None
-            if writer is not None and train_metrics is not None:
-                trained += len(work.trained.samples)
-                record = records.step_record(
-                    step_done,
-                    self.rank.run_mode,
-                    self.trainer.version,
-                    train_metrics,
-                    work.trained,
-                    work.batch,
-                    wall,
-                    sync_s,
-                    self.last_sync,
-                    self.rank.verifies_sync,
-                )
-                verdict = health.observe(record)
-                record.update(verdict.fields())
-                if verdict.degraded:
-                    writer.say(
-                        f"megarl: health: step {verdict.step} degraded: {record['health_reasons']} "
-                        f"(health.action={cfg.health.action})"
-                    )
-            stop = preemption.agree_stop(
-                self.job.control,
-                over_budget,
-                # as the budget: the last step ends the run anyway (the summary says it degraded)
-                unhealthy=record is not None and step_done < cfg.run.steps and health.should_stop,
+            make_batch, trains_now = it < cfg.run.steps, schedule.trains(has_pending)
+            work = schedule.work(self.parts, it, make_batch, pending)  # generate and train
+            sync_s = self._sync_after(it, trains_now)
+            wall, step_done = time.perf_counter() - t0, schedule.step_of(it)
+            over_budget = clock.over_budget(trains_now, step_done)
+            record = self._record(work, step_done, wall, sync_s, health, writer)
+            trained += len(work.trained.samples) if record is not None else 0
+            # as the budget: the last step ends the run anyway (the summary says it degraded)
+            stop = clock.agree_stop(
+                over_budget, record is not None and step_done < cfg.run.steps and health.should_stop
             )
             if record is not None:
-                if stop is not None or step_done == cfg.run.steps:  # the launch's last step says why
-                    record["stop_reason"] = stop or "steps"
-                writer.write(record)
+                self._write(record, stop, work, writer, collector)
                 written += 1
-                if collector is not None:
-                    collector.collect(writer)
-                if cfg.run.log_rollouts:
-                    records.log_rollouts(
-                        self.out / "rollouts.jsonl",
-                        record["step"],
-                        train_metrics["trained_version"],
-                        work.trained.samples,
-                    )
             pending, has_pending = schedule.carry(work, make_batch, self.trainer is not None)
             if stop is not None or (trains_now and self._should_save(step_done)):
-                self.heartbeat.beat(
-                    f"iteration {it}: saving the checkpoint of step {step_done}", force=True, waiting=True
-                )
-                save_start = time.perf_counter()
-                spent = spent_before + save_start - wall_start
-                saved = self._save(step_done, it + 1, pending, spent)
-                checkpoint_s += time.perf_counter() - save_start
+                saved, spent = self._save_step(it, step_done, pending, clock)
                 if stop is not None:
-                    if stop == "health" and writer is not None:  # the rank that judged says why
-                        self._say_unhealthy(writer, health, step_done, saved)
-                    elif stop != "health" and job.rank == 0:
-                        self._say_stopped(stop, step_done, saved, spent, spent_before)
+                    self._say_why_stopped(stop, step_done, saved, spent, clock, writer, health)
                     break
-        stopped_early = stop is not None
-        if not stopped_early and cfg.run.steps in evals:
+        if stop is None and evals.after_loop:
             schedule.before_final_eval(self.parts)
             self._evaluate(cfg.run.steps, collector)
-        summary = None
-        if writer is not None:
-            if collector is not None:
-                collector.collect(writer, block=True)
-            writer.close()
-            written_records = [r for r in read_metrics(self.out / "metrics.jsonl") if not r.get("eval")]
-            summary = summarize(
-                written_records[len(written_records) - written :],
-                time.perf_counter() - wall_start - checkpoint_s,
-                trained,
+        if writer is None:
+            return None
+        return self._finish(writer, collector, health, clock, stop, saved, written, trained)
+
+    # -- what the loop's body asks ------------------------------------------------------------------
+
+    def _metrics_writer(self) -> Optional[MetricsWriter]:
+        """The trainer's first rank writes the run's config and its records; None elsewhere."""
+        cfg = self.cfg
+        if self.job.rank != self.topo.first_trainer_rank:
+            return None
+        (self.out).mkdir(parents=True, exist_ok=True)
+        (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+        return MetricsWriter(
+            self.out,
+            cfg.run.steps,
+            self.resume.steps_done,
+            progress=cfg.run.progress,
+            wandb=cfg.run.wandb,
+            run_config=cfg.to_dict(),
+            time_budget_s=cfg.run.time_budget_min * 60.0,
+            budget_spent_s=self.resume.train_seconds,
+        )
+
+    def _sync_after(self, it: int, trains_now: bool) -> float:
+        """The weight sync after iteration ``it``, where the schedule has one; its seconds."""
+        if not self.schedule.syncs_after(it, self.cfg.run.steps, trains_now):
+            return 0.0
+        self.schedule.before_sync(self.parts)
+        self.heartbeat.beat(f"iteration {it}: weight sync", force=True, waiting=True)
+        return self.sync_weights()
+
+    def _record(self, work, step: int, wall: float, sync_s: float, health, writer) -> Optional[dict]:
+        """The step's metrics record, judged by the health watch: on the writing rank, where a step trained."""
+        if writer is None or work.train_metrics is None:
+            return None
+        record = records.step_record(
+            step,
+            self.rank.run_mode,
+            self.trainer.version,
+            work.train_metrics,
+            work.trained,
+            work.batch,
+            wall,
+            sync_s,
+            self.last_sync,
+            self.rank.verifies_sync,
+        )
+        verdict = health.observe(record)
+        record.update(verdict.fields())
+        if verdict.degraded:
+            writer.say(
+                f"megarl: health: step {verdict.step} degraded: {record['health_reasons']} "
+                f"(health.action={self.cfg.health.action})"
             )
-            summary["time_checkpoint_s"] = checkpoint_s  # not in wall_s / samples_per_s
-            summary["stop_reason"] = stop or "steps"
-            if cfg.run.time_budget_min:
-                summary.update(
-                    time_budget_min=cfg.run.time_budget_min,
-                    train_min=(spent_before + time.perf_counter() - wall_start) / 60.0,
-                )
-            if stop == "preempted":
-                summary.update(preempted=True, checkpoint=str(saved))
-            elif stop == "time_budget":
-                summary.update(checkpoint=str(saved or self.out / CHECKPOINTS))
-            elif stop == "health":
-                summary.update(checkpoint=str(saved))
-            summary["health"] = health.summary()
-            if summary["health"]["status"] == "degraded" and stop != "health":
-                h = summary["health"]
-                print(
-                    f"megarl: health: this run degraded: {h['steps_degraded']} of its {h['steps_judged']} steps "
-                    f"flagged, first at step {h['first_degraded_step']} ({', '.join(h['flagged'])}); "
-                    f"health_flags and health_reasons in {self.out / 'metrics.jsonl'}",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
+        return record
+
+    def _write(self, record: dict, stop: Optional[str], work, writer: MetricsWriter, collector) -> None:
+        if stop is not None or record["step"] == self.cfg.run.steps:  # the launch's last step says why
+            record["stop_reason"] = stop or "steps"
+        writer.write(record)
+        if collector is not None:
+            collector.collect(writer)
+        if self.cfg.run.log_rollouts:
+            records.log_rollouts(
+                self.out / "rollouts.jsonl", record["step"], work.train_metrics["trained_version"], work.trained.samples
+            )
+
+    def _save_step(self, it: int, step: int, pending: Optional[Batch], clock: RunClock) -> tuple:
+        """(the checkpoint saved, the run's training seconds when it started)."""
+        self.heartbeat.beat(f"iteration {it}: saving the checkpoint of step {step}", force=True, waiting=True)
+        save_start = time.perf_counter()
+        spent = clock.spent(save_start)
+        saved = self._save(step, it + 1, pending, spent)
+        clock.checkpoint_s += time.perf_counter() - save_start
+        return saved, spent
+
+    def _say_why_stopped(self, stop: str, step: int, saved, spent: float, clock: RunClock, writer, health) -> None:
+        if stop == "health" and writer is not None:  # the rank that judged says why
+            self._say_unhealthy(writer, health, step, saved)
+        elif stop != "health" and self.job.rank == 0:
+            self._say_stopped(stop, step, saved, spent, clock.spent_before)
+
+    def _say_budget_spent(self, clock: RunClock) -> None:
+        if self.job.rank != 0:
+            return
+        steps_done = self.resume.steps_done
+        print(
+            f"megarl: time budget of {clock.budget_min:g} min already spent by this run "
+            f"({_minutes(clock.spent_before)} min of training up to step {steps_done}); its "
+            f"checkpoint of step {steps_done} is in {self.out / CHECKPOINTS}; nothing "
+            f"trained. Raise run.time_budget_min to train further, or use another run.output_dir "
+            f"to start over",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def _finish(self, writer, collector, health, clock: RunClock, stop, saved, written: int, trained: int) -> dict:
+        """The writing rank: the evaluations still out, then summary.json (this launch's records)."""
+        if collector is not None:
+            collector.collect(writer, block=True)
+        writer.close()
+        written_records = [r for r in read_metrics(self.out / "metrics.jsonl") if not r.get("eval")]
+        summary = summarize(written_records[len(written_records) - written :], clock.loop_seconds(), trained)
+        summary["time_checkpoint_s"] = clock.checkpoint_s  # not in wall_s / samples_per_s
+        summary["stop_reason"] = stop or "steps"
+        if clock.budget_min:
+            summary.update(time_budget_min=clock.budget_min, train_min=clock.spent() / 60.0)
+        if stop == "preempted":
+            summary.update(preempted=True, checkpoint=str(saved))
+        elif stop == "time_budget":
+            summary.update(checkpoint=str(saved or self.out / CHECKPOINTS))
+        elif stop == "health":
+            summary.update(checkpoint=str(saved))
+        summary["health"] = health.summary()
+        if summary["health"]["status"] == "degraded" and stop != "health":
+            h = summary["health"]
+            print(
+                f"megarl: health: this run degraded: {h['steps_degraded']} of its {h['steps_judged']} steps "
+                f"flagged, first at step {h['first_degraded_step']} ({', '.join(h['flagged'])}); "
+                f"health_flags and health_reasons in {self.out / 'metrics.jsonl'}",
+                file=sys.stderr,
+                flush=True,
+            )
+        (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary
 
     def _health_watch(self) -> HealthWatch:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from megarl.errors import ConfigError
 from megarl.executors.trainer import TrainerExecutor
 from megarl.loop.routes_json import decode_routes
-from megarl.loop.wiring import concrete_config, lag_bound
+from megarl.loop.wiring import concrete_config
 from megarl.metrics import MetricsWriter
 from megarl.rollout import Sample
 from megarl.runtime.distributed import init_distributed, shutdown
@@ -68,7 +68,7 @@ def replay_rank(cfg_dict: dict, prepared, rollouts: str) -> None:
     init_distributed()
     batches = load_recorded_batches(Path(rollouts))
     # runs without a job, on CUDA wherever it exists
-    trainer = TrainerExecutor(cfg, prepared, None, lag_bound(cfg), on_gpu=torch.cuda.is_available())
+    trainer = TrainerExecutor(cfg, prepared, None, cfg.layout().lag_bound, on_gpu=torch.cuda.is_available())
     out = Path(cfg.run.output_dir)
     writer = None
     if dist.get_rank() == 0:

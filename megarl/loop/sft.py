@@ -38,7 +38,7 @@ from megarl.environments.chat_render import ChatRenderer
 from megarl.errors import ConfigError
 from megarl.executors.trainer import TrainerExecutor
 from megarl.generator.tokenizer import load_tokenizer
-from megarl.loop.wiring import CHECKPOINTS, concrete_config, lag_bound
+from megarl.loop.wiring import CHECKPOINTS, concrete_config
 from megarl.metrics import MetricsWriter
 from megarl.rollout import Sample
 from megarl.runtime.distributed import init_distributed, shutdown
@@ -187,7 +187,7 @@ def sft_rank(cfg_dict: dict, prepared, data: str, epochs: int, batch_size: int) 
     examples = sft_examples(Path(data), load_tokenizer(prepared.tokenizer), cfg.trainer.max_tokens_per_microbatch)
     steps = sft_steps(len(examples), batch_size, epochs, cfg.run.seed)
     per_epoch = len(steps) // epochs
-    trainer = TrainerExecutor(cfg, prepared, None, lag_bound(cfg), on_gpu=torch.cuda.is_available())
+    trainer = TrainerExecutor(cfg, prepared, None, cfg.layout().lag_bound, on_gpu=torch.cuda.is_available())
     out = Path(cfg.run.output_dir)
     writer = None
     if dist.get_rank() == 0:

@@ -1,10 +1,10 @@
-"""The one place that reads ``run.mode`` and ``generator.backend``, and wires a rank from them.
+"""Wires a rank from the run's layout (megarl/layout.py: what run.mode and generator.backend mean).
 
 Everything a rank runs is built here, in the order the collectives between ranks need:
 
-    topology        disaggregated (async: trainer ranks, then generator ranks) or colocated
-                    (sync: every rank trains and generates); with SGLang a replica's first
-                    rank drives its server and the others stand by (drivers_only)
+    topology        the layout's: disaggregated (async: trainer ranks, then generator ranks) or
+                    colocated (sync: every rank trains and generates); with SGLang a replica's
+                    first rank drives its server and the others stand by (drivers_only)
     job             this rank's process groups (runtime/job.py): the in-world weight-sync group
                     exists only where torch engines are ranks of the job
     trainer         TrainerExecutor on trainer ranks, its lag bound (rollout.max_lag async, 0 sync)
@@ -24,44 +24,40 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Dict, Optional
+from typing import Dict, Optional
 
+import torch
+import torch.distributed as dist
+
+from megarl.checkpointing.resume import resumable_checkpoint_dir
 from megarl.config import Config, config_from_dict, eval_sets
-from megarl.loop.topology import WEIGHTS, Topology
+from megarl.data.datasets import load_records, tokenize_prompts
+from megarl.data.random_tokens import random_token_prompts
+from megarl.environments.factory import episode_backend, prompt_renderer
+from megarl.executors.evaluator import ReplicaEvaluator
+from megarl.executors.generator import GeneratorExecutor
+from megarl.executors.reward import RewardExecutor
+from megarl.executors.trainer import TrainerExecutor
+from megarl.generator import factory as backends
+from megarl.generator.interface import GeneratorBackend
+from megarl.generator.sglang import launch as sglang_launch
+from megarl.generator.sglang import serving as sglang_serving
+from megarl.generator.sglang.protocol import RoutedExpertsLayout
+from megarl.generator.tokenizer import load_tokenizer, stop_ids
+from megarl.layout import WEIGHTS, Topology
+from megarl.loop.batch import BatchMaker
+from megarl.loop.channels import Channel
+from megarl.loop.loop_state import ResumePoint, resume_point
+from megarl.loop.schedule import AsyncSchedule, Schedule, SyncSchedule
+from megarl.models.spec import ModelSpec
 from megarl.runtime.cpu_dtype import resolve_auto_dtypes
-
-if TYPE_CHECKING:
-    from megarl.executors.evaluator import ReplicaEvaluator
-    from megarl.executors.generator import GeneratorExecutor
-    from megarl.executors.reward import RewardExecutor
-    from megarl.executors.trainer import TrainerExecutor
-    from megarl.generator.interface import GeneratorBackend
-    from megarl.loop.batch import BatchMaker
-    from megarl.loop.channels import Channel
-    from megarl.loop.loop_state import ResumePoint
-    from megarl.loop.schedule import Schedule
-    from megarl.models.spec import ModelSpec
-    from megarl.runtime.heartbeat import Heartbeat
-    from megarl.runtime.job import Job
-    from megarl.weight_sync.synchronizer import WeightSynchronizer
-
-# Imports inside the functions below are deliberate: `megarl plan` and its dry run call
-# topology() and lag_bound() from here, which need no torch or Megatron-Core (this module
-# imports in 0.08 s that way; with the executors, backends and synchronizers at the top it
-# took 2.3 s and 230 MB, measured on 2026-12-03 on the 2-core EPYC).
+from megarl.runtime.failure import fail_rank
+from megarl.runtime.heartbeat import Heartbeat
+from megarl.runtime.job import Job, init_job
+from megarl.weight_sync import factory as weights
+from megarl.weight_sync.synchronizer import NoWeights, SglangShardReceiver, WeightSynchronizer
 
 CHECKPOINTS = "checkpoints"
-MODES = ("async", "sync")  # config.py refuses any other run.mode
-BACKENDS = ("torch", "sglang")  # ... and any other generator.backend
-
-
-def _server_backend(cfg: Config) -> bool:
-    """The generators are servers with workers of their own (SGLang), not engines in this process."""
-    return cfg.generator.backend == "sglang"
-
-
-def _colocated(cfg: Config) -> bool:
-    return cfg.run.mode == "sync"
 
 
 def concrete_config(cfg_dict: dict) -> Config:
@@ -72,18 +68,9 @@ def concrete_config(cfg_dict: dict) -> Config:
     return cfg
 
 
-def topology(cfg: Config) -> Topology:
-    """The ranks of a run (also the dry run's, plan/dry_run.py)."""
-    if _colocated(cfg):
-        return Topology.colocated_on(cfg.trainer_dims())
-    return Topology.disaggregated(cfg.trainer_dims(), cfg.generator_dims(), drivers_only=_server_backend(cfg))
-
-
 def schedule(cfg: Config) -> Schedule:
     """When the loop generates, trains and syncs (loop/schedule.py)."""
-    from megarl.loop.schedule import AsyncSchedule, SyncSchedule
-
-    if _colocated(cfg):
+    if cfg.layout().colocated:
         r = cfg.rollout
         return SyncSchedule(cfg.trainer.updates_per_batch, r.prompts_per_step * r.samples_per_prompt)
     return AsyncSchedule(
@@ -91,18 +78,11 @@ def schedule(cfg: Config) -> Schedule:
     )
 
 
-def lag_bound(cfg: Config) -> int:
-    """The most policy versions a trained token may lag: generation and training alternate in
-    sync mode, so every token is of the policy that trains on it -- but for the G-1 steps a batch
-    of trainer.updates_per_batch = G slices waits for its last slice."""
-    return cfg.trainer.updates_per_batch - 1 if _colocated(cfg) else cfg.rollout.max_lag
-
-
 def collective_timeout_s(cfg: Config) -> float:
     """How long a collective may wait for a peer: the first weight sync waits for SGLang
     servers to start (launched: the checkpoint's conversion and the load included)."""
     g = cfg.generator
-    if _server_backend(cfg):
+    if cfg.layout().server_generators:
         return max(600.0 + 2 * g.sglang_startup_timeout_s, cfg.run.hang_timeout_s + 120)
     # the hang watchers (runtime/heartbeat.py) speak first, with a better message than a timeout
     return max(600.0, cfg.run.hang_timeout_s + 120)
@@ -117,10 +97,6 @@ def sglang_rendezvous(cfg: Config) -> tuple:
 
 def load_prompts(cfg: Config, tokenizer, vocab_size: int, source: Optional[str] = None) -> list:
     """Tokenized prompts of ``source`` (default data.train)."""
-    from megarl.data.datasets import load_records, tokenize_prompts
-    from megarl.data.random_tokens import random_token_prompts
-    from megarl.environments.factory import prompt_renderer
-
     source = source or cfg.data.train
     if source.startswith("random:"):  # token ids: no tokenizer involved
         return random_token_prompts(source, vocab_size, cfg.data.max_prompt_tokens)
@@ -134,20 +110,20 @@ class Rank:
 
     cfg: Config
     topo: Topology
-    job: "Job"
-    heartbeat: "Heartbeat"
-    spec: "ModelSpec"
-    schedule: "Schedule"
-    resume: "ResumePoint"
-    channels: Dict[str, "Channel"]
-    weights: "WeightSynchronizer"
-    trainer: Optional["TrainerExecutor"] = None
-    generator: Optional["GeneratorExecutor"] = None  # this rank's generator executor (None: none here)
+    job: Job
+    heartbeat: Heartbeat
+    spec: ModelSpec
+    schedule: Schedule
+    resume: ResumePoint
+    channels: Dict[str, Channel]
+    weights: WeightSynchronizer
+    trainer: Optional[TrainerExecutor] = None
+    generator: Optional[GeneratorExecutor] = None  # this rank's generator executor (None: none here)
     # the engine the weights go into: the generator's backend, or the one under its episodes (multi-turn)
-    engine: Optional["GeneratorBackend"] = None
-    reward: Optional["RewardExecutor"] = None
-    batch_maker: Optional["BatchMaker"] = None
-    evaluator: Optional["ReplicaEvaluator"] = None
+    engine: Optional[GeneratorBackend] = None
+    reward: Optional[RewardExecutor] = None
+    batch_maker: Optional[BatchMaker] = None
+    evaluator: Optional[ReplicaEvaluator] = None
     run_mode: str = "async"  # run.mode, as the metrics record names it (nothing branches on it)
 
     @property
@@ -172,18 +148,8 @@ class Rank:
 
 
 def wire_rank(cfg: Config, prepared) -> Rank:
-    import torch.distributed as dist
-
-    from megarl.checkpointing.resume import resumable_checkpoint_dir
-    from megarl.executors.trainer import TrainerExecutor
-    from megarl.loop.channels import Channel
-    from megarl.loop.loop_state import resume_point
-    from megarl.models.spec import ModelSpec
-    from megarl.runtime.heartbeat import Heartbeat
-    from megarl.runtime.job import init_job
-    from megarl.weight_sync.synchronizer import NoWeights
-
-    topo = topology(cfg)
+    layout = cfg.layout()
+    topo = layout.topology()
     rank = int(os.environ.get("RANK", "0"))
     executor = "trainer" if topo.has(rank, "trainer") else "generator"
     job = init_job(
@@ -191,8 +157,8 @@ def wire_rank(cfg: Config, prepared) -> Rank:
         executor,
         topo.executors[executor],
         # an SGLang server's driver leaves the GPUs to the server's own workers
-        uses_gpu=not (executor == "generator" and _server_backend(cfg)),
-        weight_sync_group=not _colocated(cfg) and not _server_backend(cfg),
+        uses_gpu=not (executor == "generator" and layout.server_generators),
+        weight_sync_group=not layout.colocated and not layout.server_generators,
         timeout_s=collective_timeout_s(cfg),
     )
     heartbeat = Heartbeat(job.store, job.rank, job.world_size, _role(topo, job.rank), cfg.run.hang_timeout_s)
@@ -203,7 +169,7 @@ def wire_rank(cfg: Config, prepared) -> Rank:
     resume_dir = resumable_checkpoint_dir(Path(cfg.run.output_dir) / CHECKPOINTS, group=job.control)
     trainer = None
     if topo.has(job.rank, "trainer"):
-        trainer = TrainerExecutor(cfg, prepared, resume_dir, lag_bound(cfg), on_gpu=job.device == "cuda")
+        trainer = TrainerExecutor(cfg, prepared, resume_dir, layout.lag_bound, on_gpu=job.device == "cuda")
     # where a resumed run continues (loop_state.py): rank 0 is a trainer rank and read the checkpoint
     box = [resume_point(trainer.loop_state) if job.rank == 0 else None]
     dist.broadcast_object_list(box, group=job.control, group_src=0)
@@ -226,31 +192,17 @@ def _role(topo: Topology, rank: int) -> str:
     return f"generator replica {replica}, TP rank {tp_rank}"
 
 
-def _set_cpu_threads(cfg: Config, job: "Job", executor: str) -> None:
+def _set_cpu_threads(cfg: Config, job: Job, executor: str) -> None:
     """On CPU, ranks share the cores: an async trainer that is busier than its generator may
     take more threads than an even split (the generator's core is idle while it waits)."""
     if job.device != "cpu":
         return
     n = cfg.trainer.cpu_threads if executor == "trainer" else cfg.generator.cpu_threads
     if n:
-        import torch
-
         torch.set_num_threads(n)
 
 
 def _wire_generator(parts: Rank, prepared) -> None:
-    import torch
-    import torch.distributed as dist
-
-    from megarl.environments.factory import episode_backend
-    from megarl.executors.evaluator import ReplicaEvaluator
-    from megarl.executors.generator import GeneratorExecutor
-    from megarl.executors.reward import RewardExecutor
-    from megarl.generator import factory as backends
-    from megarl.generator.tokenizer import load_tokenizer, stop_ids
-    from megarl.loop.batch import BatchMaker
-    from megarl.runtime.failure import fail_rank
-
     cfg, job, topo = parts.cfg, parts.job, parts.topo
     replica, tp_rank = topo.replica_of(job.rank)
     tp_group = None
@@ -272,9 +224,7 @@ def _wire_generator(parts: Rank, prepared) -> None:
         local_rank=job.local_rank % gpus if gpus else job.local_rank,
     )
     g = cfg.generator
-    if _server_backend(cfg):
-        from megarl.generator.sglang.protocol import RoutedExpertsLayout
-
+    if cfg.layout().server_generators:
         backend = backends.sglang_backend(
             g,
             place,
@@ -324,19 +274,15 @@ def _wire_generator(parts: Rank, prepared) -> None:
         )
 
 
-def _weight_synchronizer(parts: Rank) -> "WeightSynchronizer":
-    from megarl.generator.sglang import launch as sglang_launch
-    from megarl.generator.sglang import serving as sglang_serving
-    from megarl.weight_sync import factory as weights
-    from megarl.weight_sync.synchronizer import NoWeights, SglangShardReceiver
-
+def _weight_synchronizer(parts: Rank) -> WeightSynchronizer:
     cfg, job, topo, spec, trainer = parts.cfg, parts.job, parts.topo, parts.spec, parts.trainer
     g = cfg.generator
     norm_names = trainer.norm_names if trainer is not None else "local"
-    if _colocated(cfg):
+    layout = cfg.layout()
+    if layout.colocated:
         return weights.colocated_copy(spec, trainer.chunks, parts.engine, norm_names)
     dims, gen = topo.trainer, topo.generator
-    if not _server_backend(cfg):
+    if not layout.server_generators:
         if trainer is not None:
             return weights.in_world_sender(spec, dims, gen, trainer.chunks, job, g, norm_names)
         replica, tp_rank = topo.replica_of(job.rank)

@@ -159,13 +159,6 @@ def model_preset(cfg, section: Optional[PlanSection] = None) -> str:
     return name
 
 
-def gpus_used(cfg) -> int:
-    """GPUs the run occupies: trainer + generators (async, whichever backend), or the trainer's (sync)."""
-    if cfg.run.mode == "sync":
-        return cfg.trainer_dims().world_size
-    return cfg.trainer_dims().world_size + cfg.generator_dims().world_size
-
-
 def _precision(name: str, value: str, hint: str) -> str:
     if value not in ("bf16", "auto"):  # auto is bf16 on the GPUs the planner prices (runtime/cpu_dtype.py)
         raise ConfigError(f"{name}: {value!r}; the planner prices H100 runs in bf16 ({hint})")
@@ -187,10 +180,10 @@ def trainer_options(cfg, section: PlanSection) -> TrainerOptions:
 
 def planned_lag(cfg, section) -> float:
     """Steps of generation a replica may run ahead (what caps sequences in flight): the run's own
-    rollout.max_lag unless plan.max_lag_steps overrides it (sync mode: one step)."""
+    (RunLayout.steps_ahead) unless plan.max_lag_steps overrides it."""
     if section.max_lag_steps is not None:
         return section.max_lag_steps
-    return float(max(cfg.rollout.max_lag, 1)) if cfg.run.mode == "async" else 1.0
+    return float(cfg.layout().steps_ahead)
 
 
 def inputs_from_config(cfg, section: Optional[PlanSection] = None) -> PlanInputs:
@@ -213,7 +206,7 @@ def inputs_from_config(cfg, section: Optional[PlanSection] = None) -> PlanInputs
         lengths = LengthDistribution.uniform(min(section.response_tokens_min, longest), longest)
     return PlanInputs(
         model=model_preset(cfg, section),
-        gpus=section.gpus or gpus_used(cfg),
+        gpus=section.gpus or cfg.layout().world_size,
         gpus_per_node=section.gpus_per_node,
         prompts=r.prompts_per_step,
         samples_per_prompt=r.samples_per_prompt,
@@ -227,7 +220,7 @@ def inputs_from_config(cfg, section: Optional[PlanSection] = None) -> PlanInputs
         weight_sync=section.weight_sync,
         hardware=section_hardware(section),
         max_pp=section.max_pp,
-        equal_prompt_shares=cfg.run.mode == "async",
+        equal_prompt_shares=not cfg.layout().colocated,
         trainer_options=trainer_options(cfg, section),
         generator_backend=g.backend,
         generator_mem_fraction=g.sglang_mem_fraction,
@@ -260,7 +253,7 @@ def configured_layout(
     holds (the rest wait), so its sequences in flight are min(max_running, what fits); the torch
     engine allocates all max_running slots at start, fitting or not."""
     g = cfg.generator
-    if cfg.run.mode != "async":
+    if cfg.layout().colocated:
         raise ConfigError("run.mode: sync runs colocated; `megarl plan --config` prices asynchronous layouts")
     generator = planned_generator(cfg.generator_dims())
     sequences = g.max_running
@@ -366,8 +359,8 @@ def check_config_fits(cfg) -> Optional[AsyncCandidate]:
     (memory only: no search, no weight-sync plan). Sync mode: the trainer's GPUs alone are checked
     (the colocated engine's copy is not priced). Returns the priced layout (None for sync)."""
     section = plan_section(cfg)
-    inputs = replace(inputs_from_config(cfg, section), gpus=gpus_used(cfg), weight_sync="skip")
-    if cfg.run.mode == "sync":
+    inputs = replace(inputs_from_config(cfg, section), gpus=cfg.layout().world_size, weight_sync="skip")
+    if cfg.layout().colocated:
         costs = build_costs(inputs)
         layout = trainer_layout(cfg, inputs)
         memory = costs.trainer_memory(layout, inputs.batch)
@@ -422,7 +415,7 @@ def moe_assumptions(spec, cfg) -> List[str]:
 def plan_config(cfg, path: str = "config") -> ConfigPlan:
     section = plan_section(cfg)
     inputs = inputs_from_config(cfg, section)
-    used, notes = gpus_used(cfg), []
+    used, notes = cfg.layout().world_size, []
     if used > inputs.gpus:
         raise ConfigError(
             f"plan.gpus={inputs.gpus}: the config uses {used} GPUs (trainer {cfg.trainer_dims().world_size} "

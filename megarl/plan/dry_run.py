@@ -4,7 +4,7 @@ What a launch would find out only after minutes of start-up on a thousand
 GPUs, checked from shapes in seconds:
 
 - the model shards at the configured TP / PP (trainer) and TP (generator);
-- the ranks: ``wiring.topology(cfg).check(gpus_per_node)`` (every rank in
+- the ranks: ``cfg.layout().topology().check(gpus_per_node)`` (every rank in
   exactly one executor, every TP group within a node), and the job fits the
   allocation (plan.gpus) in whole nodes, as scripts/launch.sh starts it;
 - a sample of the longest length fits a trainer micro-batch;
@@ -27,10 +27,9 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from megarl.errors import ConfigError
-from megarl.loop.topology import Topology, _ranges
-from megarl.loop.wiring import topology
+from megarl.layout import Topology, rank_ranges
 from megarl.models.presets import preset_spec
-from megarl.plan.config_plan import gpus_used, model_preset, plan_section, section_hardware
+from megarl.plan.config_plan import model_preset, plan_section, section_hardware
 
 
 @dataclass
@@ -68,12 +67,11 @@ def dry_run(cfg, path: str = "config") -> DryRun:
     gpn = section.gpus_per_node
     preset = model_preset(cfg, section)
     spec = preset_spec(preset)
-    topo = topology(cfg)
+    topo = cfg.layout().topology()
     report = DryRun(path, preset, gpn, topo)
     if topo.drivers_only:
         # SGLang spawns its own TP workers outside the torchrun world; they still occupy GPUs and
-        # join the weight-sync group at ranks [T, T + G), which is the world checked here.
-        topo.world_size = gpus_used(cfg)
+        # join the weight-sync group at ranks [T, T + G), which is the topology's world checked here.
         report.notes.append(
             f"generator.backend={cfg.generator.backend}: generator ranks are the weight-sync "
             f"group's (the engines' own workers), checked as ranks of a {topo.world_size}-GPU job"
@@ -123,7 +121,7 @@ def check_model_shards(cfg, spec, topo: Topology) -> str:
 
 
 def check_allocation(cfg, plan_gpus, gpus_per_node: int, topo: Topology) -> str:
-    used = gpus_used(cfg)
+    used = cfg.layout().world_size
     split = (
         f"trainer {cfg.trainer_dims().world_size} + generator {cfg.generator_dims().world_size}"
         if not topo.colocated
@@ -161,7 +159,7 @@ def check_tp_groups_within_nodes(cfg, topo: Topology, gpus_per_node: int) -> Non
                     else "make the trainer's ranks a multiple of it"
                 )
                 raise ConfigError(
-                    f"{name}={tp}: TP group {_ranges(group)} spans nodes of plan.gpus_per_node="
+                    f"{name}={tp}: TP group {rank_ranges(group)} spans nodes of plan.gpus_per_node="
                     f"{gpus_per_node} GPUs; keep TP within a node ({hint})"
                 )
 
@@ -194,18 +192,18 @@ def check_weight_sync(
     for src, dst in plan.transfers:
         if src not in senders or src not in weights.src:
             raise ConfigError(
-                f"weight sync: rank {src} sends but is not a trainer rank {_ranges(senders)} "
+                f"weight sync: rank {src} sends but is not a trainer rank {rank_ranges(senders)} "
                 f"(check trainer.tp/pp/dp against the weight-sync planner's numbering)"
             )
         if dst not in receivers or dst not in weights.dst:
             raise ConfigError(
-                f"weight sync: rank {dst} receives but is not a generator rank {_ranges(receivers)} "
+                f"weight sync: rank {dst} receives but is not a generator rank {rank_ranges(receivers)} "
                 f"(check generator.tp/replicas)"
             )
     unplanned = sorted(receivers - set(plan.dst_layouts))
     if unplanned:
         raise ConfigError(
-            f"weight sync: generator ranks {_ranges(unplanned)} have no planned shard "
+            f"weight sync: generator ranks {rank_ranges(unplanned)} have no planned shard "
             f"(generator.tp={g.tp} x generator.replicas={g.replicas})"
         )
     check_coverage(plan)

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field, replace
 from typing import List, Optional, Sequence
 
 from megarl.errors import ConfigError
+from megarl.layout import disaggregated_world_size
 from megarl.parallel_dims import ParallelDims
 from megarl.plan import weight_sync_cost
 from megarl.plan.costs import H100CostModel, MemoryBreakdown, Workload
@@ -469,7 +470,7 @@ def balanced_split(
 
 def _evaluate_fixed(costs, inputs: PlanInputs, fixed: FixedLayout) -> AsyncCandidate:
     n, t, g = inputs.gpus, fixed.trainer.dims, fixed.generator
-    if t.world_size + g.world_size != n:
+    if disaggregated_world_size(t, g) != n:
         raise ConfigError(
             f"layout: layout.trainer {t.describe()} ({t.world_size} GPUs) + layout.generator {g.dp} x "
             f"{generator_text(g)} ({g.world_size} GPUs) must use the gpus={n} GPUs"

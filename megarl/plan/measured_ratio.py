@@ -75,6 +75,7 @@ from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence
 
 from megarl.errors import ConfigError
+from megarl.layout import disaggregated_world_size
 from megarl.parallel_dims import GeneratorDims, ParallelDims
 from megarl.plan.inputs import LengthDistribution, PlanInputs, TrainerLayout, planned_generator
 from megarl.plan.llamarl_model import build_costs, evaluate_async, evaluate_sync
@@ -181,7 +182,7 @@ class BenchLayouts:
 
     def check(self) -> "BenchLayouts":
         t, g, s = self.trainer, self.generator, self.sync
-        if t.world_size + g.world_size != self.ranks:
+        if disaggregated_world_size(t, g) != self.ranks:
             raise ConfigError(
                 f"async: trainer {t.describe()} ({t.world_size} ranks) + generator {g.describe()} "
                 f"({g.world_size} ranks) != {self.ranks}"
@@ -201,7 +202,7 @@ def layouts_from_config(
     longest = cfg.data.max_prompt_tokens + r.max_new_tokens
     trainer = cfg.trainer_dims()
     return BenchLayouts(
-        ranks=cfg.world_size(),
+        ranks=cfg.layout().world_size,
         prompts=r.prompts_per_step,
         samples_per_prompt=r.samples_per_prompt,
         trainer=trainer,

@@ -118,7 +118,7 @@ def check_model_trains(spec, cfg) -> None:
     if g.fp8:
         from megarl.weight_sync.fp8 import check_fp8_experts
 
-        if cfg.run.mode == "sync":
+        if cfg.layout().colocated:
             # colocated.py quantises an fp8 engine weight right after the one Megatron parameter that
             # writes it; a stacked w13 / w2 is written by every expert's fc1 / fc2
             raise ConfigError(

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from megarl.layout import disaggregated_world_size
 from megarl.parallel_dims import GeneratorDims, ParallelDims, generator_rank
 from megarl.runtime.rendezvous import init_sync_group
 from megarl.weight_sync.endpoints import GeneratorSync
@@ -103,7 +104,7 @@ def external_sender(
         group = init_sync_group(
             host,
             port,
-            trainer.world_size + generator.world_size,
+            disaggregated_world_size(trainer, generator),
             job.rank,
             group_name=group_name,
             backend=group_backend,

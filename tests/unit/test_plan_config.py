@@ -36,7 +36,7 @@ def test_llama_configs_load_and_validate(name):
     preset, gpus, trainer, generator = CONFIGS[name]
     cfg = _config(name)
     assert cfg.plan["model"] == preset and cfg.plan["gpus"] == gpus and cfg.plan["gpus_per_node"] == 8
-    assert cfg.world_size() == gpus == cfg.trainer_dims().world_size + cfg.generator_dims().world_size
+    assert cfg.layout().world_size == gpus == cfg.trainer_dims().world_size + cfg.generator_dims().world_size
     assert (cfg.trainer_dims().world_size, cfg.generator_dims().world_size) == (trainer, generator)
     assert cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt == 2048  # LlamaRL's batch
     assert cfg.model.dtype == "bf16" and cfg.generator.fp8 and cfg.generator.tp == 8

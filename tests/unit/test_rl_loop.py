@@ -14,7 +14,6 @@ import pytest
 
 from megarl.config import load_config
 from megarl.errors import ConfigError
-from megarl.loop.wiring import topology
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -69,7 +68,7 @@ def test_config_errors_name_the_field(tmp_path):
 
 def test_topology_assigns_every_rank_once():
     cfg = load_config(TINY, ["trainer.dp=2", "generator.tp=2", "generator.replicas=2"])
-    topo = topology(cfg)
+    topo = cfg.layout().topology()
     assert topo.world_size == 8
     assert topo.executors == {"trainer": (0, 1, 2, 3), "generator": (4, 5, 6, 7), "reward": (4, 6)}
     assert topo.trainer_groups()["tp"] == [[0, 1], [2, 3]] and topo.trainer_groups()["dp"] == [[0, 2], [1, 3]]
@@ -77,7 +76,7 @@ def test_topology_assigns_every_rank_once():
     assert len(topo.check(gpus_per_node=4)) == 4
     # ranks 0-1 trainer, [2, 3] and [4, 5] generator replicas: [2, 3] straddles nodes of 3 GPUs
     with pytest.raises(ConfigError, match="generator TP group \\[2, 3\\] spans nodes"):
-        topology(load_config(TINY, ["generator.tp=2", "generator.replicas=2"])).check(gpus_per_node=3)
-    sync = topology(load_config(TINY, ["run.mode=sync"]))
+        load_config(TINY, ["generator.tp=2", "generator.replicas=2"]).layout().topology().check(gpus_per_node=3)
+    sync = load_config(TINY, ["run.mode=sync"]).layout().topology()
     assert sync.executors == {"trainer": (0, 1), "generator": (0, 1), "reward": (0, 1)}
     assert [c.name for c in sync.channels] == ["rollouts", "batch", "weights"]

@@ -34,6 +34,7 @@ import torch
 from megarl.errors import ConfigError
 from megarl.generator.sglang.protocol import parse_sync_trigger_name
 from megarl.generator.sglang.serving import SYNC_CONFIG_ENV
+from megarl.layout import disaggregated_world_size
 from megarl.models.spec import ModelSpec
 from megarl.parallel_dims import GeneratorDims, ParallelDims, generator_rank
 from megarl.runtime.rendezvous import init_sync_group
@@ -81,7 +82,7 @@ def _receiver(model: torch.nn.Module, replica: int):
     group = init_sync_group(
         cfg["host"],
         cfg["port"],
-        trainer.world_size + generator.world_size,
+        disaggregated_world_size(trainer, generator),
         rank,
         group_name=cfg["group_name"],
         backend=cfg.get("backend"),

@@ -1,11 +1,15 @@
-"""Which global rank runs which executor, every process group's members, and the channels.
+"""The run's layout: what run.mode and generator.backend mean for the ranks, decided here alone.
 
-LlamaRL (arXiv 2505.24034, section 5): executors -- trainer, generator,
-reward -- each own a set of ranks with their own parallelism; channels move
-data between them. Pure Python (no torch): the same object drives a run and
-``megarl plan --dry-run-topology`` for 1024 ranks on a laptop. Built by
-loop/wiring.py (``topology(cfg)``), which alone reads run.mode and
-generator.backend:
+torchtitan's ParallelDims owns every size derived from the parallel degrees; ``RunLayout`` is the
+same for the whole job, one level up: built from the trainer's ParallelDims, the generators'
+GeneratorDims (megarl/parallel_dims.py) and the two switches, it owns the job's world size, the
+lag bound and the ``Topology`` -- which global rank runs which executor, every process group's
+members, and the channels. Config (``cfg.layout()``), the planner and its dry run, the trainer's
+feature checks and the wiring ask it; none of them reads run.mode for the ranks again.
+
+LlamaRL (arXiv 2505.24034, section 5): executors -- trainer, generator, reward -- each own a set of
+ranks with their own parallelism; channels move data between them. Pure Python (no torch): the same
+object drives a run and ``megarl plan --dry-run-topology`` for 1024 ranks on a laptop.
 
     disaggregated   trainer ranks [0, T), generator ranks [T, T + G) (async mode); each generator
                     replica's TP rank 0 also runs the reward executor on its samples
@@ -24,6 +28,72 @@ from typing import Dict, List, Tuple
 
 from megarl.errors import ConfigError
 from megarl.parallel_dims import GeneratorDims, ParallelDims
+
+MODES = ("async", "sync")  # run.mode: config.py refuses any other
+BACKENDS = ("torch", "sglang")  # generator.backend: ... and any other
+SERVER_BACKENDS = ("sglang",)  # generators that are servers with workers of their own, not engine ranks
+
+
+def disaggregated_world_size(trainer: ParallelDims, generator: GeneratorDims) -> int:
+    """Ranks of a world where the generators' ranks follow the trainer's: the job's in async mode,
+    and the weight-sync group (SGLang's workers included) in every mode that has one."""
+    return trainer.world_size + generator.world_size
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """The job as run.mode and generator.backend lay it out (``Config.layout()`` builds it)."""
+
+    mode: str  # run.mode
+    backend: str  # generator.backend
+    trainer: ParallelDims
+    generator: GeneratorDims  # as configured (async); colocated runs one TP-1 engine per trainer rank instead
+    max_lag: int  # rollout.max_lag (async)
+    updates_per_batch: int  # trainer.updates_per_batch (sync)
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ConfigError(f"run.mode: {self.mode!r} is not one of {list(MODES)}")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"generator.backend: {self.backend!r} is not one of {list(BACKENDS)}")
+
+    @property
+    def colocated(self) -> bool:
+        """Generation and training alternate on every rank (sync mode)."""
+        return self.mode == "sync"
+
+    @property
+    def server_generators(self) -> bool:
+        """The generators are servers with workers of their own (SGLang), not engines in this process."""
+        return self.backend in SERVER_BACKENDS
+
+    @property
+    def world_size(self) -> int:
+        """GPUs (ranks) of the job: trainer + generators (async; SGLang servers' GPUs included),
+        or the trainer's alone (sync, colocated)."""
+        if self.colocated:
+            return self.trainer.world_size
+        return disaggregated_world_size(self.trainer, self.generator)
+
+    @property
+    def lag_bound(self) -> int:
+        """The most policy versions a trained token may lag: generation and training alternate in
+        sync mode, so every token is of the policy that trains on it -- but for the G-1 steps a batch
+        of trainer.updates_per_batch = G slices waits for its last slice."""
+        return self.updates_per_batch - 1 if self.colocated else self.max_lag
+
+    @property
+    def steps_ahead(self) -> int:
+        """Steps of generation a replica may run ahead of the trainer (what caps sequences in flight,
+        as the planner prices it): rollout.max_lag in async mode, one step in sync mode."""
+        return 1 if self.colocated else max(self.max_lag, 1)
+
+    def topology(self) -> "Topology":
+        """The ranks of the run (also the dry run's, plan/dry_run.py)."""
+        if self.colocated:
+            return Topology.colocated_on(self.trainer)
+        return Topology.disaggregated(self.trainer, self.generator, drivers_only=self.server_generators)
+
 
 BROADCAST, SCATTER, GATHER, WEIGHTS = "BROADCAST", "SCATTER", "GATHER", "WEIGHTS"
 
@@ -54,11 +124,10 @@ class Topology:
 
     @classmethod
     def disaggregated(cls, trainer: ParallelDims, generator: GeneratorDims, drivers_only: bool = False) -> "Topology":
+        world = disaggregated_world_size(trainer, generator)
         ranks = tuple(range(trainer.world_size))
-        gen = tuple(range(trainer.world_size, trainer.world_size + generator.world_size))
-        return cls._with_channels(
-            trainer.world_size + generator.world_size, ranks, gen, trainer, generator, False, drivers_only
-        )
+        gen = tuple(range(trainer.world_size, world))
+        return cls._with_channels(world, ranks, gen, trainer, generator, False, drivers_only)
 
     @classmethod
     def colocated_on(cls, trainer: ParallelDims) -> "Topology":
@@ -156,7 +225,7 @@ class Topology:
         return {
             "placement": "colocated" if self.colocated else "disaggregated",
             "world_size": self.world_size,
-            "executors": {k: _ranges(v) for k, v in self.executors.items()},
+            "executors": {k: rank_ranges(v) for k, v in self.executors.items()},
             "trainer": self.trainer.describe(),
             "generator": self.generator.describe() + (" (servers: driver ranks only)" if self.drivers_only else ""),
             "groups": {
@@ -166,12 +235,14 @@ class Topology:
                 "generator_tp": len(self.generator_tp_groups()),
             },
             "channels": [
-                f"{c.name}: {c.kind} {c.sender}{_ranges(c.src)} -> {c.receiver}{_ranges(c.dst)}" for c in self.channels
+                f"{c.name}: {c.kind} {c.sender}{rank_ranges(c.src)} -> {c.receiver}{rank_ranges(c.dst)}"
+                for c in self.channels
             ],
         }
 
 
-def _ranges(ranks) -> str:
+def rank_ranges(ranks) -> str:
+    """[0-3,8,10-11]: a set of ranks, short."""
     ranks = sorted(ranks)
     if not ranks:
         return "[]"
