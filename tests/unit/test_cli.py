@@ -130,3 +130,16 @@ def test_train_says_what_it_does_before_preparing_the_model(monkeypatch, capsys,
         f"megarl: read {tiny} with 1 override(s): async run of {load_config(tiny).run.steps} steps into {tmp_path}; "
         f"checking it, preparing the model {load_config(tiny).model.source}, then start {ranks} ranks\n"
     )
+
+
+def test_weight_sync_plan_takes_the_config_overrides():
+    from megarl.bench.weight_sync import WeightSyncBench, run
+    from megarl.errors import ConfigError
+
+    tiny = str(ROOT / "configs" / "tiny_cpu.yaml")
+    by_override = run(WeightSyncBench(plan_only=True, config=tiny, overrides=("generator.replicas=2",)))
+    by_flag = run(WeightSyncBench(plan_only=True, config=tiny, dst_replicas=2))
+    plain = run(WeightSyncBench(plan_only=True, config=tiny))
+    assert by_override["generator"] == by_flag["generator"] != plain["generator"]
+    with pytest.raises(ConfigError, match="override 'trainer.tp=2': needs --config FILE"):
+        run(WeightSyncBench(plan_only=True, model="tiny", overrides=("trainer.tp=2",)))
