@@ -1,31 +1,36 @@
 """The built-in Python tool: a model's code run in a sandboxed subprocess, whatever it does.
 
-Each call starts a fresh ``python -I -S`` (isolated: no site-packages, no PYTHON* variables,
-an empty environment but PATH) in a new session and a temporary working directory that is
-removed afterwards. Before the model's code runs, a prelude in the child
+Each call starts a fresh ``python -I -S sandbox_child.py`` (isolated: no site-packages, no PYTHON*
+variables, an environment of PATH and TMPDIR only) in a new session and a temporary scratch
+directory removed afterwards. What confines it, and what holds each limit:
 
-- sets resource limits: CPU seconds (RLIMIT_CPU: SIGXCPU ends a busy loop), address space
-  (RLIMIT_AS: a 2 GB allocation raises MemoryError), written file size (RLIMIT_FSIZE: the
-  output files cannot grow without bound), no core files, few open files;
-- leaves the network where the OS allows: a new, empty network namespace (``unshare``, which
-  needs CAP_SYS_ADMIN; ``network_isolation`` in the result says whether it took);
-- installs an audit hook (PEP 578, which code cannot remove) refusing sockets, process creation
-  (fork, exec, spawn, subprocess, system: a fork bomb stops at its first fork), ctypes, and
-  changing resource limits, whether or not the namespace took.
+- the kernel, always: CPU seconds (RLIMIT_CPU: SIGXCPU ends a busy loop), address space (RLIMIT_AS:
+  a 2 GB allocation raises MemoryError), written file size (RLIMIT_FSIZE), no core files, 64 open
+  files; the parent's wall-clock limit (the whole session SIGKILLed);
+- the kernel, where the machine allows it (``kernel_layers``; sandbox_child.py does each step and
+  names those that took): new mount and network namespaces (user namespaces for a job not run as
+  root), every mount read-only but a fresh tmpfs on the scratch directory, uid ``nobody`` for a
+  job run as root, RLIMIT_NPROC 1 (no process, no thread), no_new_privs;
+- an audit hook (PEP 578) refusing sockets, process creation, ctypes and limit changes: a clear
+  message for ordinary attempts, and where the kernel steps did not take the only block -- one that
+  code in the same interpreter can take apart (tests/multiprocess/test_python_sandbox.py does).
 
-The parent enforces a wall-clock limit (the whole session killed with SIGKILL), reads at most
-``max_output_chars`` of stdout and of stderr from files, and turns every way the program can end
-badly (exception, limit, signal, timeout) into a :class:`ToolError` whose message the model sees:
-a runaway program becomes an error observation, never a stuck episode.
+The layers active are in every result (``SandboxResult.layers``) and logged once per process (a
+warning when a kernel layer is missing). The parent reads at most ``max_output_chars`` of stdout and
+of stderr from files, and turns every way the program can end badly (exception, limit, signal,
+timeout) into a :class:`ToolError` whose message the model sees: a runaway program becomes an
+error observation, never a stuck episode.
 
-Not a container: the program can read files the job's user can read. Run the job as a user
-without secrets on disk, or put a real sandbox behind a tool of your own (``rollout.tools`` takes
-a dotted path).
+Not a container: with the kernel layers the program reads what its uid may read (``nobody``'s share
+of the file system when the job runs as root, the job user's otherwise) and can connect to Unix
+sockets on the file system that uid may write. Run the job as a user without secrets on disk, or
+put a container behind a tool of your own (``rollout.tools`` takes a dotted path).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -33,43 +38,16 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 from megarl.environments.tool import ToolError
 
-# Runs in the child before the model's code; its one argument is the JSON of the limits.
-_PRELUDE = r"""
-import json, resource, sys
-limits = json.loads(sys.argv[1])
-def _limit(which, value, hard=None):
-    resource.setrlimit(which, (value, value if hard is None else hard))
-_limit(resource.RLIMIT_CPU, limits["cpu_s"], limits["cpu_s"] + 1)  # SIGXCPU, then SIGKILL a second on
-_limit(resource.RLIMIT_AS, limits["memory_bytes"])
-_limit(resource.RLIMIT_FSIZE, limits["file_bytes"])
-_limit(resource.RLIMIT_CORE, 0)
-_limit(resource.RLIMIT_NOFILE, 64)
-isolation = "audit hook"
-try:
-    import ctypes
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.unshare(0x40000000) == 0:  # CLONE_NEWNET: a namespace with no interface up
-        isolation = "network namespace + audit hook"
-except Exception:
-    pass
-sys.stderr.write("\x00megarl-sandbox " + isolation + "\n")
-sys.stderr.flush()
-_BLOCKED = ("socket.", "os.fork", "os.forkpty", "os.exec", "os.posix_spawn", "os.spawn", "os.system",
-            "subprocess.", "ctypes.", "resource.setrlimit", "resource.prlimit", "os.kill", "os.killpg",
-            "pty.", "_posixsubprocess")
-def _hook(event, args):
-    if event.startswith(_BLOCKED):
-        raise PermissionError("sandbox: " + event + " is not allowed")
-sys.addaudithook(_hook)
-_source = sys.stdin.read()
-exec(compile(_source, "<tool>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
-"""
+logger = logging.getLogger(__name__)
 
+_CHILD = str(Path(__file__).with_name("sandbox_child.py"))
 _MARK = "\x00megarl-sandbox "
+_logged_layers: set = set()  # each distinct layer line once per process
 
 
 @dataclass(frozen=True)
@@ -79,7 +57,7 @@ class SandboxResult:
     returncode: Optional[int]
     ended: str  # "ok" | "error" | "cpu_limit" | "memory_limit" | "output_limit" | "timeout" | "signal"
     seconds: float
-    network_isolation: str
+    layers: str  # the confinement layers that were active, as sandbox_child.py named them
 
 
 class PythonSandbox:
@@ -87,7 +65,7 @@ class PythonSandbox:
 
     name = "python"
     description = (
-        "Runs a Python program (standard library only, no network, no subprocesses) and returns "
+        "Runs a Python program (standard library only, no network, no subprocesses or threads) and returns "
         "what it prints. Use print() to see results."
     )
     parameters = {
@@ -103,8 +81,13 @@ class PythonSandbox:
         memory_mb: int = 512,
         max_output_chars: int = 4096,
         max_code_chars: int = 20000,
+        kernel_layers: bool = True,
+        scratch_mb: int = 64,
     ):
+        """``kernel_layers=False``: resource limits and the audit hook alone, what a machine with no
+        namespaces gives a job run as root (the tests use it to show what the hook alone stops)."""
         self.wall_s, self.cpu_s, self.memory_mb = wall_s, cpu_s, memory_mb
+        self.kernel_layers, self.scratch_mb = kernel_layers, scratch_mb
         self.max_output_chars, self.max_code_chars = max_output_chars, max_code_chars
 
     def run(self, code: str) -> SandboxResult:
@@ -113,18 +96,20 @@ class PythonSandbox:
             "memory_bytes": int(self.memory_mb) << 20,
             # a little over what is read back, so a flood of output is cut by the kernel
             "file_bytes": 4 * self.max_output_chars + 4096,
+            "kernel": bool(self.kernel_layers),
+            "scratch_mb": int(self.scratch_mb),
         }
         start = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="megarl_tool_") as work:
             out_path, err_path = os.path.join(work, ".stdout"), os.path.join(work, ".stderr")
             with open(out_path, "wb") as out, open(err_path, "wb") as err:
                 proc = subprocess.Popen(
-                    [sys.executable, "-I", "-S", "-c", _PRELUDE, json.dumps(limits)],
+                    [sys.executable, "-I", "-S", _CHILD, json.dumps(limits)],
                     stdin=subprocess.PIPE,
                     stdout=out,
                     stderr=err,
                     cwd=work,
-                    env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+                    env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "TMPDIR": work},
                     start_new_session=True,  # its own process group: the timeout kills all of it
                 )
                 timed_out = False
@@ -139,11 +124,12 @@ class PythonSandbox:
                         pass
                     proc.wait()
             stdout, stderr = _read(out_path, self.max_output_chars + 1), _read(err_path, 1 << 16)
-        isolation = "unknown"
+        layers = "unknown (the child ended before naming them)"
         if _MARK in stderr:
             head, _, rest = stderr.partition(_MARK)
-            isolation, _, stderr = rest.partition("\n")
+            layers, _, stderr = rest.partition("\n")
             stderr = head + stderr
+            _log_layers(layers, self.kernel_layers)
         rc = proc.returncode
         if timed_out:
             ended = "timeout"
@@ -165,7 +151,7 @@ class PythonSandbox:
             rc,
             ended,
             time.perf_counter() - start,
-            isolation,
+            layers,
         )
 
     def __call__(self, arguments: dict) -> str:
@@ -191,6 +177,16 @@ class PythonSandbox:
         tail = _last_lines(r.stderr, 6)
         parts = [reason] + ([f"stdout:\n{shown}"] if shown else []) + ([tail] if tail else [])
         raise ToolError("\n".join(parts))
+
+
+def _log_layers(layers: str, kernel_wanted: bool) -> None:
+    if layers in _logged_layers:
+        return
+    _logged_layers.add(layers)
+    if kernel_wanted and "not active" in layers:
+        logger.warning("python tool sandbox, layers active: %s", layers)
+    else:
+        logger.info("python tool sandbox, layers active: %s", layers)
 
 
 def _read(path: str, limit: int) -> str:

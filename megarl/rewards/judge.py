@@ -14,7 +14,8 @@ would be graded by what it is learning. Each sample is one request::
 The template's ``{question}`` (the prompt's last user message), ``{answer}`` (the record's reference
 answer) and ``{response}`` (the decoded response) are filled in; the score is the last match of
 ``score_pattern``'s one group in the judge's reply, a number in [0, 1]. Requests run ``concurrency``
-at a time, each with ``reward.timeout_s`` and ``reward.retries`` retries with exponential backoff. A
+at a time, each try with ``reward.timeout_s`` in all (deadline_http.py: a judge that accepts and never
+answers, or drips its reply, is cut off there) and ``reward.retries`` retries with exponential backoff. A
 reply with no score, a score outside [0, 1], or a request that failed after its retries scores 0
 with a reason naming the URL, and ``reward.on_error`` decides what the run does with it, as for
 every other reward.
@@ -25,11 +26,11 @@ from __future__ import annotations
 import json
 import math
 import re
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import List, Optional, Sequence
 
 from megarl.config import JUDGE_SCORE_PATTERN, judge_template_fields
+from megarl.rewards import deadline_http
 from megarl.rewards.remote import retried
 from megarl.rewards.scoring import OK, RewardResult
 
@@ -107,11 +108,9 @@ class JudgeReward:
         self.requests += 1
 
     def _post(self, body: bytes) -> bytes:
-        request = urllib.request.Request(
-            self.url + "/chat/completions", data=body, headers={"Content-Type": "application/json"}
+        return deadline_http.post(
+            self.url + "/chat/completions", body, self.timeout_s, {"Content-Type": "application/json"}
         )
-        with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-            return response.read()
 
     @staticmethod
     def _reply(raw: bytes) -> str:

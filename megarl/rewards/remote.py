@@ -5,8 +5,10 @@ The protocol is one JSON POST per batch of at most ``batch_size`` samples::
     {"responses": ["...", ...], "answers": ["...", ...], "metas": [{...}, ...]}
     -> {"rewards": [1.0, 0.0, ...]}
 
-A request that fails (connection refused or reset, HTTP error, timeout, an answer that is not
-that shape) is retried ``retries`` times, waiting ``backoff_s`` x 2^attempt; after the last try
+Each try has ``timeout_s`` in all, from connecting to the reply's last byte (deadline_http.py: a
+server that accepts and never answers, or answers a byte at a time, is cut off there). A request
+that fails (connection refused or reset, HTTP error, deadline passed, an answer that is not that
+shape) is retried ``retries`` times, waiting ``backoff_s`` x 2^attempt; after the last try
 every sample of the batch gets score 0 with a reason naming the URL and the error, and
 ``reward.on_error`` (the reward executor) decides what the run does with them.
 """
@@ -17,9 +19,9 @@ import json
 import math
 import time
 import urllib.error
-import urllib.request
 from typing import List, Optional, Sequence
 
+from megarl.rewards import deadline_http
 from megarl.rewards.scoring import OK, RewardResult
 
 
@@ -79,9 +81,7 @@ class RemoteReward:
         self.requests += 1
 
     def _post(self, body: bytes) -> bytes:
-        request = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-            return response.read()
+        return deadline_http.post(self.url, body, self.timeout_s, {"Content-Type": "application/json"})
 
     @staticmethod
     def _parse(raw: bytes, n: int) -> List[RewardResult]:

@@ -72,3 +72,27 @@ def test_train_scored_by_a_generative_judge(tmp_path):
     assert rollouts and all(r["reward"] == even_length_verdict(r["response"]) for r in rollouts)
     assert all(r["reward_reason"] == "ok" for r in rollouts)
     assert 0 < sum(r["reward"] for r in rollouts) < len(rollouts)  # both verdicts: the judge was asked
+
+
+@pytest.mark.slow
+def test_a_reward_service_that_never_answers_neither_hangs_the_job_nor_costs_its_checkpoint(tmp_path):
+    """A service that accepts and then drips its reply a byte every 0.25 s (tests/silent_servers.py):
+    each batch ends at reward.timeout_s, is scored 0 (on_error zero, counted), and the job trains
+    its steps and saves its checkpoint."""
+    port = server_port()
+    server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "silent_servers.py"), "drip", str(port)])
+    try:
+        time.sleep(1.0)
+        url = f"http://127.0.0.1:{port}/score"
+        proc = _train(tmp_path / "silent", f"reward.url={url}", "reward.retries=0", "reward.timeout_s=2")
+    finally:
+        server.kill()
+        server.wait()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = [json.loads(line) for line in (tmp_path / "silent" / "metrics.jsonl").read_text().splitlines()]
+    rollouts = [json.loads(line) for line in (tmp_path / "silent" / "rollouts.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(m["reward_timeouts"] == len(rollouts) // len(metrics) for m in metrics)
+    assert all(r["reward"] == 0.0 and f"{url} failed after 1 tries (DeadlineExceeded" in r["reward_reason"]
+               for r in rollouts)  # fmt: skip
+    assert (tmp_path / "silent" / "checkpoints" / "iter_0000002").is_dir()
