@@ -198,6 +198,15 @@ def build_parser() -> argparse.ArgumentParser:
     learn.add_argument("--no-plots", action="store_true")
     learn.add_argument("overrides", nargs="*", help="config overrides for every run")
 
+    from megarl.bench.gpu_check import add_args as add_gpu_check_args
+
+    add_gpu_check_args(
+        bench_sub.add_parser(
+            "gpu-check",
+            help="`megarl train` on one GPU (trainer and engine sharing it): MFU, tokens/s, sync GB/s (JSON lines)",
+        )
+    )
+
     ws = bench_sub.add_parser(
         "weight-sync", help="shard-to-shard weight sync vs slime's gather+broadcast (or --plan-only: a predicted time)"
     )
@@ -377,6 +386,10 @@ def dispatch(args: argparse.Namespace) -> None:
             warm_start_records=args.warm_start_records,
             report_only=args.report_only,
         )
+    elif args.command == "bench" and args.benchmark == "gpu-check":
+        from megarl.bench import gpu_check
+
+        gpu_check.run(args)
     elif args.command == "bench" and args.benchmark == "weight-sync":
         from megarl.bench.weight_sync import WeightSyncBench, run
 

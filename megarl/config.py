@@ -253,6 +253,9 @@ class RunConfig:
     steps: int = 10
     output_dir: str = "runs/train"
     save_every: int = 0  # steps; 0 = only at the end
+    # false: no checkpoint after the last step (a short check whose 20 GB of Adam state would take
+    # 30-40 s of a ten-minute GPU window to write); save_every's and a stop's checkpoints still happen
+    save_final: bool = True
     seed: int = 1234
     progress: bool = True
     log_rollouts: bool = True  # rollouts.jsonl: every trained sample's text, reward, versions, lags
