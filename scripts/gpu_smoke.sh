@@ -3,7 +3,7 @@
 # its own time limit, each appending one JSON line to RESULTS_DIR/results.jsonl as it finishes --
 # a step that fails, hangs or is cut off loses only its own line (docs/testing.md#the-gpu-smoke-script).
 #
-#   scripts/gpu_smoke.sh [RESULTS_DIR] [--part first|second|all] [--dry]
+#   scripts/gpu_smoke.sh [RESULTS_DIR] [--part first|second|all] [--dry | --tiny]
 #
 # RESULTS_DIR defaults to ./gpu_results. --part first (the default) fits one 450-second command:
 #   setup        megatron-core from $MEGARL_WHEELS (default ./wheels) when it does not import
@@ -21,16 +21,21 @@
 # line at once, each under MEGARL_SMOKE_DRY_TIMEOUT seconds (default 5); MEGARL_SMOKE_DRY_FAIL=a,b
 # makes those steps exit 3, MEGARL_SMOKE_DRY_HANG=a,b makes them hang (deaf to SIGTERM: the
 # `timeout -k` kill ends them). tests/multiprocess/test_gpu_smoke.py runs it so.
+# --tiny (or MEGARL_SMOKE_TINY=1): the real commands at the test suite's model sizes (presets tiny
+# and tiny-moe, a few short sequences), on whatever device there is: the command lines checked on a
+# CPU machine before a GPU window (a few minutes there; the limits are the plan's).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 RESULTS=./gpu_results
 PART=first
 DRY=${MEGARL_SMOKE_DRY:-0}
+TINY=${MEGARL_SMOKE_TINY:-0}
 while [ $# -gt 0 ]; do
     case "$1" in
         --part) PART=${2:?--part needs first, second or all}; shift 2 ;;
         --dry) DRY=1; shift ;;
+        --tiny) TINY=1; shift ;;
         -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
         -*) echo "gpu_smoke.sh: unknown flag $1" >&2; exit 2 ;;
         *) RESULTS=$1; shift ;;
@@ -142,15 +147,22 @@ fake_step() {  # name
 
 gpu_check() {  # name, then gpu_check flags
     local name=$1; shift
-    local peak=()
-    [ -n "$MEASURED_PEAK" ] && peak=(--measured-peak-tflops "$MEASURED_PEAK")
+    local extra=()
+    [ -n "$MEASURED_PEAK" ] && extra+=(--measured-peak-tflops "$MEASURED_PEAK")
+    if [ "$TINY" = 1 ]; then  # the last of a repeated flag wins: these replace the step's sizes
+        local preset=tiny
+        case " $* " in *" qwen3-moe-mini "*) preset=tiny-moe ;; esac
+        extra+=(--preset $preset --prompts-per-step 4 --samples 2 --prompt-len 8 --max-new-tokens 24
+            --max-running 8 --microbatch-tokens 64)
+    fi
     "$PYTHON" -m megarl.bench.gpu_check --results "$RESULTS/$name.results.jsonl" --workdir "$RESULTS/$name.work" \
-        --no-final-checkpoint "${peak[@]}" "$@"
+        --no-final-checkpoint "$@" "${extra[@]}"
 }
 
 setup_step() {
-    if "$PYTHON" -c "import megatron.core" 2>/dev/null; then
-        echo '{"megatron_core": "importable"}'
+    # found, not imported: megatron.core's import (torch's with it) takes seconds on a busy machine
+    if "$PYTHON" -c "import importlib.util as u, sys; sys.exit(u.find_spec('megatron.core') is None)" 2>/dev/null; then
+        echo '{"megatron_core": "found"}'
         return 0
     fi
     local wheel
@@ -166,8 +178,8 @@ setup_step() {
 command_of() {  # the real command of a step
     case "$1" in
         setup) setup_step ;;
-        probe) "$PYTHON" -m megarl.bench.gpu_probe ;;
-        moe_micro) "$PYTHON" -m megarl.bench.moe_micro ;;
+        probe) "$PYTHON" -m megarl.bench.gpu_probe $([ "$TINY" = 1 ] && echo --sizes 256 --copy-mb 16) ;;
+        moe_micro) "$PYTHON" -m megarl.bench.moe_micro $([ "$TINY" = 1 ] && echo --preset tiny-moe --batch 8 --tokens 64) ;;
         moe_train) gpu_check moe_train --preset qwen3-moe-mini --steps 2 --prompts-per-step 8 --samples 2 \
             --prompt-len 64 --max-new-tokens 64 --max-running 16 ;;
         llama_sync) gpu_check llama_sync --preset llama3-1b --mode sync --steps 3 ;;
@@ -189,7 +201,7 @@ run_step() {  # name limit
     else
         # exported so that `timeout` can run the shell function's command in a child bash
         timeout -k "$KILL_AFTER" "$applied" bash -c "$(declare -f gpu_check setup_step command_of); \
-            RESULTS='$RESULTS' MEASURED_PEAK='$MEASURED_PEAK' PYTHON='$PYTHON' command_of $name" \
+            RESULTS='$RESULTS' MEASURED_PEAK='$MEASURED_PEAK' PYTHON='$PYTHON' TINY='$TINY' command_of $name" \
             >"$RESULTS/$name.out" 2>"$RESULTS/$name.log" &
     fi
     CURRENT_PID=$!
