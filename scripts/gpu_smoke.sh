@@ -13,7 +13,8 @@
 #   llama_sync   the 1.5B Llama, sync (colocated) mode: trainer MFU, engine tokens/s alone, copy GB/s
 #   llama_async  the same, async: the speed-up on one GPU is llama_sync's step_s / this one's
 # --part second (optional, another command of up to 450 s): llama_trainer_heavy (long prompts,
-# short answers: the trainer's MFU at its best shapes) and moe_train_long (4 steps, full size).
+# short answers: the trainer's MFU at its best shapes), moe_train_long (4 steps, full size) and
+# engine_vs_hf (the torch engine against transformers' generate on one random Llama).
 # Each step's stdout / stderr are kept as RESULTS_DIR/<step>.out / .log; the `megarl train` steps
 # also write RESULTS_DIR/<step>.results.jsonl, a line per trained step as it is produced.
 #
@@ -24,6 +25,9 @@
 # --tiny (or MEGARL_SMOKE_TINY=1): the real commands at the test suite's model sizes (presets tiny
 # and tiny-moe, a few short sequences), on whatever device there is: the command lines checked on a
 # CPU machine before a GPU window (a few minutes there; the limits are the plan's).
+# The whole script is one brace group: bash parses it before running any of it, so an edit to this
+# file (a pull) during a run cannot change what the running script does next.
+{
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -61,8 +65,9 @@ PLAN=(
     "moe_train first 100"
     "llama_sync first 100"
     "llama_async first 100"
-    "llama_trainer_heavy second 200"
-    "moe_train_long second 200"
+    "llama_trainer_heavy second 180"
+    "moe_train_long second 180"
+    "engine_vs_hf second 60"
 )
 
 CURRENT=""          # the step running now (the trap reports it)
@@ -187,6 +192,8 @@ command_of() {  # the real command of a step
         llama_trainer_heavy) gpu_check llama_trainer_heavy --preset llama3-1b --mode sync --steps 3 \
             --prompt-len 2048 --max-new-tokens 64 --microbatch-tokens 8192 ;;
         moe_train_long) gpu_check moe_train_long --preset qwen3-moe-mini --steps 4 ;;
+        engine_vs_hf) "$PYTHON" -m megarl.bench.engine_vs_hf \
+            $([ "$TINY" = 1 ] && echo --preset tiny --batch 4 --prompt 16 --max-new-tokens 16) ;;
         *) echo "gpu_smoke.sh: no step $1" >&2; return 2 ;;
     esac
 }
@@ -230,3 +237,4 @@ for entry in "${PLAN[@]}"; do
     in_part "$part" && run_step "$name" "$limit"
 done
 exit 0
+}

@@ -12,7 +12,7 @@ from tests.conftest import ROOT
 
 SCRIPT = ROOT / "scripts" / "gpu_smoke.sh"
 FIRST = ["setup", "probe", "moe_micro", "moe_train", "llama_sync", "llama_async"]
-SECOND = ["llama_trainer_heavy", "moe_train_long"]
+SECOND = ["llama_trainer_heavy", "moe_train_long", "engine_vs_hf"]
 
 
 def _env(**extra):
