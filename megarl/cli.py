@@ -71,6 +71,12 @@ BENCHMARKS = (
         bench.run_learning,
     ),
     Command(
+        "gpu-check",
+        "`megarl train` on one GPU (trainer and engine sharing it): MFU, tokens/s, sync GB/s (JSON lines)",
+        bench.add_gpu_check_args,
+        bench.run_gpu_check,
+    ),
+    Command(
         "weight-sync",
         "shard-to-shard weight sync vs slime's gather+broadcast (or --plan-only: a predicted time)",
         bench_weight_sync.add_args,

@@ -280,6 +280,9 @@ class RunConfig:
     # metrics.jsonl, rollouts.jsonl, checkpoints/, summary.json; a relaunch on it resumes
     output_dir: str = "runs/train"
     save_every: int = 0  # steps; 0 = only at the end
+    # false: no checkpoint after the last step (a short check whose 20 GB of Adam state would take
+    # 30-40 s of a ten-minute GPU window to write); save_every's and a stop's checkpoints still happen
+    save_final: bool = True
     seed: int = 1234  # seeds Megatron's initialisation, the prompt order and the sampling
     progress: bool = True  # a progress line per step on the terminal
     log_rollouts: bool = True  # rollouts.jsonl: every trained sample's text, reward, versions, lags

@@ -6,14 +6,16 @@
 #   scripts/gpu_check.sh [--preset llama3-1b] [--steps 4] [...]   (python -m megarl.bench.gpu_check --help)
 #
 # Installs megatron-core 0.16.1 from a local wheel when it does not import (2.6 MB; put it in
-# $MEGARL_WHEELS, default ./wheels: `pip download --no-deps megatron-core==0.16.1 -d wheels`
-# on a machine with network; or put a copy of an installed megatron/ package on PYTHONPATH, as
-# the first H200 run did), then runs `megarl train` itself for a few asynchronous steps:
+# $MEGARL_WHEELS, default ./wheels, fetched for the GPU machine's Python -- its wheels are per
+# Python version: docs/testing.md#carrying-megatron-core-to-the-gpu-machine gives pip's
+# --python-version / --platform flags), then runs `megarl train` itself for a few steps:
 # the Megatron trainer (local layer spec, bf16) and megarl's torch engine as two ranks on the
 # one GPU, weight syncs through CUDA IPC, a random ~1.5B Llama, random token prompts and the
 # synthetic reward -- no transformers, tokenizer, math-verify, TensorBoard or PyYAML needed.
 # Prints one JSON line: trainer tokens/s and MFU, generator tokens/s, sync seconds and GB/s,
-# lag, KL at step 1. megarl itself runs from this checkout (PYTHONPATH).
+# lag, KL at step 1 (--mode sync|async, --no-final-checkpoint, --results FILE for a line per step
+# as produced: `megarl bench gpu-check --help`). megarl itself runs from this checkout (PYTHONPATH).
+# scripts/gpu_smoke.sh runs it, among other steps, in a short GPU window.
 # Mixture of experts: scripts/gpu_check.sh --preset qwen3-moe-mini (a random 1.98B Qwen3-MoE).
 # Every rank prints "megarl activity: ..." lines as it goes (MEGARL_LOG_ACTIVITY=1): a slow step
 # keeps printing, a hang stops.

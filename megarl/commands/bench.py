@@ -142,3 +142,15 @@ def run_learning(args: argparse.Namespace) -> None:
         warm_start_records=args.warm_start_records,
         report_only=args.report_only,
     )
+
+
+def add_gpu_check_args(p: argparse.ArgumentParser) -> None:
+    from megarl.bench.gpu_check import add_args
+
+    add_args(p)
+
+
+def run_gpu_check(args: argparse.Namespace) -> None:
+    from megarl.bench import gpu_check
+
+    gpu_check.run(args)

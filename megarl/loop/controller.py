@@ -333,7 +333,9 @@ class Controller:
 
     def _should_save(self, step: int) -> bool:
         every = self.cfg.run.save_every
-        return step == self.cfg.run.steps or (every > 0 and step % every == 0)
+        if every > 0 and step % every == 0:
+            return True
+        return step == self.cfg.run.steps and self.cfg.run.save_final
 
     def transfer_batch(self, it: int, share: Optional[Batch]) -> Optional[Batch]:
         """The replicas' rollouts (GATHER) -> one batch on every trainer rank (BROADCAST)."""

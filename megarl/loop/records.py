@@ -73,6 +73,8 @@ def step_record(
         # bytes this (first trainer) rank sent in the sync, and the sync's rate
         "weight_sync_bytes": last_sync.bytes_sent if sync_s and last_sync else 0,
         "weight_sync_transfer_s": last_sync.seconds if sync_s and last_sync else 0.0,
+        # sync (colocated) mode sends nothing: what its copy wrote into this rank's engine
+        "weight_sync_bytes_copied": last_sync.bytes_received if sync_s and last_sync else 0,
     }
     record.update({k: v for k, v in m.items() if k not in record and not isinstance(v, (list, dict))})
     return record

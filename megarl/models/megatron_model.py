@@ -10,6 +10,7 @@ between a CPU test and a GPU cluster.
 from __future__ import annotations
 
 import importlib.util
+import os
 from typing import Any, Optional
 
 import torch
@@ -39,8 +40,22 @@ def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = DEFAULT_VOCA
     return -(-vocab_size // multiple) * multiple
 
 
+# MEGARL_TRANSFORMER_ENGINE=0 builds the local spec where TE imports (scripts/cluster_check.sh runs
+# both specs on one node to compare them); =1 insists on TE; unset or "auto": TE wherever it is usable
+TE_SWITCH = "MEGARL_TRANSFORMER_ENGINE"
+
+
 def transformer_engine_usable() -> bool:
-    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+    wanted = os.environ.get(TE_SWITCH, "auto")
+    if wanted not in ("0", "1", "auto"):
+        raise ValueError(f"{TE_SWITCH}={wanted!r}: 0 (local spec), 1 (Transformer Engine) or auto")
+    available = torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+    if wanted == "1" and not available:
+        raise RuntimeError(
+            f"{TE_SWITCH}=1: Transformer Engine is not usable here (it needs a CUDA GPU and transformer_engine "
+            f"importable; CUDA available: {torch.cuda.is_available()})"
+        )
+    return available and wanted != "0"
 
 
 def transformer_config(

@@ -8,8 +8,10 @@ process it starts, so any import of them on the train path fails the test.
 """
 
 import json
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -104,6 +106,46 @@ def test_gpu_check_runs_megarl_train_with_only_torch_and_megatron(tmp_path, back
         assert 0 < result["kl_step1"] < 1e-4
     assert result["steps"] == 3 and result["lag_max"] <= 2 and result["lag_mean"] > 0
     assert result["trainer_tokens_per_s"] > 0 and result["generator_tokens_per_s"] > 0 and result["sync_seconds"] > 0
-    assert result["trainer_mfu"] is None  # no peak FLOP/s known for a CPU
+    assert result["trainer_mfu_datasheet"] is None  # no datasheet peak for a CPU
     if preset == "tiny-moe":  # top 2 of 4 experts: fewer parameters per token than in the model
         assert result["active_parameters_B"] < result["parameters_B"]
+
+
+@pytest.mark.slow
+def test_gpu_check_stopped_by_sigterm_keeps_each_step_line_and_a_partial_summary(tmp_path):
+    """What `timeout` does to the check at a GPU window's end: the steps done stay in --results
+    (written as produced), the summary of those steps is written and printed, nothing is left running."""
+    results = tmp_path / "results.jsonl"
+    args = ["--device", "cpu", "--preset", "tiny", "--mode", "sync", "--steps", "50", "--prompts-per-step", "2"]
+    args += ["--samples", "2", "--prompt-len", "8", "--max-new-tokens", "16", "--max-running", "4"]
+    args += ["--microbatch-tokens", "64", "--workdir", str(tmp_path / "work"), "--results", str(results)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "megarl.bench.gpu_check", *args],
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    deadline = time.time() + 600
+    while (
+        sum(json.loads(x)["kind"] == "step" for x in (results.read_text() if results.exists() else "").splitlines()) < 2
+    ):
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode != 0  # stopped, not finished
+    lines = [json.loads(x) for x in results.read_text().splitlines()]
+    kinds = [x["kind"] for x in lines]
+    assert kinds[0] == "startup" and kinds[-1] == "result" and set(kinds[1:-1]) == {"step"}
+    steps = [x["step"] for x in lines if x["kind"] == "step"]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 2
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary == {k: v for k, v in lines[-1].items() if k != "kind"}  # the printed line is the file's last
+    assert (
+        summary["complete"] is False and summary["steps"] >= len(steps) and summary["exit_code"] == 128 + signal.SIGTERM
+    )
+    assert not (tmp_path / "work" / "run" / "checkpoints").exists()
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert str(tmp_path / "work") not in ps  # the job's ranks were ended with the driver
