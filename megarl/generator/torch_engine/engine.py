@@ -280,8 +280,9 @@ class TorchEngine(GeneratorBackend):
             torch.tensor(last_rows, device=device),
         )
         if self.routes is not None:
+            step_routes = self.model.routes.cpu()  # one copy per step, after the forward: none per layer
             for (seq, start, length), segment in zip(work, segments):
-                rows = self.model.routes[segment.offset : segment.offset + length]
+                rows = step_routes[segment.offset : segment.offset + length]
                 self.routes[seq.slot, start : start + length] = rows
         return logits if want_logits else None
 
