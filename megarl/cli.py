@@ -161,6 +161,18 @@ def build_parser() -> argparse.ArgumentParser:
     att.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
     att.add_argument("--reps", type=int, default=10, help="timed calls of each (alternated)")
 
+    moe_decode = bench_sub.add_parser(
+        "moe-decode",
+        help="the torch engine's MoE decode: experts routed on the device vs the per-expert loop (layer and step)",
+    )
+    moe_decode.add_argument("--preset", default="qwen3-moe-mini", help="a mixture-of-experts model preset")
+    moe_decode.add_argument("--layers", type=int, default=8, help="layers of the decode step's model")
+    moe_decode.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64], help="sequences decoding")
+    moe_decode.add_argument("--context", type=int, default=128, help="cached positions of each sequence")
+    moe_decode.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
+    moe_decode.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    moe_decode.add_argument("--reps", type=int, default=5, help="timed calls of each (alternated)")
+
     epi = bench_sub.add_parser(
         "episodes", help="multi-turn episodes: each turn's KV cache parked for the next vs every context prefilled"
     )
@@ -351,6 +363,20 @@ def dispatch(args: argparse.Namespace) -> None:
         from megarl.bench import attention
 
         attention.run(attention.AttentionBench(seqs=tuple(args.seq), dtype=args.dtype, reps=args.reps))
+    elif args.command == "bench" and args.benchmark == "moe-decode":
+        from megarl.bench import moe_decode
+
+        moe_decode.run(
+            moe_decode.MoeDecodeBench(
+                preset=args.preset,
+                layers=args.layers,
+                batch=tuple(args.batch),
+                context=args.context,
+                dtype=args.dtype,
+                device=args.device,
+                reps=args.reps,
+            )
+        )
     elif args.command == "bench" and args.benchmark == "episodes":
         from megarl.bench import episodes
 
