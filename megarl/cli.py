@@ -172,6 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     moe_decode.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
     moe_decode.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     moe_decode.add_argument("--reps", type=int, default=5, help="timed calls of each (alternated)")
+    moe_decode.add_argument(
+        "--parts", nargs="+", default=["layer", "step"], choices=["layer", "step"], help="what to time"
+    )
 
     epi = bench_sub.add_parser(
         "episodes", help="multi-turn episodes: each turn's KV cache parked for the next vs every context prefilled"
@@ -375,6 +378,7 @@ def dispatch(args: argparse.Namespace) -> None:
                 dtype=args.dtype,
                 device=args.device,
                 reps=args.reps,
+                parts=tuple(args.parts),
             )
         )
     elif args.command == "bench" and args.benchmark == "episodes":

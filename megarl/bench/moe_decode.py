@@ -46,6 +46,7 @@ class MoeDecodeBench:
     dtype: str = "bf16"
     device: str = "cpu"
     reps: int = 5
+    parts: Tuple[str, ...] = ("layer", "step")
 
 
 class _LoopModel(SglangLayoutModel):
@@ -171,7 +172,7 @@ def run(b: MoeDecodeBench) -> dict:
         "layer": {},
         "step": {},
     }
-    for batch in b.batch:
+    for batch in b.batch if "layer" in b.parts else ():
         r = result["layer"][str(batch)] = bench_layer(spec, params, batch, b.reps, b.device)
         print(
             f"MoE layer, batch {batch}: loop {r['loop_ms']:.2f} ms, device-routed {r['device_routed_ms']:.2f} ms "
@@ -179,7 +180,7 @@ def run(b: MoeDecodeBench) -> dict:
             f"host reads {r['host_reads']['loop']} -> {r['host_reads']['device_routed']}; equal {r['equal']})",
             flush=True,
         )
-    for batch in b.batch:
+    for batch in b.batch if "step" in b.parts else ():
         r = result["step"][str(batch)] = bench_step(spec, params, batch, b.context, b.reps, b.device)
         print(
             f"decode step of {b.layers} layers, batch {batch}: loop {r['loop_ms']:.1f} ms, device-routed "
