@@ -71,6 +71,12 @@ BENCHMARKS = (
         bench.run_learning,
     ),
     Command(
+        "moe-decode",
+        "the torch engine's MoE decode: experts routed on the device vs the per-expert loop (layer and step)",
+        bench.add_moe_decode_args,
+        bench.run_moe_decode,
+    ),
+    Command(
         "gpu-check",
         "`megarl train` on one GPU (trainer and engine sharing it): MFU, tokens/s, sync GB/s (JSON lines)",
         bench.add_gpu_check_args,

@@ -154,3 +154,21 @@ def run_gpu_check(args: argparse.Namespace) -> None:
     from megarl.bench import gpu_check
 
     gpu_check.run(args)
+
+
+def add_moe_decode_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="qwen3-moe-mini", help="a mixture-of-experts model preset")
+    p.add_argument("--layers", type=int, default=8, help="layers of the decode step's model")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64], help="sequences decoding")
+    p.add_argument("--context", type=int, default=128, help="cached positions of each sequence")
+    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--reps", type=int, default=5, help="timed calls of each (alternated)")
+    p.add_argument("--parts", nargs="+", default=["layer", "step"], choices=["layer", "step"], help="what to time")
+
+
+def run_moe_decode(args: argparse.Namespace) -> None:
+    from megarl.bench import moe_decode
+
+    opts = options(args)
+    moe_decode.run(moe_decode.MoeDecodeBench(**{**opts, "batch": tuple(opts["batch"]), "parts": tuple(opts["parts"])}))

@@ -57,8 +57,10 @@ def sample(
         else:
             chosen = draw(logp.exp(), [generators[row] for row in rows])
         picked = logp.gather(1, chosen[:, None])[:, 0]
-        for row, token, lp in zip(rows, chosen.tolist(), picked.tolist()):
-            tokens[row], logprobs[row] = token, lp
+        # one host read for the step: token ids are exact in float64, as float32 log-probs are
+        chosen_host, picked_host = torch.stack((chosen.double(), picked.double())).tolist()
+        for row, token, lp in zip(rows, chosen_host, picked_host):
+            tokens[row], logprobs[row] = int(token), lp
     return tokens, logprobs
 
 
@@ -71,9 +73,10 @@ def draw(probs: torch.Tensor, generators: List[Optional[torch.Generator]]) -> to
     row (the exponential-race trick): 49152 random numbers per token, ~1 ms a row on the CPU,
     more than a decode step's forward at batch 64. This draws one number per row."""
     cdf = probs.cumsum(dim=-1)
-    u = torch.cat([torch.rand(1, generator=g, device=probs.device) for g in generators])
+    # the generators live on the host (a GPU engine's too): B draws there, one copy to the device
+    u = torch.cat([torch.rand(1, generator=g) for g in generators]).to(probs.device, non_blocking=True)
     chosen = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
-    for row in (chosen >= probs.shape[-1]).nonzero()[:, 0].tolist():
-        # u * total rounded up to the total: the last entry with any mass, never a zero one
-        chosen[row] = int(probs[row].nonzero()[-1])
-    return chosen
+    # u * total rounded up to the total: the last entry with any mass, never a zero one -- chosen
+    # on the device for every row (no host read of which rows need it)
+    last_with_mass = probs.shape[-1] - 1 - torch.argmax((probs.flip(-1) != 0).to(torch.uint8), dim=-1)
+    return torch.where(chosen >= probs.shape[-1], last_with_mass, chosen)

@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 
 from megarl.generator import sampling
@@ -41,3 +42,14 @@ def test_temperature_rows_record_the_log_prob_of_the_drawn_token():
     want = torch.log_softmax(logits.double() / 0.7, -1)
     for row, (t, lp) in enumerate(zip(tokens, logprobs)):
         assert abs(want[row, t].item() - lp) <= 1e-6
+
+
+def test_draw_reads_no_value_on_the_host():
+    """On the meta device (shapes, no values) an op that must read a value on the host to go on
+    raises -- on a GPU, a synchronisation per step. The draw runs there; the per-row fallback it
+    replaced (which rows rounded past the total: ``nonzero``, then a loop over them) does not."""
+    probs = torch.rand(4, 50).to("meta")
+    chosen = sampling.draw(probs, [torch.Generator().manual_seed(i) for i in range(4)])
+    assert chosen.device.type == "meta" and chosen.shape == (4,) and chosen.dtype == torch.long
+    with pytest.raises(NotImplementedError, match="nonzero"):
+        (chosen >= probs.shape[-1]).nonzero()

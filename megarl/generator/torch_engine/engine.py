@@ -160,7 +160,9 @@ class TorchEngine(GeneratorBackend):
             for i in range(r.n):
                 g = None
                 if r.params.seed is not None:
-                    g = torch.Generator(device=self.model.device).manual_seed(r.params.seed + i)
+                    # on the host, whatever the model's device: the sampler draws each row's uniform
+                    # there and moves the batch's in one copy (sampling.draw), not one launch a row
+                    g = torch.Generator().manual_seed(r.params.seed + i)
                 self.waiting.append(_Sequence(r, i, tokens=list(r.prompt_ids), generator=g))
 
     def pause(self) -> None:
@@ -280,8 +282,9 @@ class TorchEngine(GeneratorBackend):
             torch.tensor(last_rows, device=device),
         )
         if self.routes is not None:
+            step_routes = self.model.routes.cpu()  # one copy per step, after the forward: none per layer
             for (seq, start, length), segment in zip(work, segments):
-                rows = self.model.routes[segment.offset : segment.offset + length]
+                rows = step_routes[segment.offset : segment.offset + length]
                 self.routes[seq.slot, start : start + length] = rows
         return logits if want_logits else None
 

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megarl.generator.torch_engine import moe as moe_ops
 from megarl.generator.torch_engine import native
 from megarl.generator.torch_engine.kernels import LinearKernels
 from megarl.models.spec import ModelSpec
@@ -113,7 +114,8 @@ class SglangLayoutModel:
         ``ep``: SGLang's --ep-size for the experts (layouts.sglang_expert_shard)."""
         self.spec, self.params, self.tp, self.tp_rank, self.group, self.fp8 = spec, params, tp, tp_rank, group, fp8
         self.first_expert = sglang_expert_shard(spec, tp, tp_rank, ep)[0][0] if spec.moe else 0
-        self.routes: Optional[torch.Tensor] = None  # [T, layers, top_k] of the last forward (-1: dense layer)
+        # [T, layers, top_k] of the last forward (-1: dense layer), on the device until the forward returns
+        self.routes: Optional[torch.Tensor] = None
         self.heads = spec.num_attention_heads // tp
         kv0, kv1 = sglang_kv_head_of(spec, tp, tp_rank)
         self.kv_heads = kv1 - kv0
@@ -143,11 +145,11 @@ class SglangLayoutModel:
             return fp8_format.dequantize(w, self.params[fp8_format.scale_name(name)]).to(self.dtype)
         return w
 
-    def _expert_weight(self, name: str, j: int) -> torch.Tensor:
-        """Local expert ``j`` of a stacked w13 / w2, dequantised (its own scales) when block fp8."""
-        w = self.params[name][j]
+    def _expert_weights(self, name: str) -> torch.Tensor:
+        """A stacked w13 / w2 of the local experts, dequantised (each expert its own scales) when block fp8."""
+        w = self.params[name]
         if w.dtype == fp8_format.FP8_DTYPE:
-            return fp8_format.dequantize(w, self.params[fp8_format.scale_name(name)][j]).to(self.dtype)
+            return fp8_format.dequantize(w, self.params[fp8_format.scale_name(name)]).to(self.dtype)
         return w
 
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
@@ -227,7 +229,9 @@ class SglangLayoutModel:
             decode_rows = torch.tensor([s.offset for s in decode], dtype=torch.long, device=tokens.device)
         plan = self._decode_plan(decode, cache, tokens.device) if decode else None
         if self.spec.moe is not None:
-            self.routes = torch.full((len(tokens), self.spec.num_layers, self.spec.moe.top_k), -1, dtype=torch.int16)
+            self.routes = torch.full(
+                (len(tokens), self.spec.num_layers, self.spec.moe.top_k), -1, dtype=torch.int16, device=tokens.device
+            )
         delta = None  # the last sublayer's output, added to the residual x by the next norm
         for i in range(self.spec.num_layers):
             p = f"model.layers.{i}."
@@ -276,24 +280,13 @@ class SglangLayoutModel:
 
     def _experts(self, h: torch.Tensor, p: str, layer: int) -> torch.Tensor:
         """This rank's part of a sparse MLP: route every token (the router is replicated), then
-        apply each local expert's shard to its tokens, weighted by their routing weights."""
+        apply the local experts' shards to their tokens, weighted by their routing weights, all
+        on the device (moe.py); the routes stay on the device until the forward returns."""
         moe = self.spec.moe
-        probs = F.softmax(F.linear(h, self.params[p + "mlp.gate.weight"]).float(), dim=-1)
-        weights, experts = torch.topk(probs, moe.top_k, dim=-1)
-        if moe.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(h.dtype)
+        weights, experts = moe_ops.route(h, self.params[p + "mlp.gate.weight"], moe.top_k, moe.norm_topk_prob)
         self.routes[:, layer] = experts.to(torch.int16)
-        w13, w2 = p + "mlp.experts.w13_weight", p + "mlp.experts.w2_weight"
-        out = torch.zeros_like(h)
-        for j in range(self.params[w13].shape[0]):
-            rows, slot = torch.nonzero(experts == self.first_expert + j, as_tuple=True)
-            if rows.numel() == 0:
-                continue
-            gate, up = F.linear(h[rows], self._expert_weight(w13, j)).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self._expert_weight(w2, j)) * weights[rows, slot, None]
-            out.index_add_(0, rows, y)
-        return out
+        w13, w2 = (self._expert_weights(p + "mlp.experts." + w) for w in ("w13_weight", "w2_weight"))
+        return moe_ops.apply_experts(h, weights, experts, w13, w2, self.first_expert)
 
     def _attend_ragged(self, q, k, v, segments: List[Segment], cache: KVCache, layer: int, out: torch.Tensor) -> None:
         """Sequences with several new tokens: each attends causally to its cache prefix and new tokens."""
