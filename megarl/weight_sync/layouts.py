@@ -85,11 +85,6 @@ def logical_shapes(spec: ModelSpec) -> Dict[str, Tuple[int, ...]]:
     return hf_tensor_shapes(spec)
 
 
-def _full(logical: str, shape: Tuple[int, ...], local_row: int = 0, rows: Range = None) -> Block:
-    rows = rows or (0, shape[0])
-    return Block(logical, rows, (0, shape[1] if len(shape) > 1 else 1), local_row)
-
-
 def _stack(name: str, parts: List[Tuple[str, Range, Range]], ncols: int) -> LocalTensor:
     """Local tensor made of row blocks (logical, rows, cols) stacked in order."""
     blocks, row = [], 0
