@@ -201,14 +201,14 @@ class _Endpoint:
             peer: wire_rounds(ms, wire.dtype, wire.bucket_bytes, wire.pack_below_bytes)
             for peer, ms in self.peers.items()
         }
-        self._check_params()
+        self._prepare()
 
     def _pair_messages(self) -> Dict[int, List[Message]]:
         """Each peer's planned messages with this rank, in order."""
         raise NotImplementedError
 
-    def _check_params(self) -> None:
-        """Raise, naming the rank, when ``params`` lack what the plan moves."""
+    def _prepare(self) -> None:
+        """This side's own state from the plan; raise, naming the rank, when ``params`` lack what it moves."""
         raise NotImplementedError
 
     def _pack(self, peer: int, k: int, device) -> torch.Tensor:
@@ -244,7 +244,7 @@ class WeightSender(_Endpoint):
             dst: pair_messages(plan, rank, dst, self.fp8, self.boxes) for (src, dst) in plan.transfers if src == rank
         }
 
-    def _check_params(self) -> None:
+    def _prepare(self) -> None:
         missing = {t.src_param for ms in self.plan.sends_of(self.rank).values() for t in ms} - set(self.params)
         if missing:
             raise WeightSyncError(
@@ -373,7 +373,7 @@ class WeightReceiver(_Endpoint):
             src: pair_messages(plan, src, rank, self.fp8, self.boxes) for (src, dst) in plan.transfers if dst == rank
         }
 
-    def _check_params(self) -> None:
+    def _prepare(self) -> None:
         self.late_quantised = receiver_quantised_params(self.plan, self.rank, self.boxes) if self.fp8 else set()
         missing = {t.name for t in self.plan.dst_layouts[self.rank]} - set(self.params)
         if missing:
