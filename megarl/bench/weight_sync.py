@@ -61,6 +61,7 @@ from megarl.weight_sync.fp8 import check_fp8_experts
 from megarl.weight_sync.layouts import check_sglang_tp
 from megarl.weight_sync.planner import build_plan
 from megarl.weight_sync.predict import Links, predict, rank_bytes, transfer_bytes
+from megarl.weight_sync.settings import SyncGeometry, SyncSettings, WireFormat
 
 
 @dataclass(frozen=True)
@@ -302,6 +303,19 @@ def _baseline_fp8(b: WeightSyncBench, spec: ModelSpec) -> bool:
     return b.fp8 and fp8_supported(spec, b.generator_dims().tp, b.generator_dims().ep)
 
 
+def _settings(b: WeightSyncBench, spec: ModelSpec) -> SyncSettings:
+    """megarl's sync as the bench runs it: bf16 on the wire, --fp8, --verify, --bucket-mb."""
+    geometry = SyncGeometry(spec, b.trainer_dims(), b.generator_dims())
+    return SyncSettings(
+        geometry, WireFormat(fp8=b.fp8, dtype=torch.bfloat16, bucket_bytes=b.bucket_bytes, verify=b.verify)
+    )
+
+
+def _baseline(settings: SyncSettings, b: WeightSyncBench) -> SyncSettings:
+    """The baseline's: the same, but bf16 where its per-HF-weight fp8 cannot go (_baseline_fp8)."""
+    return replace(settings, wire=replace(settings.wire, fp8=_baseline_fp8(b, settings.geometry.spec)))
+
+
 def _trainer_rank(b: WeightSyncBench, port: int, out_dir: str) -> None:
     # Megatron-Core costs ~4 s over torch's import (and prints TE/Apex warnings): only the trainer
     # ranks build a Megatron model; --plan-only and the generator ranks need none of it
@@ -309,7 +323,7 @@ def _trainer_rank(b: WeightSyncBench, port: int, out_dir: str) -> None:
 
     rank = init_distributed()
     spec = model_spec(b.model)
-    dims, gdims = b.trainer_dims(), b.generator_dims()
+    dims = b.trainer_dims()
     if dist.get_world_size() != dims.world_size:
         raise MegarlError(
             f"trainer world of {dist.get_world_size()} ranks, the layout {dims.describe()} has {dims.world_size}"
@@ -338,23 +352,10 @@ def _trainer_rank(b: WeightSyncBench, port: int, out_dir: str) -> None:
                 shard = tp_rank if getattr(p, "tensor_model_parallel", False) else 0
             seed = (pp_rank * 1000 + i) * 1000 + shard
             p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)) * 0.02)
-    trainer, generator = dims, gdims
     sources = {dims.rank(pp_rank=s): s for s in range(dims.pp)}  # each stage's TP-0 / DP-0 rank broadcasts
     sync, stages = _groups(b, port, rank, lambda s: 0 if sources.get(rank) == s else None)
-    plan = build_plan(spec, trainer, generator)
-    ours = TrainerSync(
-        spec,
-        trainer,
-        generator,
-        chunks,
-        sync,
-        rank,
-        fp8=b.fp8,
-        wire_dtype=torch.bfloat16,
-        verify=b.verify,
-        plan=plan,
-        bucket_bytes=b.bucket_bytes,
-    )
+    settings = _settings(b, spec)
+    ours = TrainerSync(settings, chunks, sync, rank)
     params = megatron_params(chunks)
     tp_group = parallel_state.get_tensor_model_parallel_group()
     expert_group = parallel_state.get_expert_tensor_and_model_parallel_group() if experts else None
@@ -368,18 +369,7 @@ def _trainer_rank(b: WeightSyncBench, port: int, out_dir: str) -> None:
         times.append(time.perf_counter() - start)
         dist.barrier(group=sync)
         start = time.perf_counter()
-        base = gather_broadcast_send(
-            spec,
-            trainer,
-            rank,
-            params,
-            tp_group,
-            stage_group,
-            torch.bfloat16,
-            b.bucket_bytes,
-            fp8=_baseline_fp8(b, spec),
-            expert_group=expert_group,
-        )
+        base = gather_broadcast_send(_baseline(settings, b), rank, params, tp_group, stage_group, expert_group)
         dist.barrier(group=sync)
         base_times.append(time.perf_counter() - start)
     Path(out_dir, f"trainer{rank}.json").write_text(
@@ -400,25 +390,12 @@ def _generator_rank(b: WeightSyncBench, port: int, out_dir: str) -> None:
     rank = init_distributed()
     spec = model_spec(b.model)
     dims, gdims = b.trainer_dims(), b.generator_dims()
-    trainer, generator = dims, gdims
     sync_rank = dims.world_size + rank
     sync, stages = _groups(b, port, sync_rank, lambda s: 1 + rank)
     replica, tp_rank = gdims.replica_of(rank)
     params = allocate_generator_params(spec, gdims.tp, tp_rank, torch.bfloat16, b.fp8, ep=gdims.ep)
-    ours = GeneratorSync(
-        spec,
-        trainer,
-        generator,
-        replica,
-        tp_rank,
-        params,
-        sync,
-        fp8=b.fp8,
-        wire_dtype=torch.bfloat16,
-        verify=b.verify,
-        plan=build_plan(spec, trainer, generator),
-        bucket_bytes=b.bucket_bytes,
-    )
+    settings = _settings(b, spec)
+    ours = GeneratorSync(settings, replica, tp_rank, params, sync)
     base_params = allocate_generator_params(
         spec, gdims.tp, tp_rank, torch.bfloat16, _baseline_fp8(b, spec), ep=gdims.ep
     )
@@ -429,16 +406,7 @@ def _generator_rank(b: WeightSyncBench, port: int, out_dir: str) -> None:
         dist.barrier(group=sync)
         dist.barrier(group=sync)
         base = gather_broadcast_receive(
-            spec,
-            trainer,
-            gdims.tp,
-            tp_rank,
-            base_params,
-            [stages[s] for s in range(dims.pp)],
-            torch.bfloat16,
-            b.bucket_bytes,
-            fp8=_baseline_fp8(b, spec),
-            ep=gdims.ep,
+            _baseline(settings, b), tp_rank, base_params, [stages[s] for s in range(dims.pp)]
         )
         dist.barrier(group=sync)
     Path(out_dir, f"generator{rank}.json").write_text(

@@ -55,6 +55,7 @@ from megarl.runtime.failure import fail_rank
 from megarl.runtime.heartbeat import Heartbeat
 from megarl.runtime.job import Job, init_job
 from megarl.weight_sync import factory as weights
+from megarl.weight_sync.settings import SyncRendezvous
 from megarl.weight_sync.synchronizer import NoWeights, SglangShardReceiver, WeightSynchronizer
 
 CHECKPOINTS = "checkpoints"
@@ -281,50 +282,29 @@ def _weight_synchronizer(parts: Rank) -> WeightSynchronizer:
     layout = cfg.layout()
     if layout.colocated:
         return weights.colocated_copy(spec, trainer.chunks, parts.engine, norm_names)
-    dims, gen = topo.trainer, topo.generator
+    settings = weights.sync_settings(cfg, spec, norm_names)
     if not layout.server_generators:
         if trainer is not None:
-            return weights.in_world_sender(spec, dims, gen, trainer.chunks, job, g, norm_names)
+            return weights.in_world_sender(settings, trainer.chunks, job)
         replica, tp_rank = topo.replica_of(job.rank)
-        return weights.in_world_receiver(spec, dims, gen, parts.engine, job, replica, tp_rank, g, norm_names)
+        return weights.in_world_receiver(settings, parts.engine, job, replica, tp_rank)
     if trainer is not None:
         host, port = sglang_rendezvous(cfg)
-        group_backend = "nccl" if job.device == "cuda" and not job.shared_devices else "gloo"
-        timeout_s = g.sglang_startup_timeout_s + 600.0  # the first sync waits for the servers to start
+        rendezvous = SyncRendezvous(
+            host,
+            port,
+            backend="nccl" if job.device == "cuda" and not job.shared_devices else "gloo",
+            timeout_s=g.sglang_startup_timeout_s + 600.0,  # the first sync waits for the servers to start
+            group_name=sglang_serving.SYNC_GROUP_NAME,
+        )
         first = job.rank == topo.first_trainer_rank
         if first:  # the servers' workers read how to join and what they receive
-            sglang_serving.write_sync_config(
-                sglang_serving.sync_config_path(cfg.run.output_dir),
-                spec,
-                dims,
-                gen,
-                host,
-                port,
-                g.fp8,
-                verify=g.verify_sync,
-                backend=group_backend,
-                timeout_s=timeout_s,
-                wire_dtype=g.dtype,
-                norm_names=norm_names,
-            )
+            sglang_serving.write_sync_config(sglang_serving.sync_config_path(cfg.run.output_dir), settings, rendezvous)
         if not g.sglang_urls:  # launched servers start from the trainer's policy
             sglang_launch.publish_policy(
                 trainer.chunks, spec, cfg.run.output_dir, job.store, trainer.tokenizer_files, first
             )
-        return weights.external_sender(
-            spec,
-            dims,
-            gen,
-            trainer.chunks,
-            job,
-            g,
-            norm_names,
-            host,
-            port,
-            group_backend,
-            timeout_s,
-            sglang_serving.SYNC_GROUP_NAME,
-        )
+        return weights.external_sender(settings, trainer.chunks, job, rendezvous)
     if parts.generator is not None:
         return SglangShardReceiver(parts.engine, g.tp, sglang_serving.WORKER_LOADER)
     return NoWeights()

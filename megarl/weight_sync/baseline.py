@@ -43,11 +43,13 @@ from megarl.weight_sync import fp8 as fp8_format
 from megarl.weight_sync.layouts import (
     ExpertShard,
     LocalTensor,
+    MegatronShard,
     logical_shapes,
     megatron_rank_layout,
     sglang_rank_layout,
 )
-from megarl.weight_sync.transport import DEFAULT_BUCKET_BYTES, as_2d
+from megarl.weight_sync.settings import DEFAULT_BUCKET_BYTES, SyncSettings
+from megarl.weight_sync.transport import as_2d
 
 # Hugging Face weights a block-fp8 checkpoint stores as e4m3 + weight_scale_inv.
 HF_FP8_LINEARS = (
@@ -118,9 +120,8 @@ def stage_layouts(
 ) -> StageLayouts:
     def layout(tp_rank, ep_rank=0, etp_rank=0):
         experts = ExpertShard(trainer.ep, ep_rank, trainer.expert_tp, etp_rank)
-        tensors = megatron_rank_layout(
-            spec, trainer.tp, trainer.pp, tp_rank, pp_rank, vocab_divisible_by, norm_names, experts=experts
-        )
+        shard = MegatronShard(trainer.tp, trainer.pp, tp_rank, pp_rank, experts=experts)
+        tensors = megatron_rank_layout(spec, shard, vocab_divisible_by, norm_names)
         return {t.name: t for t in tensors}
 
     dense = tuple(layout(r) for r in range(trainer.tp))
@@ -197,26 +198,19 @@ def _flat_numel(entries: Sequence[Entry]) -> int:
 
 
 def gather_broadcast_send(
-    spec: ModelSpec,
-    trainer: ParallelDims,
-    sync_rank: int,
-    params: Dict[str, torch.Tensor],
-    tp_group,
-    stage_group,
-    wire_dtype: torch.dtype,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    fp8: bool = False,
-    norm_names: str = "local",
-    vocab_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY,
-    expert_group=None,
+    settings: SyncSettings, sync_rank: int, params: Dict[str, torch.Tensor], tp_group, stage_group, expert_group=None
 ) -> dict:
     """Trainer side, on every trainer rank. ``tp_group``: Megatron's TP group of this rank;
     ``expert_group``: its expert-tensor x expert-model-parallel group (Megatron's
     ``get_expert_tensor_and_model_parallel_group``; needed when EP x ETP > 1); ``stage_group``:
     the stage's broadcast group (stage source = its rank 0, generator worker w = rank 1 + w) on
     the stage source, None elsewhere. ``sync_rank`` numbers the trainer ranks in Megatron's order
-    (ParallelDims.coords), as the default process group does."""
+    (ParallelDims.coords), as the default process group does. Of ``settings.wire`` the baseline
+    reads fp8, dtype and bucket_bytes (slime's path has no checksums and no packing)."""
     start = time.perf_counter()
+    spec, trainer = settings.geometry.spec, settings.geometry.trainer
+    vocab_divisible_by, norm_names = settings.geometry.vocab_divisible_by, settings.geometry.norm_names
+    wire_dtype, bucket_bytes, fp8 = settings.wire.dtype, settings.wire.bucket_bytes, settings.wire.fp8
     coords = trainer.coords(sync_rank)
     pp_rank = coords["pp"]
     source = coords["tp"] == 0 and coords["dp"] == 0 and coords["cp"] == 0
@@ -331,21 +325,15 @@ def _block_range(lo: int, hi: int, size: int, what: str) -> Tuple[int, int]:
 
 
 def gather_broadcast_receive(
-    spec: ModelSpec,
-    trainer: ParallelDims,
-    tp: int,
-    tp_rank: int,
-    params: Dict[str, torch.Tensor],
-    stage_groups: Sequence,
-    wire_dtype: torch.dtype,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    fp8: bool = False,
-    ep: int = 1,
+    settings: SyncSettings, tp_rank: int, params: Dict[str, torch.Tensor], stage_groups: Sequence
 ) -> dict:
     """Generator side: receive every stage's buckets in stage order (``stage_groups[s]``:
-    stage s's broadcast group), keep this rank's SGLang shard of each full tensor (``ep``: the
-    generator's --ep-size)."""
+    stage s's broadcast group), keep this rank's SGLang shard of each full tensor (TP rank
+    ``tp_rank`` of a replica at ``settings.geometry.generator``'s tp and --ep-size)."""
     start = time.perf_counter()
+    spec, trainer = settings.geometry.spec, settings.geometry.trainer
+    tp, ep = settings.geometry.generator.tp, settings.geometry.generator.ep
+    wire_dtype, bucket_bytes, fp8 = settings.wire.dtype, settings.wire.bucket_bytes, settings.wire.fp8
     index = _cut_index(spec, tp, tp_rank, ep)
     shapes = logical_shapes(spec)
     device = _device(params)

@@ -49,6 +49,7 @@ from megarl.weight_sync import fp8 as fp8_format
 from megarl.weight_sync.endpoints import megatron_params
 from megarl.weight_sync.layouts import (
     MEGATRON_NORM_NAMES,
+    MegatronShard,
     Range,
     logical_shapes,
     megatron_rank_layout,
@@ -125,7 +126,10 @@ def build_copy_program(
     seen = set()  # (logical, rows, cols) regions already taken from some step
     steps: List[Step] = []
     for stage in range(pp):
-        layouts = [megatron_rank_layout(spec, tp, pp, t, stage, vocab_divisible_by, norm_names) for t in range(tp)]
+        layouts = [
+            megatron_rank_layout(spec, MegatronShard(tp, pp, t, stage), vocab_divisible_by, norm_names)
+            for t in range(tp)
+        ]
         for i, first in enumerate(layouts[0]):
             shards = [layout[i] for layout in layouts]
             assert all(s.name == first.name and s.shape == first.shape for s in shards)
@@ -251,11 +255,23 @@ def _quantise_into(
         temps.free((r1 - r0) * cols * 4)
 
 
-def _shards_of(
-    step: Step, local, pp_rank, tp_rank, tp, pp, tp_group, pp_group, dtype, temps: _Temps, stats: ColocatedCopyStats
-):
+@dataclass(frozen=True)
+class _Place:
+    """This rank among Megatron's TP and PP groups (parallel_state's)."""
+
+    tp: int
+    tp_rank: int
+    tp_group: object
+    pp: int
+    pp_rank: int
+    pp_group: object
+
+
+def _shards_of(step: Step, local, place: _Place, dtype, temps: _Temps, stats: ColocatedCopyStats):
     """The shards of ``step``'s parameter this rank needs, as [rows, cols] views, and the
     bytes of the temporary buffer behind them."""
+    tp, tp_rank, pp, pp_rank = place.tp, place.tp_rank, place.pp, place.pp_rank
+    tp_group, pp_group = place.tp_group, place.pp_group
     n = torch.Size(step.shape).numel()
     owner = step.stage == pp_rank
     mine = None
@@ -317,6 +333,7 @@ def copy_colocated(
     tp, tp_rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
     pp, pp_rank = mpu.get_pipeline_model_parallel_world_size(), mpu.get_pipeline_model_parallel_rank()
     tp_group, pp_group = mpu.get_tensor_model_parallel_group(), mpu.get_pipeline_model_parallel_group()
+    place = _Place(tp, tp_rank, tp_group, pp, pp_rank, pp_group)
     local = megatron_params(chunks)
     dtypes = {t.dtype for t in local.values()}
     if len(dtypes) != 1:
@@ -332,7 +349,7 @@ def copy_colocated(
     )
 
     for step in program.steps:
-        shards, held = _shards_of(step, local, pp_rank, tp_rank, tp, pp, tp_group, pp_group, dtype, temps, stats)
+        shards, held = _shards_of(step, local, place, dtype, temps, stats)
         fp8_rects: Dict[str, List[Rect]] = defaultdict(list)
         for r in step.rects:
             dst = engine_params[r.dst]

@@ -1,6 +1,9 @@
 """The two ends of a weight sync, as a trainer rank and a generator worker see them.
 
-Trainer rank: ``TrainerSync(spec, trainer, generator, chunks, group).push(version)``
+Both ends take one ``SyncSettings`` (settings.py: the two layouts and the wire format), equal on
+every rank of the sync, and each derives the same plan from it.
+
+Trainer rank: ``TrainerSync(settings, chunks, group, sync_rank).push(version)``
 sends this rank's part of the plan straight from its Megatron parameters.
 
 Both take ``ipc_peers``: the sync ranks on this same GPU (find them with
@@ -10,7 +13,7 @@ through shared memory; that needs a gloo sync group.
 Generator worker: ``allocate_generator_params`` gives the SGLang-layout tensors
 of one TP rank (what megarl's reference engine holds; inside SGLang the
 model's own parameters play this role), and
-``GeneratorSync(..., params, group).pull()`` fills them in place.
+``GeneratorSync(settings, replica, tp_rank, params, group).pull()`` fills them in place.
 """
 
 from __future__ import annotations
@@ -20,11 +23,11 @@ from typing import Dict, List, Optional, Set
 import torch
 
 from megarl.models.spec import ModelSpec
-from megarl.parallel_dims import GeneratorDims, ParallelDims, generator_rank
 from megarl.weight_sync import fp8 as fp8_format
 from megarl.weight_sync.layouts import sglang_rank_layout
-from megarl.weight_sync.planner import SyncPlan, build_plan
-from megarl.weight_sync.transport import DEFAULT_BUCKET_BYTES, SyncStats, WeightReceiver, WeightSender
+from megarl.weight_sync.planner import SyncPlan
+from megarl.weight_sync.settings import SyncSettings
+from megarl.weight_sync.transport import SyncStats, WeightReceiver, WeightSender
 
 
 def megatron_params(chunks: List[torch.nn.Module]) -> Dict[str, torch.Tensor]:
@@ -64,26 +67,19 @@ def allocate_generator_params(
 
 
 class TrainerSync:
+    """A trainer rank's end: ``sync_rank`` in ``group`` (trainer ranks first, Megatron's order)."""
+
     def __init__(
         self,
-        spec: ModelSpec,
-        trainer: ParallelDims,
-        generator: GeneratorDims,
+        settings: SyncSettings,
         chunks: List[torch.nn.Module],
         group,
         sync_rank: int,
-        fp8: bool = False,
-        wire_dtype: torch.dtype = torch.bfloat16,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        verify: bool = False,
         plan: SyncPlan | None = None,
         ipc_peers: Optional[Set[int]] = None,
-        norm_names: str = "local",
     ):
-        self.plan = plan or build_plan(spec, trainer, generator, norm_names)
-        self.sender = WeightSender(
-            self.plan, sync_rank, group, megatron_params(chunks), fp8, wire_dtype, bucket_bytes, verify, ipc_peers
-        )
+        self.plan = plan or settings.geometry.plan()
+        self.sender = WeightSender(self.plan, sync_rank, group, megatron_params(chunks), settings.wire, ipc_peers)
 
     @torch.no_grad()
     def push(self, version: int) -> SyncStats:
@@ -91,28 +87,21 @@ class TrainerSync:
 
 
 class GeneratorSync:
+    """Generator replica ``replica``'s TP rank ``tp_rank``: its SGLang-layout ``params`` filled in place."""
+
     def __init__(
         self,
-        spec: ModelSpec,
-        trainer: ParallelDims,
-        generator: GeneratorDims,
+        settings: SyncSettings,
         replica: int,
         tp_rank: int,
         params: Dict[str, torch.Tensor],
         group,
-        fp8: bool = False,
-        wire_dtype: torch.dtype = torch.bfloat16,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        verify: bool = False,
         plan: SyncPlan | None = None,
         ipc_peers: Optional[Set[int]] = None,
-        norm_names: str = "local",
     ):
-        self.plan = plan or build_plan(spec, trainer, generator, norm_names)
-        self.sync_rank = generator_rank(trainer, generator, replica, tp_rank)
-        self.receiver = WeightReceiver(
-            self.plan, self.sync_rank, group, params, fp8, wire_dtype, bucket_bytes, verify, ipc_peers
-        )
+        self.plan = plan or settings.geometry.plan()
+        self.sync_rank = settings.geometry.generator_rank(replica, tp_rank)
+        self.receiver = WeightReceiver(self.plan, self.sync_rank, group, params, settings.wire, ipc_peers)
 
     @torch.no_grad()
     def pull(self, expected_version: int | None = None) -> SyncStats:

@@ -1,5 +1,9 @@
 """Build one rank's WeightSynchronizer of each kind (the wiring, loop/wiring.py, picks which).
 
+    sync_settings       the config's reading, in one place: SyncSettings (settings.py) -- the
+                        trainer's and the generators' layouts, the wire format -- that every
+                        endpoint below takes
+
     colocated_copy      sync mode, every rank: ColocatedCopy into its own engine
     in_world_sender     a trainer rank whose generators are ranks of the job (torch engine):
                         ShardToShardSender over the job's weight-sync group
@@ -19,18 +23,23 @@ from __future__ import annotations
 
 import torch
 
-from megarl.layout import disaggregated_world_size
-from megarl.parallel_dims import GeneratorDims, ParallelDims, generator_rank
-from megarl.runtime.rendezvous import init_sync_group
+from megarl.config import Config
+from megarl.models.spec import ModelSpec
 from megarl.weight_sync.endpoints import GeneratorSync
 from megarl.weight_sync.ipc import colocated_peers
-from megarl.weight_sync.planner import build_plan
+from megarl.weight_sync.settings import SyncGeometry, SyncRendezvous, SyncSettings, WireFormat
 from megarl.weight_sync.synchronizer import ColocatedCopy, EngineShardReceiver, ShardToShardSender
 
 
-def wire_dtype(generator_dtype: str) -> torch.dtype:
-    """Non-fp8 bytes travel in the generator's dtype (generator.dtype): exact for its weights, never wider."""
-    return torch.bfloat16 if generator_dtype == "bf16" else torch.float32
+def sync_settings(cfg: Config, spec: ModelSpec, norm_names: str = "local") -> SyncSettings:
+    """The weight sync of a disaggregated run, as the config sets it: from the trainer's layout
+    (``norm_names``: its layer spec's, "local" | "te") to the generators', in block fp8 or the
+    generator's dtype (generator.fp8, generator.dtype), checksummed when generator.verify_sync."""
+    layout, g = cfg.layout(), cfg.generator
+    geometry = SyncGeometry(spec, layout.trainer, layout.generator, norm_names)
+    # the engine's dtype, as generator/factory.py allocates it: exact for its weights, never wider
+    wire_dtype = torch.bfloat16 if g.dtype == "bf16" else torch.float32
+    return SyncSettings(geometry, WireFormat(fp8=g.fp8, dtype=wire_dtype, verify=g.verify_sync))
 
 
 def _device(job):
@@ -41,86 +50,27 @@ def colocated_copy(spec, chunks, backend, norm_names: str) -> ColocatedCopy:
     return ColocatedCopy(spec, chunks, backend, norm_names)
 
 
-def in_world_sender(spec, trainer: ParallelDims, generator: GeneratorDims, chunks, job, g, norm_names: str):
-    """``g``: the config's GeneratorConfig section (fp8, verify_sync, dtype)."""
+def in_world_sender(settings: SyncSettings, chunks, job) -> ShardToShardSender:
+    """A trainer rank whose generators are ranks of the job, over the job's sync group."""
     # a collective over the sync group: trainer and generator ranks on one GPU pair up for CUDA IPC
     peers = colocated_peers(job.sync_group, job.rank, _device(job))
-    return ShardToShardSender(
-        spec,
-        trainer,
-        generator,
-        chunks,
-        job.rank,
-        g.fp8,
-        g.verify_sync,
-        wire_dtype(g.dtype),
-        connect=lambda: (job.sync_group, peers),
-        eager=True,
-        norm_names=norm_names,
-    )
+    return ShardToShardSender(settings, chunks, job.rank, connect=lambda: (job.sync_group, peers), eager=True)
 
 
-def in_world_receiver(
-    spec, trainer: ParallelDims, generator: GeneratorDims, backend, job, replica: int, tp_rank: int, g, norm_names: str
-) -> EngineShardReceiver:
+def in_world_receiver(settings: SyncSettings, backend, job, replica: int, tp_rank: int) -> EngineShardReceiver:
     """A generator rank of the job, its engine's parameters ``backend.params`` filled in place."""
     peers = colocated_peers(job.sync_group, job.rank, _device(job))
-    if job.rank != generator_rank(trainer, generator, replica, tp_rank):
+    if job.rank != settings.geometry.generator_rank(replica, tp_rank):
         raise RuntimeError(f"rank {job.rank} is not generator replica {replica}'s TP rank {tp_rank} in the sync group")
-    receiver = GeneratorSync(
-        spec,
-        trainer,
-        generator,
-        replica,
-        tp_rank,
-        backend.params,
-        job.sync_group,
-        fp8=g.fp8,
-        wire_dtype=wire_dtype(g.dtype),
-        verify=g.verify_sync,
-        plan=build_plan(spec, trainer, generator, norm_names),
-        ipc_peers=peers,
-    )
+    receiver = GeneratorSync(settings, replica, tp_rank, backend.params, job.sync_group, ipc_peers=peers)
     return EngineShardReceiver(backend, receiver)
 
 
-def external_sender(
-    spec,
-    trainer: ParallelDims,
-    generator: GeneratorDims,
-    chunks,
-    job,
-    g,
-    norm_names: str,
-    host: str,
-    port: int,
-    group_backend: str,
-    timeout_s: float,
-    group_name: str,
-) -> ShardToShardSender:
+def external_sender(settings: SyncSettings, chunks, job, rendezvous: SyncRendezvous) -> ShardToShardSender:
     """A trainer rank sending to workers outside the job: the group forms at the first sync."""
 
     def connect():
-        group = init_sync_group(
-            host,
-            port,
-            disaggregated_world_size(trainer, generator),
-            job.rank,
-            group_name=group_name,
-            backend=group_backend,
-            timeout_s=timeout_s,
-        )
+        group = rendezvous.join(settings.geometry.world_size, job.rank)
         return group, colocated_peers(group, job.rank, _device(job))
 
-    return ShardToShardSender(
-        spec,
-        trainer,
-        generator,
-        chunks,
-        job.rank,
-        g.fp8,
-        g.verify_sync,
-        wire_dtype(g.dtype),
-        connect=connect,
-        norm_names=norm_names,
-    )
+    return ShardToShardSender(settings, chunks, job.rank, connect=connect)

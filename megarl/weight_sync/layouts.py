@@ -85,11 +85,6 @@ def logical_shapes(spec: ModelSpec) -> Dict[str, Tuple[int, ...]]:
     return hf_tensor_shapes(spec)
 
 
-def _full(logical: str, shape: Tuple[int, ...], local_row: int = 0, rows: Range = None) -> Block:
-    rows = rows or (0, shape[0])
-    return Block(logical, rows, (0, shape[1] if len(shape) > 1 else 1), local_row)
-
-
 def _stack(name: str, parts: List[Tuple[str, Range, Range]], ncols: int) -> LocalTensor:
     """Local tensor made of row blocks (logical, rows, cols) stacked in order."""
     blocks, row = [], 0
@@ -137,77 +132,86 @@ MEGATRON_NORM_NAMES = {
 }
 
 
+@dataclass(frozen=True)
+class MegatronShard:
+    """Which Megatron rank: (tp_rank, pp_rank) of a TP x PP grid, its ``vp`` virtual stages
+    (interleaved pipeline; None: one chunk per stage) and its place among the experts (None: EP1
+    with expert TP = TP, Megatron's default expert_tensor_parallel_size)."""
+
+    tp: int
+    pp: int
+    tp_rank: int
+    pp_rank: int
+    vp: Optional[int] = None
+    experts: Optional["ExpertShard"] = None
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """One model chunk of a rank: ``layers`` layers from global ``first_layer``; ``first`` / ``last``:
+    it holds the embedding / the final norm and output layer; ``split``: the model spans several chunks."""
+
+    first_layer: int
+    layers: int
+    first: bool
+    last: bool
+    split: bool
+
+    @classmethod
+    def stage(cls, spec: ModelSpec, shard: MegatronShard) -> "_Chunk":
+        """The whole of stage ``pp_rank`` (no virtual stages)."""
+        per_stage = spec.num_layers // shard.pp
+        return cls(
+            shard.pp_rank * per_stage, per_stage, shard.pp_rank == 0, shard.pp_rank == shard.pp - 1, shard.pp > 1
+        )
+
+
 def megatron_rank_layout(
     spec: ModelSpec,
-    tp: int,
-    pp: int,
-    tp_rank: int,
-    pp_rank: int,
+    shard: MegatronShard,
     vocab_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY,
     norm_names: str = "local",
-    vp: Optional[int] = None,
-    experts: Optional["ExpertShard"] = None,
 ) -> List[LocalTensor]:
-    """The parameters of Megatron rank (tp_rank, pp_rank), by their names in GPTModel; a model
-    with experts also needs the rank's ``experts`` (its EP and expert-TP coordinates; default EP1
-    with expert TP = TP, Megatron's default expert_tensor_parallel_size).
+    """The parameters of Megatron rank ``shard``, by their names in GPTModel; a model with experts
+    also needs the rank's ``shard.experts`` (its EP and expert-TP coordinates).
 
-    With ``vp`` virtual stages (interleaved pipeline) the rank holds ``vp`` model
+    With ``shard.vp`` virtual stages (interleaved pipeline) the rank holds ``vp`` model
     chunks; chunk v's names carry the prefix ``"{v}/"`` (as ``endpoints.megatron_params``
     names them) and its layers start at Megatron's offset
     v x layers/vp + pp_rank x layers/(pp x vp).
     """
-    experts = experts or ExpertShard(1, 0, tp, tp_rank)
-    if vp is None:
-        return _stage_layout(spec, tp, pp, tp_rank, pp_rank, vocab_divisible_by, norm_names, experts)
+    if shard.experts is None:
+        shard = dataclasses.replace(shard, experts=ExpertShard(1, 0, shard.tp, shard.tp_rank))
+    if shard.vp is None:
+        return _stage_layout(spec, shard, vocab_divisible_by, norm_names, _Chunk.stage(spec, shard))
+    vp, pp, pp_rank = shard.vp, shard.pp, shard.pp_rank
     per_chunk = spec.num_layers // (pp * vp)
     out: List[LocalTensor] = []
     for v in range(vp):
-        chunk = _stage_layout(
-            spec,
-            tp,
-            pp,
-            tp_rank,
-            pp_rank,
-            vocab_divisible_by,
-            norm_names,
-            experts,
+        chunk = _Chunk(
             first_layer=v * (spec.num_layers // vp) + pp_rank * per_chunk,
             layers=per_chunk,
             first=v == 0 and pp_rank == 0,
             last=v == vp - 1 and pp_rank == pp - 1,
             split=True,
         )
-        out += [dataclasses.replace(t, name=f"{v}/{t.name}") for t in chunk]
+        out += [
+            dataclasses.replace(t, name=f"{v}/{t.name}")
+            for t in _stage_layout(spec, shard, vocab_divisible_by, norm_names, chunk)
+        ]
     return out
 
 
 def _stage_layout(
-    spec: ModelSpec,
-    tp: int,
-    pp: int,
-    tp_rank: int,
-    pp_rank: int,
-    vocab_divisible_by: int,
-    norm_names: str,
-    experts: "ExpertShard",
-    first_layer: Optional[int] = None,
-    layers: Optional[int] = None,
-    first: Optional[bool] = None,
-    last: Optional[bool] = None,
-    split: Optional[bool] = None,
+    spec: ModelSpec, shard: MegatronShard, vocab_divisible_by: int, norm_names: str, chunk: _Chunk
 ) -> List[LocalTensor]:
-    """One model chunk: ``layers`` layers from global ``first_layer``; ``first`` / ``last``: it holds
-    the embedding / the final norm and output layer; ``split``: the model spans several chunks."""
+    """One model chunk of rank ``shard`` (its TP slice of every tensor)."""
+    tp, tp_rank, experts = shard.tp, shard.tp_rank, shard.experts
+    first_layer, per_stage, first, last, split = chunk.first_layer, chunk.layers, chunk.first, chunk.last, chunk.split
     h, f, d = spec.hidden_size, spec.ffn_hidden_size, spec.head_dim
     shapes = logical_shapes(spec)
     qpg = spec.q_per_kv
     qkv_rows = spec.qkv_rows // tp  # TP splits the grouped rows evenly, even mid-group (tp > n_kv)
-    per_stage = spec.num_layers // pp if layers is None else layers
-    first_layer = pp_rank * per_stage if first_layer is None else first_layer
-    first = pp_rank == 0 if first is None else first
-    last = pp_rank == pp - 1 if last is None else last
-    split = pp > 1 if split is None else split
     attn_norm, mlp_norm = MEGATRON_NORM_NAMES[norm_names]
     out: List[LocalTensor] = []
     padded = padded_vocab_size(spec.vocab_size, tp, vocab_divisible_by)

@@ -32,6 +32,7 @@ from megarl.weight_sync.layouts import (
     Block,
     ExpertShard,
     LocalTensor,
+    MegatronShard,
     Range,
     megatron_rank_layout,
     sglang_rank_layout,
@@ -105,9 +106,8 @@ def build_plan(
         key = (dense["tp"], dense["pp"], expert["ep"], expert["etp"])
         if key not in layouts_by_coords:
             experts = ExpertShard(trainer.ep, expert["ep"], trainer.expert_tp, expert["etp"])
-            layouts_by_coords[key] = megatron_rank_layout(
-                spec, trainer.tp, trainer.pp, dense["tp"], dense["pp"], vocab_divisible_by, norm_names, vp, experts
-            )
+            shard = MegatronShard(trainer.tp, trainer.pp, dense["tp"], dense["pp"], vp, experts)
+            layouts_by_coords[key] = megatron_rank_layout(spec, shard, vocab_divisible_by, norm_names)
         for tensor in layouts_by_coords[key]:
             for block in tensor.blocks:
                 copies = sources[block.logical].setdefault((block.rows, block.cols), [])

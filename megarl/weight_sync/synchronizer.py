@@ -27,10 +27,9 @@ import abc
 import time
 from typing import Callable, Tuple
 
-import torch
-
 from megarl.weight_sync.colocated import copy_colocated
 from megarl.weight_sync.endpoints import TrainerSync
+from megarl.weight_sync.settings import SyncSettings
 from megarl.weight_sync.transport import SyncStats
 
 
@@ -56,38 +55,20 @@ class ShardToShardSender(WeightSynchronizer):
 
     def __init__(
         self,
-        spec,
-        trainer_dims,
-        generator_dims,
+        settings: SyncSettings,
         chunks,
         sync_rank: int,
-        fp8: bool,
-        verify: bool,
-        wire_dtype: torch.dtype,
         connect: Callable[[], Tuple[object, set]],
         eager: bool = False,
-        norm_names: str = "local",
     ):
-        self.args = (spec, trainer_dims, generator_dims, chunks)
-        self.norm_names = norm_names
-        self.sync_rank, self.fp8, self.verify, self.wire_dtype = sync_rank, fp8, verify, wire_dtype
-        self.connect = connect
+        self.settings, self.chunks, self.sync_rank, self.connect = settings, chunks, sync_rank, connect
         self.sender = None
         if eager:
             self._connect()
 
     def _connect(self) -> None:
         group, peers = self.connect()
-        self.sender = TrainerSync(
-            *self.args,
-            group,
-            self.sync_rank,
-            fp8=self.fp8,
-            wire_dtype=self.wire_dtype,
-            verify=self.verify,
-            ipc_peers=peers,
-            norm_names=self.norm_names,
-        )
+        self.sender = TrainerSync(self.settings, self.chunks, group, self.sync_rank, ipc_peers=peers)
 
     def sync(self, version: int) -> SyncStats:
         if self.sender is None:

@@ -48,18 +48,7 @@ from megarl.weight_sync.schedule import (
     receiver_quantised_params,
     sender_quantised_boxes,
 )
-
-DEFAULT_BUCKET_BYTES = 64 << 20
-
-# Payloads below this size share one flat buffer per (pair, round). Why 1 MiB: a
-# point-to-point message has a fixed cost -- NCCL ~10-30 us per send/recv, about
-# what a 50 GB/s NIC needs for 1 MiB, while packing 1 MiB costs one copy in and one
-# out at HBM speed (~1 us); gloo on this project's 2-core CPU machine ~220-280 us,
-# about what copying 1 MiB in and out costs there (~0.1-0.2 ms each way), so 1 MiB
-# is near the break-even on CPU and safely below it on GPUs. Larger rectangles
-# (nearly all bytes of a real model: a 405B TP8 linear shard is tens of MB) stay
-# zero-copy: packing them would add memory traffic and staging memory for nothing.
-PACK_BELOW_BYTES = 1 << 20
+from megarl.weight_sync.settings import DEFAULT_BUCKET_BYTES, PACK_BELOW_BYTES, WireFormat
 
 
 class WeightSyncError(MegarlError):
@@ -184,32 +173,43 @@ def _region(pack: torch.Tensor, offset: int, spec: Tuple[Tuple[int, int], torch.
 
 
 class _Endpoint:
+    """One rank's end of a planned sync; WeightSender and WeightReceiver share this constructor.
+
+    ``params``: this rank's tensors by name (Megatron's on a sender, SGLang's on a receiver);
+    ``wire``: what goes on the wire, equal on both ends; ``ipc_peers``: the sync ranks on this
+    same device, whose bytes go through shared memory (ipc.py)."""
+
     def __init__(
         self,
         plan: SyncPlan,
         rank: int,
         group,
-        fp8: bool,
-        wire_dtype: torch.dtype,
-        bucket_bytes: int,
-        verify: bool,
-        ipc_peers: Optional[Set[int]],
-        pack_below_bytes: int,
+        params: Dict[str, torch.Tensor],
+        wire: WireFormat = WireFormat(),
+        ipc_peers: Optional[Set[int]] = None,
     ):
-        self.plan, self.rank, self.group = plan, rank, group
-        self.fp8, self.wire_dtype, self.bucket_bytes, self.verify = fp8, wire_dtype, bucket_bytes, verify
-        self.pack_below_bytes = pack_below_bytes
-        self.boxes = sender_quantised_boxes(plan) if fp8 else {}
+        self.plan, self.rank, self.group, self.wire = plan, rank, group, wire
+        self.fp8, self.wire_dtype, self.verify = wire.fp8, wire.dtype, wire.verify
+        self.boxes = sender_quantised_boxes(plan) if wire.fp8 else {}
+        self.params = {name: as_2d(t) for name, t in params.items()}
         # Peers on this same device: their bytes go through shared memory (ipc.py).
         self.ipc_peers = set(ipc_peers or ())
         self.staging: Dict[int, torch.Tensor] = {}
         self.packs: Dict[int, List[torch.Tensor]] = {}  # peer -> two pack buffers (double buffering)
-
-    def _wire_rounds(self, peers: Dict[int, List[Message]]) -> Dict[int, List[WireRound]]:
-        return {
-            peer: wire_rounds(ms, self.wire_dtype, self.bucket_bytes, self.pack_below_bytes)
-            for peer, ms in peers.items()
+        self.peers: Dict[int, List[Message]] = self._pair_messages()
+        self.rounds = {
+            peer: wire_rounds(ms, wire.dtype, wire.bucket_bytes, wire.pack_below_bytes)
+            for peer, ms in self.peers.items()
         }
+        self._prepare()
+
+    def _pair_messages(self) -> Dict[int, List[Message]]:
+        """Each peer's planned messages with this rank, in order."""
+        raise NotImplementedError
+
+    def _prepare(self) -> None:
+        """This side's own state from the plan; raise, naming the rank, when ``params`` lack what it moves."""
+        raise NotImplementedError
 
     def _pack(self, peer: int, k: int, device) -> torch.Tensor:
         """Round k's pack buffer for ``peer`` (two per peer, alternating, reused across syncs)."""
@@ -238,29 +238,17 @@ class _Endpoint:
 class WeightSender(_Endpoint):
     """Trainer side: ``params`` maps this rank's Megatron parameter names to tensors."""
 
-    def __init__(
-        self,
-        plan: SyncPlan,
-        rank: int,
-        group,
-        params: Dict[str, torch.Tensor],
-        fp8: bool = False,
-        wire_dtype: torch.dtype = torch.bfloat16,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        verify: bool = False,
-        ipc_peers: Optional[Set[int]] = None,
-        pack_below_bytes: int = PACK_BELOW_BYTES,
-    ):
-        super().__init__(plan, rank, group, fp8, wire_dtype, bucket_bytes, verify, ipc_peers, pack_below_bytes)
-        self.params = {name: as_2d(t) for name, t in params.items()}
-        self.peers = {
-            dst: pair_messages(plan, rank, dst, fp8, self.boxes) for (src, dst) in plan.transfers if src == rank
+    def _pair_messages(self) -> Dict[int, List[Message]]:
+        plan, rank = self.plan, self.rank
+        return {
+            dst: pair_messages(plan, rank, dst, self.fp8, self.boxes) for (src, dst) in plan.transfers if src == rank
         }
-        self.rounds = self._wire_rounds(self.peers)
-        missing = {t.src_param for ms in plan.sends_of(rank).values() for t in ms} - set(self.params)
+
+    def _prepare(self) -> None:
+        missing = {t.src_param for ms in self.plan.sends_of(self.rank).values() for t in ms} - set(self.params)
         if missing:
             raise WeightSyncError(
-                f"sync rank {rank}: the plan sends parameters this rank does not hold: {sorted(missing)[:5]}"
+                f"sync rank {self.rank}: the plan sends parameters this rank does not hold: {sorted(missing)[:5]}"
             )
 
     def _payload(self, m: Message) -> List[torch.Tensor]:
@@ -379,30 +367,17 @@ class WeightReceiver(_Endpoint):
     (with ``<name>_scale_inv`` tensors for fp8 weights in fp8 mode). Small enough
     to run inside an SGLang TP worker as well as in megarl's own engine."""
 
-    def __init__(
-        self,
-        plan: SyncPlan,
-        rank: int,
-        group,
-        params: Dict[str, torch.Tensor],
-        fp8: bool = False,
-        wire_dtype: torch.dtype = torch.bfloat16,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        verify: bool = False,
-        ipc_peers: Optional[Set[int]] = None,
-        pack_below_bytes: int = PACK_BELOW_BYTES,
-    ):
-        super().__init__(plan, rank, group, fp8, wire_dtype, bucket_bytes, verify, ipc_peers, pack_below_bytes)
-        self.params = {name: as_2d(t) for name, t in params.items()}
-        self.peers = {
-            src: pair_messages(plan, src, rank, fp8, self.boxes) for (src, dst) in plan.transfers if dst == rank
+    def _pair_messages(self) -> Dict[int, List[Message]]:
+        plan, rank = self.plan, self.rank
+        return {
+            src: pair_messages(plan, src, rank, self.fp8, self.boxes) for (src, dst) in plan.transfers if dst == rank
         }
-        self.rounds = self._wire_rounds(self.peers)
-        self.late_quantised = receiver_quantised_params(plan, rank, self.boxes) if fp8 else set()
-        expected = {t.name for t in plan.dst_layouts[rank]}
-        missing = expected - set(self.params)
+
+    def _prepare(self) -> None:
+        self.late_quantised = receiver_quantised_params(self.plan, self.rank, self.boxes) if self.fp8 else set()
+        missing = {t.name for t in self.plan.dst_layouts[self.rank]} - set(self.params)
         if missing:
-            raise WeightSyncError(f"sync rank {rank}: receiver lacks parameters {sorted(missing)[:5]}")
+            raise WeightSyncError(f"sync rank {self.rank}: receiver lacks parameters {sorted(missing)[:5]}")
 
     def _dests(self, m: Message, staging: Dict[str, torch.Tensor]) -> List[torch.Tensor]:
         """Where each payload tensor of ``m`` ends up (views of the parameters, maybe strided)."""

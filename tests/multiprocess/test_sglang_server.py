@@ -183,6 +183,7 @@ def _hf_tensors(model_dir: Path):
 def test_tp2_workers_each_pull_their_own_shard_of_the_trainers_weights(tmp_path):
     from megarl.checkpointing.megatron_checkpoint import read_spec, resolve_checkpoint_dir
     from megarl.parallel_dims import GeneratorDims, ParallelDims
+    from megarl.weight_sync.settings import SyncGeometry, SyncRendezvous, SyncSettings, WireFormat
     from megarl.weight_sync.synchronizer import SglangShardReceiver
 
     served = make_tiny_llama(tmp_path / "served", seed=1)  # what the server loads at start
@@ -190,19 +191,13 @@ def test_tp2_workers_each_pull_their_own_shard_of_the_trainers_weights(tmp_path)
     megatron = tmp_path / "megatron"
     run_tool("convert_hf_to_megatron.py", "--hf-model", trained, "--output", megatron, "--tp", 1, "--pp", 1)
     spec = read_spec(resolve_checkpoint_dir(megatron))
-    sync_config = serving.write_sync_config(
-        tmp_path / "sync_config.json",
-        spec,
-        ParallelDims(tp=2),
-        GeneratorDims(tp=2),
-        "127.0.0.1",
-        server_port(),
-        fp8=False,
-        verify=True,
-        backend="gloo",
-        timeout_s=300.0,
-        wire_dtype="fp32",  # the tiny model is float32: every element must arrive exactly
+    settings = SyncSettings(
+        SyncGeometry(spec, ParallelDims(tp=2), GeneratorDims(tp=2)),
+        # the tiny model is float32: every element must arrive exactly
+        WireFormat(fp8=False, dtype=torch.float32, verify=True),
     )
+    rendezvous = SyncRendezvous("127.0.0.1", server_port(), "gloo", 300.0, serving.SYNC_GROUP_NAME)
+    sync_config = serving.write_sync_config(tmp_path / "sync_config.json", settings, rendezvous)
     dumps = tmp_path / "dumps"
     dumps.mkdir()
     server = SglangTestServer(

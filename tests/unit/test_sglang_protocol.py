@@ -411,3 +411,31 @@ def test_routed_experts_faults_are_named():
     # an abort megarl asked for carries no routes and is never trained: not an error
     aborted = protocol.parse_generate_output(_sglang_answer(output, [-1.0] * 2, {}, "abort"), REQUEST, 0, routes=LAYOUT)
     assert aborted.finish_reason == ABORTED and aborted.routed_experts is None
+
+
+def test_sync_config_gives_the_workers_the_settings_the_trainer_ranks_hold(tmp_path):
+    """The trainer ranks send with one SyncSettings; SGLang's workers rebuild theirs from the JSON
+    the job writes. Every field must survive: a receiver with another bucket size, pack threshold,
+    wire dtype or layout plans other rounds and the sync hangs or lands the wrong bytes."""
+    import torch
+
+    from megarl.models.presets import preset_spec
+    from megarl.parallel_dims import GeneratorDims, ParallelDims
+    from megarl.weight_sync.settings import SyncGeometry, SyncRendezvous, SyncSettings, WireFormat
+
+    geometry = SyncGeometry(
+        preset_spec("tiny"), ParallelDims(tp=2, pp=2, dp=1), GeneratorDims(tp=2, replicas=3), "te", 64
+    )
+    wire = WireFormat(fp8=True, dtype=torch.float32, bucket_bytes=12345, verify=True, pack_below_bytes=777)
+    settings, rendezvous = SyncSettings(geometry, wire), SyncRendezvous("10.0.0.7", 29517, "nccl", 1234.0, "g")
+    path = serving.write_sync_config(tmp_path / "sync_config.json", settings, rendezvous)
+    assert serving.read_sync_config(path) == (settings, rendezvous)
+    # each field is read back, not defaulted: a settings object differing in any one is told apart
+    for other in (
+        SyncSettings(geometry, WireFormat(fp8=True, dtype=torch.float32, verify=True, pack_below_bytes=777)),
+        SyncSettings(SyncGeometry(geometry.spec, geometry.trainer, geometry.generator), wire),
+    ):
+        serving.write_sync_config(path, other, rendezvous)
+        assert serving.read_sync_config(path) != (settings, rendezvous)
+    with pytest.raises(ValueError, match="wire dtype 'fp16'"):
+        WireFormat.named("fp16")

@@ -17,13 +17,11 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from megarl.checkpointing.model_loading import load_megatron_model  # noqa: E402
-from megarl.parallel_dims import GeneratorDims, ParallelDims  # noqa: E402
+from megarl.generator.sglang.serving import read_sync_config  # noqa: E402
 from megarl.runtime.distributed import init_distributed, init_megatron, shutdown  # noqa: E402
-from megarl.runtime.rendezvous import init_sync_group  # noqa: E402
 from megarl.weight_sync.ipc import colocated_peers  # noqa: E402
 from megarl.weight_sync.synchronizer import ShardToShardSender  # noqa: E402
 
@@ -35,37 +33,17 @@ def main():
     p.add_argument("--version", type=int, required=True)
     args = p.parse_args()
     rank = init_distributed()
-    cfg = json.load(open(args.sync_config))
-    trainer, generator = ParallelDims(**cfg["trainer"]), GeneratorDims(**cfg["generator"])
+    settings, rendezvous = read_sync_config(args.sync_config)  # what the SGLang workers read too
+    trainer = settings.geometry.trainer
     assert trainer.world_size == dist.get_world_size(), (trainer, dist.get_world_size())
     init_megatron(trainer)
-    spec, chunks = load_megatron_model(args.model, trainer)
+    _, chunks = load_megatron_model(args.model, trainer)
 
     def connect():
-        group = init_sync_group(
-            cfg["host"],
-            cfg["port"],
-            trainer.world_size + generator.world_size,
-            rank,
-            group_name=cfg["group_name"],
-            backend=cfg["backend"],
-            timeout_s=cfg["timeout_s"],
-        )
+        group = rendezvous.join(settings.geometry.world_size, rank)
         return group, colocated_peers(group, rank, None)
 
-    wire = torch.float32 if cfg["wire_dtype"] == "fp32" else torch.bfloat16
-    sender = ShardToShardSender(
-        spec,
-        trainer,
-        generator,
-        chunks,
-        rank,
-        cfg["fp8"],
-        cfg["verify"],
-        wire,
-        connect=connect,
-        norm_names=cfg.get("norm_names", "local"),
-    )
+    sender = ShardToShardSender(settings, chunks, rank, connect=connect)
     stats = sender.sync(args.version)
     print(json.dumps({"rank": rank, "version": stats.version, "bytes_sent": stats.bytes_sent}), flush=True)
     shutdown()

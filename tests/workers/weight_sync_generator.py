@@ -18,16 +18,15 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from weight_sync_cases import cases, trainer_sizes  # noqa: E402
-from weight_sync_trainer import pack_threshold, parse, stage_group, sync_group  # noqa: E402
+from weight_sync_trainer import case_settings, pack_threshold, parse, stage_group, sync_group  # noqa: E402
 
 from megarl.checkpointing.megatron_checkpoint import read_spec, resolve_checkpoint_dir  # noqa: E402
-from megarl.parallel_dims import GeneratorDims, ParallelDims, generator_rank
+from megarl.parallel_dims import GeneratorDims, ParallelDims
 from megarl.runtime.distributed import init_distributed, shutdown  # noqa: E402
 from megarl.runtime.rendezvous import destroy_sync_group  # noqa: E402
 from megarl.weight_sync import fp8 as fp8_format  # noqa: E402
 from megarl.weight_sync.baseline import gather_broadcast_receive  # noqa: E402
 from megarl.weight_sync.endpoints import GeneratorSync, allocate_generator_params  # noqa: E402
-from megarl.weight_sync.planner import build_plan  # noqa: E402
 from megarl.weight_sync.transport import SyncStats, WeightReceiver  # noqa: E402
 from tests.sglang_reference import SGLANG_FP8_WEIGHTS, block_fp8, sglang_shard  # noqa: E402
 
@@ -58,56 +57,23 @@ def main():
         replica, tp_rank = divmod(rank, case.dst_tp)
         params = allocate_generator_params(spec, case.dst_tp, tp_rank, case.dtype, case.fp8, ep=case.dst_ep)
         version += 1
+        settings = case_settings(args, spec, trainer, generator, case, version)
         if args.baseline:
             groups = [stage_group(store, version, s, args.generators, 1 + rank) for s in range(trainer.pp)]
-            got = gather_broadcast_receive(
-                spec,
-                trainer,
-                case.dst_tp,
-                tp_rank,
-                params,
-                groups,
-                case.dtype,
-                args.bucket_bytes,
-                fp8=case.fp8,
-                ep=case.dst_ep,
-            )
+            got = gather_broadcast_receive(settings, tp_rank, params, groups)
             for g in groups:
                 destroy_sync_group(g)
             stats = SyncStats(version=version, bytes_received=got["received_bytes"])
         else:
-            plan = build_plan(spec, trainer, generator)
+            plan = settings.geometry.plan()
             ipc_peers = set(range(args.trainers)) if args.ipc else None
-            pack_below = pack_threshold(args, version)
-            if pack_below is None:
-                stats = GeneratorSync(
-                    spec,
-                    trainer,
-                    generator,
-                    replica,
-                    tp_rank,
-                    params,
-                    group,
-                    fp8=case.fp8,
-                    wire_dtype=case.dtype,
-                    verify=True,
-                    plan=plan,
-                    bucket_bytes=args.bucket_bytes,
-                    ipc_peers=ipc_peers,
-                ).pull(expected_version=version)
+            if pack_threshold(args, version) is None:
+                sync = GeneratorSync(settings, replica, tp_rank, params, group, plan=plan, ipc_peers=ipc_peers)
+                stats = sync.pull(expected_version=version)
             else:
-                stats = WeightReceiver(
-                    plan,
-                    generator_rank(trainer, generator, replica, tp_rank),
-                    group,
-                    params,
-                    case.fp8,
-                    case.dtype,
-                    args.bucket_bytes,
-                    verify=True,
-                    ipc_peers=ipc_peers,
-                    pack_below_bytes=pack_below,
-                ).receive(expected_version=version)
+                sync_rank = settings.geometry.generator_rank(replica, tp_rank)
+                receiver = WeightReceiver(plan, sync_rank, group, params, settings.wire, ipc_peers)
+                stats = receiver.receive(expected_version=version)
         full, config = hf_tensors(case.model)
         reference = sglang_shard(full, config, case.dst_tp, tp_rank, case.dst_ep)
         record = {

@@ -13,6 +13,7 @@ import argparse
 import datetime
 import os
 import sys
+from dataclasses import replace
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.dirname(__file__))
@@ -26,7 +27,7 @@ from megarl.parallel_dims import GeneratorDims
 from megarl.runtime.distributed import init_distributed, init_megatron, shutdown  # noqa: E402
 from megarl.runtime.rendezvous import destroy_sync_group, init_sync_group  # noqa: E402
 from megarl.weight_sync.endpoints import TrainerSync, megatron_params  # noqa: E402
-from megarl.weight_sync.planner import build_plan  # noqa: E402
+from megarl.weight_sync.settings import SyncGeometry, SyncSettings, WireFormat  # noqa: E402
 from megarl.weight_sync.transport import WeightSender  # noqa: E402
 
 
@@ -52,36 +53,12 @@ def main():
             run_baseline(args, spec, trainer, chunks, rank, case, version, store)
             continue
         ipc_peers = set(range(world, world + args.generators)) if args.ipc else None
-        plan = build_plan(spec, trainer, generator)
-        pack_below = pack_threshold(args, version)
-        if pack_below is None:
-            TrainerSync(
-                spec,
-                trainer,
-                generator,
-                chunks,
-                group,
-                rank,
-                fp8=case.fp8,
-                wire_dtype=case.dtype,
-                verify=True,
-                plan=plan,
-                bucket_bytes=args.bucket_bytes,
-                ipc_peers=ipc_peers,
-            ).push(version)
+        settings = case_settings(args, spec, trainer, generator, case, version)
+        plan = settings.geometry.plan()
+        if pack_threshold(args, version) is None:
+            TrainerSync(settings, chunks, group, rank, plan=plan, ipc_peers=ipc_peers).push(version)
         else:
-            WeightSender(
-                plan,
-                rank,
-                group,
-                megatron_params(chunks),
-                case.fp8,
-                case.dtype,
-                args.bucket_bytes,
-                verify=True,
-                ipc_peers=ipc_peers,
-                pack_below_bytes=pack_below,
-            ).send(version)
+            WeightSender(plan, rank, group, megatron_params(chunks), settings.wire, ipc_peers).send(version)
     dist.barrier(group=group)
     shutdown()
 
@@ -100,6 +77,16 @@ def stage_group(store, version: int, stage: int, generators: int, rank_in_group:
     )
 
 
+def case_settings(args, spec, trainer, generator, case, version: int) -> SyncSettings:
+    """Case number ``version``'s settings: checksums on, --bucket-bytes, the case's fp8 and dtype,
+    and its pack threshold (None: the default)."""
+    pack_below = pack_threshold(args, version)
+    wire = WireFormat(fp8=case.fp8, dtype=case.dtype, bucket_bytes=args.bucket_bytes, verify=True)
+    if pack_below is not None:
+        wire = replace(wire, pack_below_bytes=pack_below)
+    return SyncSettings(SyncGeometry(spec, trainer, generator), wire)
+
+
 def pack_threshold(args, version: int):
     """The pack threshold of case number ``version`` (1-based); None (given as -1, or no
     --pack-below): the default, through TrainerSync / GeneratorSync."""
@@ -114,17 +101,14 @@ def run_baseline(args, spec, trainer, chunks, rank, case, version, store):
 
     sources = {trainer.rank(pp_rank=s): s for s in range(trainer.pp)}
     group = stage_group(store, version, sources[rank], args.generators, 0) if rank in sources else None
+    generator = GeneratorDims(tp=case.dst_tp, replicas=args.generators // case.dst_tp, ep=case.dst_ep)
     gather_broadcast_send(
-        spec,
-        trainer,
+        case_settings(args, spec, trainer, generator, case, version),
         rank,
         megatron_params(chunks),
         parallel_state.get_tensor_model_parallel_group(),
         group,
-        case.dtype,
-        args.bucket_bytes,
-        fp8=case.fp8,
-        expert_group=parallel_state.get_expert_tensor_and_model_parallel_group(check_initialized=False),
+        parallel_state.get_expert_tensor_and_model_parallel_group(check_initialized=False),
     )
     if group is not None:
         destroy_sync_group(group)

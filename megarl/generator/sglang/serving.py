@@ -21,13 +21,11 @@ import json
 import os
 import shlex
 import sys
-from dataclasses import asdict
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
-from megarl.models.spec import ModelSpec
-from megarl.parallel_dims import GeneratorDims, ParallelDims
 from megarl.weight_sync.fp8 import BLOCK_FP8_QUANT_CONFIG
+from megarl.weight_sync.settings import SyncRendezvous, SyncSettings
 
 WORKER_LOADER = "megarl.generator.sglang.worker_receiver.pull_shards"
 SYNC_GROUP_NAME = "megarl_sglang_weight_sync"
@@ -47,47 +45,21 @@ def block_fp8_hf_config(hf_config: Dict) -> Dict:
     return dict(hf_config, quantization_config=dict(BLOCK_FP8_QUANT_CONFIG))
 
 
-def write_sync_config(
-    path,
-    spec: ModelSpec,
-    trainer: ParallelDims,
-    generator: GeneratorDims,
-    host: str,
-    port: int,
-    fp8: bool,
-    verify: bool = False,
-    backend: str = "gloo",
-    timeout_s: float = 600.0,
-    wire_dtype: str = "bf16",
-    norm_names: str = "local",
-) -> str:
-    """The receiver's settings. ``backend``: gloo when a trainer rank may share a GPU with a
-    worker (bytes then go through CUDA IPC), nccl when every sync rank has its own GPU;
-    ``wire_dtype`` (bf16 | fp32): how non-fp8 bytes travel (the served dtype); ``norm_names``: the
-    trainer's layer spec ("te" | "local"), which names its parameters."""
+def write_sync_config(path, settings: SyncSettings, rendezvous: SyncRendezvous) -> str:
+    """What the servers' workers receive (``settings``: both layouts and the wire format, equal to
+    the trainer ranks') and where they join the trainer ranks' sync group (``rendezvous``)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(
-        json.dumps(
-            {
-                "spec": spec.to_dict(),
-                "trainer": asdict(trainer),
-                "generator": asdict(generator),
-                "host": host,
-                "port": port,
-                "fp8": fp8,
-                "verify": verify,
-                "backend": backend,
-                "group_name": SYNC_GROUP_NAME,
-                "timeout_s": timeout_s,
-                "wire_dtype": wire_dtype,
-                "norm_names": norm_names,
-            }
-        )
-    )
+    tmp.write_text(json.dumps({**settings.to_dict(), **rendezvous.to_dict()}))
     os.replace(tmp, path)  # a server reading it never sees half a file
     return str(path)
+
+
+def read_sync_config(path) -> Tuple[SyncSettings, SyncRendezvous]:
+    with open(path) as f:
+        d = json.load(f)
+    return SyncSettings.from_dict(d), SyncRendezvous.from_dict(d)
 
 
 def server_args(

@@ -25,7 +25,6 @@ ranks on the first update and kept.
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Dict, List, Tuple
 
@@ -33,18 +32,15 @@ import torch
 
 from megarl.errors import ConfigError
 from megarl.generator.sglang.protocol import parse_sync_trigger_name
-from megarl.generator.sglang.serving import SYNC_CONFIG_ENV
-from megarl.layout import disaggregated_world_size
-from megarl.models.spec import ModelSpec
-from megarl.parallel_dims import GeneratorDims, ParallelDims, generator_rank
-from megarl.runtime.rendezvous import init_sync_group
+from megarl.generator.sglang.serving import SYNC_CONFIG_ENV, read_sync_config
 from megarl.weight_sync.endpoints import GeneratorSync
 from megarl.weight_sync.ipc import colocated_peers
+from megarl.weight_sync.settings import SyncRendezvous, SyncSettings
 
 _STATE: Dict[str, object] = {}
 
 
-def _config() -> dict:
+def _config() -> Tuple[SyncSettings, SyncRendezvous]:
     path = os.environ.get(SYNC_CONFIG_ENV)
     if not path:
         raise ConfigError(
@@ -56,8 +52,7 @@ def _config() -> dict:
             f"{SYNC_CONFIG_ENV}={path}: no such file; the megarl job writes it at start -- is the run "
             f"directory shared with this server's node?"
         )
-    with open(path) as f:
-        return json.load(f)
+    return read_sync_config(path)
 
 
 def _model_params(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
@@ -73,39 +68,14 @@ def _tp_rank() -> int:
 def _receiver(model: torch.nn.Module, replica: int):
     if "sync" in _STATE:
         return _STATE["sync"]
-    cfg = _config()
-    spec = ModelSpec.from_dict(cfg["spec"])
-    trainer = ParallelDims(**cfg["trainer"])
-    generator = GeneratorDims(**cfg["generator"])
+    settings, rendezvous = _config()
     tp_rank = _tp_rank()
-    rank = generator_rank(trainer, generator, replica, tp_rank)
-    group = init_sync_group(
-        cfg["host"],
-        cfg["port"],
-        disaggregated_world_size(trainer, generator),
-        rank,
-        group_name=cfg["group_name"],
-        backend=cfg.get("backend"),
-        timeout_s=cfg.get("timeout_s", 600.0),
-    )
+    rank = settings.geometry.generator_rank(replica, tp_rank)
+    group = rendezvous.join(settings.geometry.world_size, rank)
     params = _model_params(model)
     # a trainer rank on this same GPU (single-GPU checks, colocated layouts): CUDA IPC, not NCCL
     peers = colocated_peers(group, rank, next(iter(params.values())).device)
-    wire = torch.float32 if cfg.get("wire_dtype") == "fp32" else torch.bfloat16
-    sync = GeneratorSync(
-        spec,
-        trainer,
-        generator,
-        replica,
-        tp_rank,
-        params,
-        group,
-        fp8=cfg["fp8"],
-        wire_dtype=wire,
-        verify=cfg.get("verify", False),
-        ipc_peers=peers,
-        norm_names=cfg.get("norm_names", "local"),
-    )
+    sync = GeneratorSync(settings, replica, tp_rank, params, group, ipc_peers=peers)
     _STATE["sync"] = sync
     return sync
 
