@@ -286,7 +286,8 @@ def run_row(
     end, start = (heldout_scores(evals[s], prefixes["heldout"], k) for s in (len(steps), 0))
     nan = {"n": 0, "greedy_accuracy": math.nan, "greedy_reward": math.nan, "sampled_reward": math.nan}
     val_end, val_start = (
-        heldout_scores(evals[s], prefixes["validation"], k) if "validation" in prefixes else nan for s in (len(steps), 0)
+        heldout_scores(evals[s], prefixes["validation"], k) if "validation" in prefixes else nan
+        for s in (len(steps), 0)
     )
     if len(prefixes) > 1:  # the answers file holds every set's, each marked with its set's name
         final_answers = [a for a in final_answers if a.get("set") == "heldout"]

@@ -156,8 +156,14 @@ def test_a_runs_row_by_hand():
     marked = [{"set": "heldout", **a} for a in answers] + [{"set": "validation", "response_tokens": [1] * 30}]
     row = learning.run_row("async", 3, two_sets, rollouts, marked, both, 12.5, 2)
     assert row == pytest.approx(
-        {**expected, "validation_n": 4, "validation_greedy_accuracy": 0.25, "validation_greedy_reward": 0.3,
-         "validation_sampled_reward": 0.225, "validation_start_greedy_accuracy": 0.125}  # fmt: skip
+        {
+            **expected,
+            "validation_n": 4,
+            "validation_greedy_accuracy": 0.25,
+            "validation_greedy_reward": 0.3,
+            "validation_sampled_reward": 0.225,
+            "validation_start_greedy_accuracy": 0.125,
+        }  # fmt: skip
     )
     unnamed = {**both, "data": {**both["data"], "eval": ["validation=repeat:4:0:validation", "repeat:8:0:heldout"]}}
     with pytest.raises(ConfigError, match="one must be named heldout"):
@@ -257,7 +263,15 @@ def test_report_only_needs_the_csvs(tmp_path):
 
 def test_arms_are_config_overrides_and_an_arm_can_be_added_or_replaced():
     repeat = learning.TASKS["repeat"]
-    assert list(learning.select_arms(repeat, [], [])) == ["sync", "async", "async_drop", "async_keep", "async_mask", "async_no_exclusion", "sync_g3"]
+    assert list(learning.select_arms(repeat, [], [])) == [
+        "sync",
+        "async",
+        "async_drop",
+        "async_keep",
+        "async_mask",
+        "async_no_exclusion",
+        "sync_g3",
+    ]
     arms = learning.select_arms(repeat, [], ["async_new: run.mode=async rollout.max_lag=2 'rollout.env_timeout_s=9'"])
     assert arms["async_new"] == ["run.mode=async", "rollout.max_lag=2", "rollout.env_timeout_s=9"]
     assert list(arms)[-1] == "async_new"
