@@ -728,13 +728,16 @@ def workdir_task(root: Path, task: Optional[str]) -> str:
 
 
 def _check_run_config(cfg, arm: str) -> None:
-    """What the bench needs of every arm's config: one held-out set, sampled answers, a fixed step count."""
+    """What the bench needs of every arm's config: one held-out set (beside it at most a validation set, the
+    two named heldout= and validation=), sampled answers, a fixed step count."""
     from megarl.config import eval_sets
 
     where = f"bench learning: arm {arm}:"
-    if len(eval_sets(cfg.data)) != 1:
+    sets = eval_sets(cfg.data)
+    if len(sets) != 1 and sorted(name for name, _ in sets) != ["heldout", "validation"]:
         raise ConfigError(
-            f"{where} data.eval must name one held-out set (the final policy's score), got {cfg.data.eval}"
+            f"{where} data.eval must name one held-out set (the final policy's score), or two named heldout= and "
+            f"validation=, got {cfg.data.eval}"
         )
     if cfg.data.eval_samples < 2:
         raise ConfigError(f"{where} data.eval_samples must be >= 2 (the sampled score), got {cfg.data.eval_samples}")
