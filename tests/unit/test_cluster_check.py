@@ -40,13 +40,13 @@ def test_every_planned_run_is_a_valid_config_at_a_layout_the_model_divides(tmp_p
         t, g = cfg.trainer, cfg.generator
         spec.check_parallelism(t.tp)
         spec.check_parallelism(g.tp)
-        assert cfg.world_size() <= gpus, path
+        assert cfg.layout().world_size <= gpus, path
     nccl = config_from_dict(json.loads((tmp_path / "nccl_sync" / "run.json").read_text()))
     assert (nccl.trainer.tp, nccl.generator.tp, nccl.generator.replicas) == (gpus // 2, gpus // 4, 2)
-    assert nccl.world_size() == gpus  # every GPU in the sync: trainer shards to generator shards
+    assert nccl.layout().world_size == gpus  # every GPU in the sync: trainer shards to generator shards
     bench = json.loads((tmp_path / "async_vs_sync" / "config.json").read_text())
     # the bench's sync run puts every rank in the trainer's data parallel group: its batch divides
-    assert config_from_dict(bench).world_size() == gpus
+    assert config_from_dict(bench).layout().world_size == gpus
     assert bench["rollout"]["prompts_per_step"] % gpus == 0
     te = {c.name: c for c in checks[0].commands}
     assert te["te"].env == {"MEGARL_TRANSFORMER_ENGINE": "1"} and te["local"].env == {"MEGARL_TRANSFORMER_ENGINE": "0"}
