@@ -21,8 +21,8 @@ requests to CPU at the torch boundary:
   (``single_rank_grad_sync``).
 * Megatron's MoE layers without Transformer Engine (``moe_cpu``), its torch norms
   under sequence parallelism (``torch_norm_sp``) and the uneven all-gather of the
-  alltoall dispatcher on gloo (``gloo_uneven_collectives``):
-  what TP x EP training needs on CPU. Each module says why and when to delete it.
+  alltoall dispatcher on gloo (``gloo_uneven_collectives``), and MLA's YaRN RoPE
+  (``mla_cpu``): what TP x EP training needs on CPU. Each module says why and when to delete it.
 
 What it never does: activate when CUDA is usable, fake
 ``torch.cuda.is_available()`` (True would send Megatron into TE-only code), or
@@ -51,7 +51,7 @@ import warnings
 import torch
 from torch.overrides import TorchFunctionMode
 
-from megatron_patches import gloo_uneven_collectives, moe_cpu, single_rank_grad_sync, torch_norm_sp
+from megatron_patches import gloo_uneven_collectives, mla_cpu, moe_cpu, single_rank_grad_sync, torch_norm_sp
 
 # Megatron-Core is imported inside the functions that patch it, which run after _check_megatron_version:
 # a missing Megatron-Core is named there with the version to install, and another version is warned
@@ -307,6 +307,7 @@ def _install_patches() -> None:
             moe_cpu.apply()
             torch_norm_sp.apply()
             gloo_uneven_collectives.apply()
+            mla_cpu.apply()
             _applied = True
 
 

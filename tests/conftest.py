@@ -130,13 +130,68 @@ FAMILY_CONFIGS = {
         mlp_only_layers=[0],
         norm_topk_prob=False,
     ),
+    # multi-head latent attention with odd ranks and head widths, YaRN with both mscales, a dense
+    # first layer, then 8 experts in 4 groups (top 4 within the best 2 groups) and 2 shared experts
+    "deepseek_v3": dict(
+        tie_word_embeddings=False,
+        num_hidden_layers=3,
+        num_key_value_heads=4,
+        head_dim=10,  # transformers' DeepseekV3Config: RoPE's width, qk_rope_head_dim
+        max_position_embeddings=256,  # YaRN's factor 4 over original_max_position_embeddings 64
+        q_lora_rank=40,
+        kv_lora_rank=22,
+        qk_nope_head_dim=12,
+        qk_rope_head_dim=10,
+        v_head_dim=20,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=10000.0,
+            factor=4.0,
+            original_max_position_embeddings=64,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            mscale=1.0,
+            mscale_all_dim=0.8,
+        ),
+        n_routed_experts=8,
+        num_experts_per_tok=4,
+        n_group=4,
+        topk_group=2,
+        n_shared_experts=2,
+        moe_intermediate_size=24,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        num_nextn_predict_layers=0,
+    ),
+    # partial rotary, q/k/v biases and q/k norms, a dense first layer, 6 experts in 3 groups
+    # (top 2 within the best group), one shared expert
+    "glm4_moe": dict(
+        tie_word_embeddings=False,
+        num_hidden_layers=3,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5),
+        attention_bias=True,
+        use_qk_norm=True,
+        rms_norm_eps=1e-6,  # not Megatron's default layernorm_epsilon (GLM's is)
+        n_routed_experts=6,
+        num_experts_per_tok=2,
+        n_group=3,
+        topk_group=1,
+        n_shared_experts=1,
+        moe_intermediate_size=24,
+        first_k_dense_replace=1,
+        routed_scaling_factor=1.5,
+        norm_topk_prob=True,
+        num_nextn_predict_layers=0,
+    ),
 }
 
 
 def make_tiny_family(family: str, path: Path, seed: int = 0, **overrides) -> Path:
     import transformers
 
-    classes = {"qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe"}[family]
+    classes = {"qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe", "deepseek_v3": "DeepseekV3"}
+    classes = {**classes, "glm4_moe": "Glm4Moe"}[family]
     config_class = getattr(transformers, f"{classes}Config")
     model_class = getattr(transformers, f"{classes}ForCausalLM")
     shape = {k: TINY_CONFIG[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")}
@@ -149,6 +204,9 @@ def make_tiny_family(family: str, path: Path, seed: int = 0, **overrides) -> Pat
                 param.uniform_(0.5, 1.5)
             elif name.endswith(".bias"):
                 param.uniform_(-0.5, 0.5)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # the routers' expert bias: zeros by default
+                buffer.uniform_(-0.1, 0.1)
     model.save_pretrained(path)
     return path
 

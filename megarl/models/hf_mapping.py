@@ -18,8 +18,28 @@ tensor, which is independent of the TP/PP/EP layout it was saved at:
     decoder.layers.mlp.router.weight                      [E, h]
     decoder.layers.mlp.experts.experts.linear_fc1.weight  [E, 2 fe, h], per expert [gate; up]
     decoder.layers.mlp.experts.experts.linear_fc2.weight  [E, h, fe]
+    decoder.layers.mlp.router.expert_bias                 [E]  fp32 (DeepSeek-V3, GLM-4.5: e_score_correction_bias)
+    decoder.layers.mlp.shared_experts.linear_fc1.weight   [2 fs, h] = [gate; up]   (their shared_experts)
+    decoder.layers.mlp.shared_experts.linear_fc2.weight   [h, fs]
     decoder.final_layernorm.weight                        [h]
     output_layer.weight                                   [padded_vocab, h] (untied only)
+
+Multi-head latent attention (DeepSeek-V3) replaces linear_qkv by Megatron's MLASelfAttention:
+
+    decoder.layers.input_layernorm.weight                          [h]
+    decoder.layers.self_attention.linear_q_down_proj.weight        [q_lora, h]      q_a_proj
+    decoder.layers.self_attention.linear_q_up_proj.layer_norm_weight [q_lora]       q_a_layernorm
+    decoder.layers.self_attention.linear_q_up_proj.weight          [n (dn + dr), q_lora]  q_b_proj
+    decoder.layers.self_attention.linear_q_proj.weight             [n (dn + dr), h] q_proj (no q_lora_rank)
+    decoder.layers.self_attention.linear_kv_down_proj.weight       [kv_lora + dr, h] kv_a_proj_with_mqa
+    decoder.layers.self_attention.linear_kv_up_proj.layer_norm_weight [kv_lora]     kv_a_layernorm
+    decoder.layers.self_attention.linear_kv_up_proj.weight         [n (dn + dv), kv_lora] kv_b_proj
+    decoder.layers.self_attention.linear_proj.weight               [h, n dv]        o_proj
+
+Both lay each head out as transformers does ([nope; rope] for q, [k_nope; v] for kv_b), so these
+are copies; the rope half stays interleaved in the checkpoint and both de-interleave it in the
+forward. (The layer-norm keys are the Transformer Engine spec's; models/megatron_model.py maps the
+local spec's q_layernorm / kv_layernorm / pre_mlp_layernorm onto them.)
 
 A dense model's layer tensors are stacked along a leading layer axis ([L, ...]). A model with
 experts has layers of two kinds, and Megatron then keys each layer's tensors by its number,
@@ -83,20 +103,62 @@ def split_layer_key(key: str) -> Tuple[str, Optional[int]]:
     return (LAYERS_PREFIX + match.group(2), int(match.group(1))) if match else (key, None)
 
 
+def _latent_attention_mappings(spec: ModelSpec) -> List[TensorMapping]:
+    layer, attn = "model.layers.{layer}.self_attn.", "decoder.layers.self_attention."
+    pairs = [("decoder.layers.input_layernorm.weight", "model.layers.{layer}.input_layernorm.weight")]
+    if spec.mla.q_lora_rank is None:
+        pairs.append((attn + "linear_q_proj.weight", layer + "q_proj.weight"))
+    else:
+        pairs += [
+            (attn + "linear_q_down_proj.weight", layer + "q_a_proj.weight"),
+            (attn + "linear_q_up_proj.layer_norm_weight", layer + "q_a_layernorm.weight"),
+            (attn + "linear_q_up_proj.weight", layer + "q_b_proj.weight"),
+        ]
+    pairs += [
+        (attn + "linear_kv_down_proj.weight", layer + "kv_a_proj_with_mqa.weight"),
+        (attn + "linear_kv_up_proj.layer_norm_weight", layer + "kv_a_layernorm.weight"),
+        (attn + "linear_kv_up_proj.weight", layer + "kv_b_proj.weight"),
+        (attn + "linear_proj.weight", layer + "o_proj.weight"),
+    ]
+    return [TensorMapping(key, (name,), "copy") for key, name in pairs]
+
+
+def _latent_attention_shapes(spec: ModelSpec, p: str) -> Dict[str, Tuple[int, ...]]:
+    mla, h, n = spec.mla, spec.hidden_size, spec.num_attention_heads
+    q_rows = n * mla.q_head_dim
+    if mla.q_lora_rank is None:
+        shapes = {p + "self_attn.q_proj.weight": (q_rows, h)}
+    else:
+        shapes = {
+            p + "self_attn.q_a_proj.weight": (mla.q_lora_rank, h),
+            p + "self_attn.q_a_layernorm.weight": (mla.q_lora_rank,),
+            p + "self_attn.q_b_proj.weight": (q_rows, mla.q_lora_rank),
+        }
+    return shapes | {
+        p + "self_attn.kv_a_proj_with_mqa.weight": (mla.kv_lora_rank + mla.qk_rope_head_dim, h),
+        p + "self_attn.kv_a_layernorm.weight": (mla.kv_lora_rank,),
+        p + "self_attn.kv_b_proj.weight": (n * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank),
+        p + "self_attn.o_proj.weight": (h, n * mla.v_head_dim),
+    }
+
+
 def tensor_mappings(spec: ModelSpec) -> List[TensorMapping]:
     layer = "model.layers.{layer}."
     attn = "decoder.layers.self_attention."
-    mappings = [
-        TensorMapping("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"),
-        TensorMapping(attn + "linear_qkv.layer_norm_weight", (layer + "input_layernorm.weight",), "copy"),
-        TensorMapping(
-            attn + "linear_qkv.weight",
-            (layer + "self_attn.q_proj.weight", layer + "self_attn.k_proj.weight", layer + "self_attn.v_proj.weight"),
-            "qkv",
-        ),
-        TensorMapping(attn + "linear_proj.weight", (layer + "self_attn.o_proj.weight",), "copy"),
-        TensorMapping("decoder.final_layernorm.weight", ("model.norm.weight",), "copy"),
-    ]
+    mappings = [TensorMapping("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab")]
+    if spec.mla:
+        mappings += _latent_attention_mappings(spec)
+    else:
+        mappings += [
+            TensorMapping(attn + "linear_qkv.layer_norm_weight", (layer + "input_layernorm.weight",), "copy"),
+            TensorMapping(
+                attn + "linear_qkv.weight",
+                tuple(layer + f"self_attn.{x}_proj.weight" for x in "qkv"),
+                "qkv",
+            ),
+            TensorMapping(attn + "linear_proj.weight", (layer + "self_attn.o_proj.weight",), "copy"),
+        ]
+    mappings.append(TensorMapping("decoder.final_layernorm.weight", ("model.norm.weight",), "copy"))
     if spec.qkv_bias:
         names = tuple(layer + f"self_attn.{x}_proj.bias" for x in "qkv")
         mappings.append(TensorMapping(attn + "linear_qkv.bias", names, "qkv"))
@@ -136,6 +198,20 @@ def tensor_mappings(spec: ModelSpec) -> List[TensorMapping]:
             ),
             TensorMapping(experts + "linear_fc2.weight", (expert + "down_proj.weight",), "copy", MOE, True),
         ]
+        if spec.moe.router_expert_bias:
+            bias = (layer + "mlp.gate.e_score_correction_bias",)
+            mappings.append(TensorMapping("decoder.layers.mlp.router.expert_bias", bias, "copy", MOE))
+        if spec.moe.shared_expert_ffn_hidden_size:
+            shared, hf_shared = "decoder.layers.mlp.shared_experts.", layer + "mlp.shared_experts."
+            mappings += [
+                TensorMapping(
+                    shared + "linear_fc1.weight",
+                    (hf_shared + "gate_proj.weight", hf_shared + "up_proj.weight"),
+                    "gate_up",
+                    MOE,
+                ),
+                TensorMapping(shared + "linear_fc2.weight", (hf_shared + "down_proj.weight",), "copy", MOE),
+            ]
     if not spec.tie_embeddings:
         mappings.append(TensorMapping("output_layer.weight", ("lm_head.weight",), "vocab"))
     return mappings
@@ -156,16 +232,18 @@ def hf_tensor_shapes(spec: ModelSpec) -> Dict[str, Tuple[int, ...]]:
         shapes["lm_head.weight"] = (spec.vocab_size, h)
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
-        shapes.update(
-            {
-                p + "input_layernorm.weight": (h,),
-                p + "self_attn.q_proj.weight": (q_rows, h),
-                p + "self_attn.k_proj.weight": (kv_rows, h),
-                p + "self_attn.v_proj.weight": (kv_rows, h),
-                p + "self_attn.o_proj.weight": (h, q_rows),
-                p + "post_attention_layernorm.weight": (h,),
-            }
-        )
+        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
+        if spec.mla:
+            shapes.update(_latent_attention_shapes(spec, p))
+        else:
+            shapes.update(
+                {
+                    p + "self_attn.q_proj.weight": (q_rows, h),
+                    p + "self_attn.k_proj.weight": (kv_rows, h),
+                    p + "self_attn.v_proj.weight": (kv_rows, h),
+                    p + "self_attn.o_proj.weight": (h, q_rows),
+                }
+            )
         if spec.qkv_bias:
             shapes.update(
                 {p + "self_attn.q_proj.bias": (q_rows,), p + "self_attn.k_proj.bias": (kv_rows,)}
@@ -176,6 +254,12 @@ def hf_tensor_shapes(spec: ModelSpec) -> Dict[str, Tuple[int, ...]]:
         if spec.is_moe_layer(i):
             moe = spec.moe
             shapes[p + "mlp.gate.weight"] = (moe.num_experts, h)  # the router
+            if moe.router_expert_bias:
+                shapes[p + "mlp.gate.e_score_correction_bias"] = (moe.num_experts,)
+            if moe.shared_expert_ffn_hidden_size:
+                x, fs = p + "mlp.shared_experts.", moe.shared_expert_ffn_hidden_size
+                shapes.update({x + "gate_proj.weight": (fs, h), x + "up_proj.weight": (fs, h)})
+                shapes[x + "down_proj.weight"] = (h, fs)
             for e in range(moe.num_experts):
                 x = f"{p}mlp.experts.{e}."
                 fe = moe.ffn_hidden_size

@@ -16,8 +16,8 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from megarl.models.spec import ModelSpec
-from megatron_patches import moe_cpu
+from megarl.models.spec import Llama3RopeScaling, ModelSpec, YarnRopeScaling
+from megatron_patches import mla_cpu, moe_cpu
 from megatron_patches.tp_attributes import mark_tensor_parallel_weights
 
 # Megatron-Core (and sdpa_attention, which imports it) only inside the functions that build a model:
@@ -75,6 +75,7 @@ def transformer_config(
     or the MoE training knobs: moe_router_load_balancing_type, moe_aux_loss_coeff, ...).
     """
     from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     spec.check_parallelism(tp, pp, vp, ep, etp)
     on_gpu = torch.cuda.is_available()
@@ -116,6 +117,8 @@ def transformer_config(
         # routers read it when they are built, to scale the aux / z losses for that division
         calculate_per_token_loss=True,
     )
+    if spec.mla:
+        kwargs.update(_latent_attention_settings(spec))
     if spec.moe:
         kwargs.update(_moe_settings(spec, ep, etp))
     if pp > 1 and vp:
@@ -123,7 +126,39 @@ def transformer_config(
         # silently swaps micro-batches of the interleaved schedule.
         kwargs.update(overlap_p2p_comm=True, batch_p2p_comm=False)
     kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    return (MLATransformerConfig if spec.mla else TransformerConfig)(**kwargs)
+
+
+def _latent_attention_settings(spec: ModelSpec) -> dict:
+    """MLATransformerConfig's fields from the model's MlaSpec and RoPE (DeepSeek-V3's names -> Megatron-LM's)."""
+    mla, scaling = spec.mla, spec.rope_scaling
+    settings = dict(
+        multi_latent_attention=True,
+        q_lora_rank=mla.q_lora_rank,
+        kv_lora_rank=mla.kv_lora_rank,
+        qk_head_dim=mla.qk_nope_head_dim,
+        qk_pos_emb_head_dim=mla.qk_rope_head_dim,
+        v_head_dim=mla.v_head_dim,
+        # q_a_layernorm / kv_a_layernorm: MLA's latent norms are Megatron's q / kv "layernorm"
+        qk_layernorm=True,
+        rotary_base=spec.rope_theta,
+        rope_type="rope",
+    )
+    if isinstance(scaling, YarnRopeScaling):
+        settings.update(
+            rope_type="yarn",
+            rotary_scaling_factor=scaling.factor,
+            original_max_position_embeddings=scaling.original_max_position_embeddings,
+            beta_fast=scaling.beta_fast,
+            beta_slow=scaling.beta_slow,
+            mscale=scaling.mscale,
+            mscale_all_dim=scaling.mscale_all_dim,
+        )
+    else:
+        # the softmax scale is 1 / sqrt(q_head_dim) times mscale(rotary_scaling_factor, mscale_all_dim)^2,
+        # which mscale_all_dim 0 makes 1 whatever the factor
+        settings.update(mscale_all_dim=0.0)
+    return settings
 
 
 # megarl's defaults for the trainer's MoE training fields (TrainerConfig, by Megatron-LM's names): the
@@ -141,9 +176,7 @@ def _moe_settings(spec: ModelSpec, ep: int, etp: Optional[int]) -> dict:
     """Megatron's MoE fields from the model's MoeSpec (the HF config's): which layers have experts,
     and a router computing what the family's router computes."""
     moe = spec.moe
-    if moe.router_score_function != "softmax" or moe.router_expert_bias or moe.shared_expert_ffn_hidden_size:
-        raise NotImplementedError(f"model_type {spec.model_type!r}: only softmax routers without shared experts")
-    return dict(
+    settings = dict(
         num_moe_experts=moe.num_experts,
         moe_router_topk=moe.top_k,
         moe_ffn_hidden_size=moe.ffn_hidden_size,
@@ -158,6 +191,23 @@ def _moe_settings(spec: ModelSpec, ep: int, etp: Optional[int]) -> dict:
         expert_tensor_parallel_size=etp,
         **MOE_TRAINING_DEFAULTS,  # the trainer's config overrides them (executors/trainer.py)
     )
+    if moe.router_score_function == "sigmoid":
+        # DeepSeek-V3 / GLM-4.5: sigmoid scores, the top k chosen by score + expert bias (its
+        # renormalisation of the chosen scores is built into Megatron's sigmoid router), in fp32 as
+        # transformers' router computes them
+        settings.update(moe_router_pre_softmax=False, moe_router_dtype="fp32")
+    if moe.router_expert_bias:
+        # The bias is loaded from the checkpoint and frozen: Megatron would move it by
+        # moe_router_bias_update_rate x sign(load imbalance) after each step, which in RL drifts the
+        # policy's routing away from the generator's and from the reference (slime sets 0 too)
+        settings.update(moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.0)
+    if moe.num_groups:
+        settings.update(moe_router_num_groups=moe.num_groups, moe_router_group_topk=moe.group_topk)
+    if moe.topk_scaling_factor != 1.0:
+        settings.update(moe_router_topk_scaling_factor=moe.topk_scaling_factor)
+    if moe.shared_expert_ffn_hidden_size:
+        settings.update(moe_shared_expert_intermediate_size=moe.shared_expert_ffn_hidden_size)
+    return settings
 
 
 def layer_spec(
@@ -187,6 +237,14 @@ def layer_spec(
         # Megatron's local core attention with its products fused by SDPA (models/sdpa_attention.py)
         for layer in layers:
             layer.submodules.self_attention.submodules.core_attention = SdpaDotProductAttention
+            if config is not None and config.multi_latent_attention:
+                # The TE spec fuses MLA's latent norms into the up projections and (dense layers) the
+                # pre-MLP norm into fc1; save the local spec's separate norms under TE's keys
+                layer.submodules.sharded_state_dict_keys_map = {
+                    "self_attention.q_layernorm.": "self_attention.linear_q_up_proj.layer_norm_",
+                    "self_attention.kv_layernorm.": "self_attention.linear_kv_up_proj.layer_norm_",
+                    "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+                }
             if layer.submodules.mlp.module.__name__ == "MoELayer":
                 # The TE spec keeps a MoE layer's pre-MLP norm as its own TENorm, saved as
                 # pre_mlp_layernorm.weight; the local spec would rename it to the dense layers'
@@ -213,6 +271,8 @@ def build_model_chunks(
 
     if spec.moe:
         moe_cpu.define_te_general_gemm()  # without TE every router forward raises NameError (any device)
+    if spec.mla:
+        mla_cpu.mark_te_absent()  # without TE MLA's constructor raises TypeError (any device)
     vp = config.virtual_pipeline_model_parallel_size
     padded = padded_vocab_size(spec.vocab_size, config.tensor_model_parallel_size, vocab_divisible_by)
     chunks = []
@@ -229,7 +289,8 @@ def build_model_chunks(
             share_embeddings_and_output_weights=spec.tie_embeddings,
             position_embedding_type="rope",
             rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
-            rope_scaling=spec.rope_scaling is not None,
+            rotary_percent=spec.rotary_percent,  # GLM-4.5: RoPE on the first half of each head
+            rope_scaling=isinstance(spec.rope_scaling, Llama3RopeScaling),
             rope_scaling_factor=spec.rope_scaling.factor if spec.rope_scaling else 8.0,
             vp_stage=stage,
         )
@@ -251,11 +312,11 @@ def _apply_llama3_rope_parameters(model, spec: ModelSpec) -> None:
     # the frequencies with Megatron's own _apply_scaling and the model's values.
     scaling = spec.rope_scaling
     rope = getattr(model, "rotary_pos_emb", None)
-    if scaling is None or rope is None:
+    if not isinstance(scaling, Llama3RopeScaling) or rope is None:
         return
     if (scaling.low_freq_factor, scaling.high_freq_factor, scaling.original_max_position_embeddings) == (1, 4, 8192):
         return
-    dim = spec.head_dim
+    dim = int(spec.head_dim * spec.rotary_percent)
     base = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=rope.inv_freq.device) / dim))
     rope.inv_freq = rope._apply_scaling(
         base,

@@ -49,6 +49,16 @@ from megatron.core.transformer.enums import AttnMaskType
 
 
 class SdpaDotProductAttention(DotProductAttention):
+    def __init__(self, *args, k_channels: Optional[int] = None, v_channels: Optional[int] = None, **kwargs):
+        # Multi-latent attention (DeepSeek-V3) builds its core attention with query/key heads of
+        # k_channels and value heads of v_channels, which only TE's attention takes in Megatron-Core
+        # 0.16.1; SDPA takes them as they come, so only the output width changes. Megatron's own
+        # local forward sizes everything by kv_channels: it is not used for such heads.
+        super().__init__(*args, **kwargs)
+        self.head_channels = (k_channels, v_channels)
+        if v_channels is not None:
+            self.hidden_size_per_partition = self.num_attention_heads_per_partition * v_channels
+
     def _sdpa_applies(self, attention_bias, packed_seq_params) -> bool:
         return (
             attention_bias is None
@@ -70,6 +80,11 @@ class SdpaDotProductAttention(DotProductAttention):
         packed_seq_params=None,
     ):
         if not self._sdpa_applies(attention_bias, packed_seq_params):
+            if self.head_channels != (None, None):
+                raise NotImplementedError(
+                    f"multi-latent attention's core attention (heads {self.head_channels}) runs through SDPA "
+                    f"only: no attention bias, packed (thd) sequences, softmax offset, window or dropout"
+                )
             return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)
         groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
         if groups > 1:  # [sk, b, ng, hn] -> [sk, b, np, hn], as Megatron's forward does

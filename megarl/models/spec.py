@@ -7,8 +7,9 @@ checkpoint megarl writes, so a checkpoint can be exported or served without
 the original HF directory.
 
 The family (``model_type``) decides which architecture fields are read and how
-(models/families.py): Llama, Qwen2/2.5 (QKV bias), Qwen3 (per-head q/k RMSNorm)
-and Qwen3-MoE (routed experts). Every setting comes from the HF config's own
+(models/families.py): Llama, Qwen2/2.5 (QKV bias), Qwen3 (per-head q/k RMSNorm),
+Qwen3-MoE (routed experts), DeepSeek-V3 (latent attention, sigmoid router, shared experts)
+and GLM-4.5 (partial rotary, DeepSeek-V3's experts). Every setting comes from the HF config's own
 fields; nothing is guessed from a model's name.
 """
 
@@ -19,10 +20,11 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Union
 
 from megarl.errors import ConfigError, UnsupportedModelError
 from megarl.models.families import family_of
+from megarl.models.mla_spec import MlaSpec
 from megarl.models.moe_spec import MoeSpec
 
 
@@ -34,6 +36,19 @@ class Llama3RopeScaling:
     low_freq_factor: float
     high_freq_factor: float
     original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class YarnRopeScaling:
+    """YaRN (rope_type 'yarn') as DeepSeek-V3 configures it: Megatron-Core's YarnRotaryEmbedding
+    inside MLA, with the same names (rotary_scaling_factor = factor)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0  # scales cos / sin by mscale(factor, mscale) / mscale(factor, mscale_all_dim)
+    mscale_all_dim: float = 0.0  # and the softmax scale by mscale(factor, mscale_all_dim) ** 2
 
 
 @dataclass(frozen=True)
@@ -49,11 +64,13 @@ class ModelSpec:
     rope_theta: float
     max_position_embeddings: int
     tie_embeddings: bool
-    rope_scaling: Optional[Llama3RopeScaling] = None
+    rope_scaling: Optional[Union[Llama3RopeScaling, YarnRopeScaling]] = None
     model_type: str = "llama"  # the HF config's; selects the family (models/families.py)
     qkv_bias: bool = False  # biases on q/k/v (Qwen2): Megatron's add_qkv_bias
     qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (Qwen3): qk_layernorm
     moe: Optional[MoeSpec] = None  # routed experts (Qwen3-MoE); None: every layer dense
+    mla: Optional[MlaSpec] = None  # multi-head latent attention (DeepSeek-V3) in place of q/k/v
+    rotary_percent: float = 1.0  # the share of each head's width RoPE turns (GLM-4.5: 0.5)
     # Kept so an export can write back the config the model came with.
     hf_config: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False)
 
@@ -79,6 +96,8 @@ class ModelSpec:
 
     def _attention_parameters(self) -> int:
         h = self.hidden_size
+        if self.mla:
+            return self.mla.parameters(h, self.num_attention_heads) + 2 * h
         biases = self.qkv_rows if self.qkv_bias else 0
         norms = 2 * self.head_dim if self.qk_norm else 0
         return self.qkv_rows * h + self.num_attention_heads * self.head_dim * h + biases + norms + 2 * h
@@ -138,7 +157,16 @@ class ModelSpec:
                 ("num_experts", self.moe.num_experts, "expert_model_parallel_size", ep),
                 ("moe_intermediate_size", self.moe.ffn_hidden_size, "expert_tensor_parallel_size", etp),
             ]
-        if tp <= self.num_kv_heads:
+            if self.moe.shared_expert_ffn_hidden_size:
+                width = self.moe.shared_expert_ffn_hidden_size
+                checks.append(("n_shared_experts x moe_intermediate_size", width, "tensor_model_parallel_size", tp))
+        if self.mla:
+            # Megatron's local spec splits the down projections' outputs over TP too (then gathers them)
+            if self.mla.q_lora_rank is not None:
+                checks.append(("q_lora_rank", self.mla.q_lora_rank, "tensor_model_parallel_size", tp))
+            kv_down = self.mla.kv_lora_rank + self.mla.qk_rope_head_dim
+            checks.append(("kv_lora_rank + qk_rope_head_dim", kv_down, "tensor_model_parallel_size", tp))
+        if self.mla is None and tp <= self.num_kv_heads:
             checks.insert(1, ("num_key_value_heads", self.num_kv_heads, "tensor_model_parallel_size", tp))
         for field, count, par_name, par in checks:
             if count % par:
@@ -146,7 +174,7 @@ class ModelSpec:
                     f"{par_name}={par} does not divide {field}={count}: each rank must hold a "
                     f"whole number of them (choose a {par_name} that divides {count})"
                 )
-        if tp > self.num_kv_heads and tp % self.num_kv_heads:
+        if self.mla is None and tp > self.num_kv_heads and tp % self.num_kv_heads:
             # Megatron-Core runs tp > n_kv (each rank all-gathers QKV and keeps one group),
             # but only when every KV group spans a whole number of ranks.
             raise ConfigError(
@@ -170,7 +198,10 @@ class ModelSpec:
     def from_dict(cls, d: Mapping[str, Any]) -> "ModelSpec":
         d = dict(d)
         if d.get("rope_scaling"):
-            d["rope_scaling"] = Llama3RopeScaling(**d["rope_scaling"])
+            kind = YarnRopeScaling if "beta_fast" in d["rope_scaling"] else Llama3RopeScaling
+            d["rope_scaling"] = kind(**d["rope_scaling"])
+        if d.get("mla"):
+            d["mla"] = MlaSpec(**d["mla"])
         if d.get("moe"):
             moe = dict(d["moe"])
             d["moe"] = MoeSpec(**{**moe, "layers": tuple(moe["layers"])})
@@ -210,7 +241,10 @@ class ModelSpec:
                 f"{source}: num_key_value_heads={kv_heads} does not divide num_attention_heads={heads}"
             )
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-        rope_theta, rope_scaling = _read_rope(cfg, source)
+        mla = family.mla(cfg, source)
+        if mla is not None:
+            head_dim = mla.qk_rope_head_dim  # transformers' DeepseekV3Config.head_dim: RoPE's width
+        rope_theta, rope_scaling = _read_rope(cfg, source, yarn=mla is not None)
         return cls(
             num_layers=cfg["num_hidden_layers"],
             hidden_size=cfg["hidden_size"],
@@ -226,13 +260,16 @@ class ModelSpec:
             rope_scaling=rope_scaling,
             model_type=family.model_type,
             qkv_bias=family.qkv_bias(cfg, source),
-            qk_norm=family.qk_norm,
+            qk_norm=family.qk_norm(cfg, source),
             moe=family.moe(cfg, source),
+            mla=mla,
+            rotary_percent=family.rotary_percent(cfg, source),
             hf_config=_jsonable(cfg),
         )
 
 
-def _read_rope(cfg: Mapping[str, Any], source: str):
+def _read_rope(cfg: Mapping[str, Any], source: str, yarn: bool = False):
+    """(rope_theta, scaling): Llama 3 scaling for any family, YaRN where Megatron-Core has it (MLA)."""
     # transformers >= 5 stores RoPE under rope_parameters (with rope_theta inside);
     # config.json files written by older versions use rope_theta + rope_scaling.
     params = dict(cfg.get("rope_parameters") or {})
@@ -243,9 +280,12 @@ def _read_rope(cfg: Mapping[str, Any], source: str):
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         return float(theta), None
-    if rope_type != "llama3":
+    if yarn and rope_type == "yarn":
+        return float(theta), _read_yarn(params, field, source)
+    if rope_type != "llama3" or yarn:  # MLA builds its own RoPE: default or YaRN
+        supported = "'default', 'yarn'" if yarn else "'default', 'llama3'"
         raise UnsupportedModelError(
-            f"{source}: {field}.rope_type={rope_type!r} is not supported (supported: 'default', 'llama3')"
+            f"{source}: {field}.rope_type={rope_type!r} is not supported (supported: {supported})"
         )
     try:
         scaling = Llama3RopeScaling(
@@ -259,6 +299,30 @@ def _read_rope(cfg: Mapping[str, Any], source: str):
     if not math.isfinite(scaling.factor) or scaling.factor <= 0:
         raise UnsupportedModelError(f"{source}: {field}.factor must be positive, got {scaling.factor}")
     return float(theta), scaling
+
+
+def _read_yarn(params: Mapping[str, Any], field: str, source: str) -> YarnRopeScaling:
+    for unknown in ("attention_factor", "truncate"):
+        # Megatron derives the cos / sin factor from mscale / mscale_all_dim and always truncates
+        if params.get(unknown) not in (None, True if unknown == "truncate" else None):
+            raise UnsupportedModelError(f"{source}: {field}.{unknown}={params[unknown]!r} is not supported")
+    if ("mscale" in params) != ("mscale_all_dim" in params):
+        # transformers then falls back to 0.1 ln(factor) + 1; Megatron divides by mscale_all_dim's
+        raise UnsupportedModelError(f"{source}: {field} of rope_type 'yarn' gives mscale and mscale_all_dim together")
+    try:
+        scaling = YarnRopeScaling(
+            factor=float(params["factor"]),
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+            beta_fast=float(params.get("beta_fast") or 32.0),
+            beta_slow=float(params.get("beta_slow") or 1.0),
+            mscale=float(params.get("mscale", 1.0)),
+            mscale_all_dim=float(params.get("mscale_all_dim", 0.0)),
+        )
+    except (KeyError, TypeError) as missing:
+        raise UnsupportedModelError(f"{source}: {field} of rope_type 'yarn' lacks {missing}") from None
+    if not math.isfinite(scaling.factor) or scaling.factor <= 0:
+        raise UnsupportedModelError(f"{source}: {field}.factor must be positive, got {scaling.factor}")
+    return scaling
 
 
 def _jsonable(cfg: Mapping[str, Any]) -> dict:

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from megarl.errors import ConfigError
+from megarl.models.families import refuse_outside_trainer
 from megarl.models.hf_mapping import hf_tensor_shapes
 from megarl.models.megatron_model import DEFAULT_VOCAB_DIVISIBLE_BY, padded_vocab_size
 from megarl.models.spec import ModelSpec
@@ -81,7 +82,9 @@ class LocalTensor:
 
 def logical_shapes(spec: ModelSpec) -> Dict[str, Tuple[int, ...]]:
     """The logical tensors: the model's Hugging Face tensors (models/hf_mapping.py, the one
-    mapping per family that checkpoint conversion uses too)."""
+    mapping per family that checkpoint conversion uses too). Every layout (trainer's, SGLang's,
+    the baseline's, colocated) starts here, so a family they do not lay out yet is refused here."""
+    refuse_outside_trainer(spec.model_type, "weight sync (SGLang's layouts)")
     return hf_tensor_shapes(spec)
 
 

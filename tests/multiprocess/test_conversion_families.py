@@ -1,6 +1,7 @@
-"""HF <-> Megatron conversion of tiny random Qwen2, Qwen3 and Qwen3-MoE models (transformers' own
-classes), checked against transformers: converted at TP2 x PP2 (x EP2 for the experts), exported back
-bitwise, and Megatron's logits at several layouts (Megatron reshards on load) equal transformers'."""
+"""HF <-> Megatron conversion of tiny random Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V3 and GLM-4.5 models
+(transformers' own classes), checked against transformers: converted at TP2 x PP2 (x EP2 for the
+experts; DeepSeek-V3 and GLM-4.5, 3 layers, at TP2 x EP2), exported back bitwise, and Megatron's
+logits at several layouts (Megatron reshards on load) equal transformers'."""
 
 import pytest
 import torch
@@ -16,6 +17,10 @@ LAYOUTS = {
     # the other router (top-k renormalised: Megatron's softmax after top-k), every other layer sparse,
     # tied embeddings, 8 experts top-3
     "qwen3_moe_renormalised": ["1x1", "1x1x4", "1x2x2", "2x1x2x1"],
+    # multi-head latent attention, YaRN, sigmoid router with expert bias in groups, shared experts
+    "deepseek_v3": ["1x1", "2x1x2x1", "1x1x4"],
+    # partial rotary, q/k/v biases, q/k norms, DeepSeek-V3's router and shared expert
+    "glm4_moe": ["1x1", "2x1x2x1", "1x1x2"],
 }
 VARIANTS = {
     "qwen3_moe_renormalised": (
@@ -25,6 +30,8 @@ VARIANTS = {
     )
 }
 CONVERT_AT = {"qwen3_moe": ["--ep", 2, "--etp", 1], "qwen3_moe_renormalised": ["--ep", 2, "--etp", 1]}
+CONVERT_AT |= {family: ["--pp", 1, "--ep", 2, "--etp", 1] for family in ("deepseek_v3", "glm4_moe")}
+SIGMOID_ROUTED = ("deepseek_v3", "glm4_moe")
 
 
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
@@ -57,6 +64,10 @@ def test_export_is_bitwise_the_original(converted):
     assert sorted(back) == sorted(original)
     if family.startswith("qwen3_moe"):
         assert "model.layers.3.mlp.experts.3.down_proj.weight" in back and "model.layers.0.mlp.gate.weight" not in back
+    if family in SIGMOID_ROUTED:  # dense first layer; the router's bias and the shared experts kept
+        assert "model.layers.0.mlp.gate.weight" not in back and "model.layers.0.mlp.down_proj.weight" in back
+        assert back["model.layers.2.mlp.gate.e_score_correction_bias"].abs().min() > 0
+        assert "model.layers.2.mlp.shared_experts.down_proj.weight" in back
     for name, tensor in original.items():
         assert torch.equal(back[name], tensor), name
     # labelled as its family (SGLang picks its model class by architectures), and transformers
@@ -68,10 +79,11 @@ def test_export_is_bitwise_the_original(converted):
     config = json.loads((base / "back" / "config.json").read_text())
     want = json.loads((hf / "config.json").read_text())
     assert (config["model_type"], config["architectures"]) == (want["model_type"], want["architectures"])
-    model = AutoModelForCausalLM.from_pretrained(base / "back", dtype=torch.float32).eval()
+    kwargs = dict(experts_implementation="eager") if family in SIGMOID_ROUTED else {}
+    model = AutoModelForCausalLM.from_pretrained(base / "back", dtype=torch.float32, **kwargs).eval()
     assert type(model).__name__ == want["architectures"][0]
     tokens = torch.randint(0, 300, (1, 12), generator=torch.Generator().manual_seed(3))
-    reference = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    reference = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32, **kwargs).eval()
     with torch.no_grad():
         assert torch.equal(model(tokens).logits, reference(tokens).logits)
 
@@ -82,7 +94,9 @@ def test_export_is_bitwise_the_original(converted):
 # output projection, gate/up, down per layer, then the head), whose independent errors add in
 # quadrature: LAMBDA * sqrt(S * n) * u * max |logit|, n the longest reduction. Reduction order (TP
 # splits, another CPU's kernels) moves the error within that bound, not past it: transformers' own
-# fp32 logits are held to it too, against the same float64 reference.
+# fp32 logits are held to it too, against the same float64 reference. Multi-head latent attention
+# chains three more per layer (q and kv each down then up: 4 products where QKV is one), and its widest
+# reductions can be the output projection's n x v_head_dim or the latent ranks.
 UNIT_ROUNDOFF = 2.0**-24
 LAMBDA = 2.0
 
@@ -92,23 +106,29 @@ def fp32_logit_bound(hf, tokens, max_logit):
 
     config = json.loads((hf / "config.json").read_text())
     widths = [config["hidden_size"], config["intermediate_size"], config.get("moe_intermediate_size", 0)]
+    widths += [config.get("moe_intermediate_size", 0) * config.get("n_shared_experts", 0)]
+    per_layer = 6
+    if config.get("kv_lora_rank"):  # MLA
+        widths += [config["q_lora_rank"] or 0, config["kv_lora_rank"]]
+        widths += [config["num_attention_heads"] * config["v_head_dim"], config["qk_nope_head_dim"]]
+        per_layer += 3
     longest = max(*widths, config["head_dim"], tokens.shape[1])
-    reductions = 6 * config["num_hidden_layers"] + 1
+    reductions = per_layer * config["num_hidden_layers"] + 1
     return LAMBDA * (reductions * longest) ** 0.5 * UNIT_ROUNDOFF * max_logit
 
 
 def float64_model(hf, family):
     from transformers import AutoModelForCausalLM
 
-    kwargs = dict(experts_implementation="eager") if family.startswith("qwen3_moe") else {}
+    kwargs = dict(experts_implementation="eager") if family.startswith("qwen3_moe") or family in SIGMOID_ROUTED else {}
     return AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float64, **kwargs).eval()
 
 
 def mapping_errors(family):
     """What the mapping mistakes this test guards against do, each a change made to a copy of the
     float64 reference model: Megatron's default layernorm_epsilon (1e-5) in place of the checkpoint's
-    rms_norm_eps (1e-6), the heads' q biases in another order, and the router's top-k renormalisation
-    flipped. (Megatron builds the q/k norms with the same layernorm_epsilon as every other norm, so
+    rms_norm_eps (1e-6), the heads' q biases in another order, the router's top-k renormalisation
+    flipped, and for the sigmoid routers the expert bias, routed_scaling_factor or group limit lost. (Megatron builds the q/k norms with the same layernorm_epsilon as every other norm, so
     the mapping has one epsilon to get wrong; the q/k norms' alone moves these logits by ~1x the bound.)"""
 
     def norm_epsilon(model):
@@ -126,7 +146,26 @@ def mapping_errors(family):
             if hasattr(module, "norm_topk_prob"):
                 module.norm_topk_prob = not module.norm_topk_prob
 
+    def expert_bias_dropped(model):
+        for module in model.modules():
+            if hasattr(module, "e_score_correction_bias"):
+                module.e_score_correction_bias.zero_()
+
+    def routed_scaling_ignored(model):
+        for module in model.modules():
+            if hasattr(module, "routed_scaling_factor"):
+                module.routed_scaling_factor = 1.0
+
+    def group_limit_off(model):
+        for module in model.modules():
+            if hasattr(module, "topk_group"):
+                module.topk_group = module.num_group
+
     cases = {"every norm's epsilon 1e-5": norm_epsilon}
+    if family in SIGMOID_ROUTED:
+        cases["the router's expert bias dropped"] = expert_bias_dropped
+        cases["routed_scaling_factor ignored"] = routed_scaling_ignored
+        cases["no group limit"] = group_limit_off
     if family == "qwen2":  # QKV biases
         cases["q biases of the heads reversed"] = reversed_q_bias_heads
     if family.startswith("qwen3_moe"):
@@ -162,7 +201,8 @@ def test_logits_match_transformers(converted):
     max_logit = reference.abs().max().item()
     assert max_logit > 5  # a real signal, not near-zero logits
     bound = fp32_logit_bound(hf, tokens, max_logit)
-    kwargs = dict(experts_implementation="eager") if family.startswith("qwen3_moe") else {}
+    moe = family.startswith("qwen3_moe") or family in SIGMOID_ROUTED
+    kwargs = dict(experts_implementation="eager") if moe else {}
     hf32 = (hf_logits(hf, tokens, **kwargs).double() - reference).abs().max().item()
     print(f"{family}: bound {bound:.2e} (max |logit| {max_logit:.1f}); transformers fp32 {hf32:.2e}")
     assert hf32 <= bound  # the bound covers an independent fp32 implementation on this machine

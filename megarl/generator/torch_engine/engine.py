@@ -44,6 +44,7 @@ from megarl.errors import ConfigError
 from megarl.generator.interface import ABORTED, Completion, GenerationRequest, GeneratorBackend
 from megarl.generator.sampling import sample
 from megarl.generator.torch_engine.model import KVCache, Segment, SglangLayoutModel
+from megarl.models.families import refuse_outside_trainer
 from megarl.models.spec import ModelSpec
 from megarl.runtime.cpu_memory import keep_freed_memory
 
@@ -95,6 +96,7 @@ class TorchEngine(GeneratorBackend):
         ep: int = 1,
         kv_park_timeout_s: float = 1.0,
     ):
+        refuse_outside_trainer(spec.model_type, "the torch engine")
         self.spec = spec
         if params["model.norm.weight"].device.type == "cpu":
             keep_freed_memory()  # a CPU engine's per-step logits reuse the heap (runtime/cpu_memory.py)
