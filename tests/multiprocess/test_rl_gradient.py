@@ -184,6 +184,8 @@ def test_masked_tokens_are_left_out_as_the_reference_leaves_them_out(
         with torch.no_grad():
             logp = response_logprobs(model, s.prompt_tokens, s.response_tokens, 0.8).tolist()
         assert [j for j, x in enumerate(handed_back) if x is not None] == k
+        worst = max(abs(handed_back[j] - logp[j]) for j in k)
+        print(f"{run} {case} log pi: max |ours - transformers| {worst:.2e} ({worst / bounds['logprob']:.3f} of delta)")
         assert [handed_back[j] for j in k] == pytest.approx([logp[j] for j in k], abs=bounds["logprob"])
 
 
@@ -214,6 +216,8 @@ def test_mismatch_metrics_and_trainer_logprobs_match_the_reference(tiny_hf, batc
     for s, handed_back in zip(samples, record["trainer_logprobs"]):
         with torch.no_grad():
             logp = response_logprobs(model, s.prompt_tokens, s.response_tokens, 0.8).tolist()
+        worst = max(abs(a - b) for a, b in zip(handed_back, logp))
+        print(f"2x2 gspo log pi: max |ours - transformers| {worst:.2e} ({worst / bounds['logprob']:.3f} of delta)")
         assert handed_back == pytest.approx(logp, abs=bounds["logprob"])
         for lp, mu, v in zip(logp, s.behaviour_logprobs, s.policy_versions):
             buckets[VERSION - v].append(math.exp(lp - mu))
