@@ -62,13 +62,13 @@ def reference_step(hf, per_rank: int = GLOBAL_BATCH):
 #   by 2 eps min(|g|, c) (the clip coefficient carries |g|'s error once more);
 # - weights: Adam with eps 1 at step 1 moves w by lr g_c / (|g_c| + 1), 1-Lipschitz in g_c, and at
 #   step 2 by lr m^ / (sqrt(v^) + 1), m^ a convex combination of g_c,1 and g_c,2 (|g_c| << 1, so the
-#   v^ term moves it by O(|g_c|) more): |w - w'| <= |w - w'|_2 <= lr 2 eps (2 c_1 + c_2), c_k =
+#   v^ term moves it by O(|g_c|) more): max |w - w'| <= |w - w'|_2 <= lr 2 eps (2 c_1 + c_2), c_k =
 #   min(|g_k|, clip), plus the rounding of w - update, u max|w| per side and step;
 # - the loss at step 2 is taken at weights that differ by that much after step 1: delta + |g_2| |dw_1|_2,
 #   |dw_1|_2 <= lr 2 eps c_1 + 2 u |w|_2. (The gradient norm at step 2: eps |g_2|, the effect of dw_1 on
 #   the gradient, |H dw_1|, second order in the rounding, left out.)
-# A per-DP-rank or per-micro-batch mean of the loss in place of the step's token mean moves the
-# gradient norm and the first update far past these (test_the_bounds_catch_a_wrong_loss_normalisation).
+# A per-DP-rank or per-micro-batch mean of the loss in place of the step's token mean moves the loss,
+# the gradient norm and the first update far past these (test_the_bounds_catch_a_wrong_loss_normalisation).
 def derived_bounds(hf, steps):
     config = read_config(hf)
     inputs, _, _ = fixed_batch(VOCAB)
