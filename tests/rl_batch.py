@@ -291,9 +291,12 @@ def moe_router_terms(model, samples, micro_batches, top_k: int):
     return out
 
 
-def reference_grads(hf_dir, samples, case=CASES["aipo"], moe_micro_batches=None):
+def reference_grads(hf_dir, samples, case=CASES["aipo"], moe_micro_batches=None, sensitivity=False):
     """(HF-named gradients, the loss's value) of ``case`` over the trained tokens of ``samples``
     (``case_samples``: masked ones for a masked case); a masked token is context, never a loss term.
+    ``sensitivity``: a third value, sum_t |dL/d log p_t| + |dL/dH_t| (1 + H_t) over the response
+    tokens (H_t the entropy): how far the loss moves, to first order, when every log-prob of the
+    vocabulary moves by at most 1 (the entropy then by at most 1 + H_t)
     ``moe_micro_batches`` (the sample indices of every micro-batch on every DP rank): MOE_AUX's router
     losses added as Megatron adds them with a per-token loss -- each micro-batch's and layer's loss
     times its routed positions, over the step's trained tokens."""
@@ -306,6 +309,7 @@ def reference_grads(hf_dir, samples, case=CASES["aipo"], moe_micro_batches=None)
     total_tokens = sum(len(k) for k in kept)
     sequences = sum(1 for k in kept if k)  # a sample with every token masked is not one of them
     loss = torch.zeros(())
+    watched = []  # (log p, entropy) of each sample's response, for ``sensitivity``
     # the baseline is over every sample of a group, trained or not
     for s, adv, k in zip(samples, group_mean_advantages(samples), kept):
         if not k:
@@ -315,6 +319,10 @@ def reference_grads(hf_dir, samples, case=CASES["aipo"], moe_micro_batches=None)
                 logp, entropy = response_logprobs(model, s.prompt_tokens, s.response_tokens, TEMPERATURE, entropy=True)
         else:
             logp, entropy = response_logprobs(model, s.prompt_tokens, s.response_tokens, TEMPERATURE, entropy=True)
+        if sensitivity:
+            logp.retain_grad()
+            entropy.retain_grad()
+            watched.append((logp, entropy))
         k = torch.tensor(k)
         mu = torch.tensor(s.behaviour_logprobs)[k]
         terms, kind = _sequence_terms(case, logp[k], mu, adv, entropy[k])
@@ -336,7 +344,15 @@ def reference_grads(hf_dir, samples, case=CASES["aipo"], moe_micro_batches=None)
                 aux = MOE_AUX["moe_aux_loss_coeff"] * lb + MOE_AUX["moe_z_loss_coeff"] * z
                 loss = loss + aux * positions / total_tokens
     loss.backward()
-    return {name: p.grad.clone() for name, p in model.named_parameters()}, loss.item()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    if not sensitivity:
+        return grads, loss.item()
+    moved = 0.0
+    for logp, entropy in watched:
+        moved += logp.grad.abs().sum().item()
+        if entropy.grad is not None:  # the sequence-level losses leave the entropy out
+            moved += (entropy.grad.abs() * (1 + entropy.detach())).sum().item()
+    return grads, loss.item(), moved
 
 
 def reference_aipo_grads(hf_dir, samples):

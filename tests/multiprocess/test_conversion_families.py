@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tests.conftest import hf_logits, make_tiny_family, run_ranks, run_tool
+from tests.fp32_bounds import fp32_logit_bound, read_config
 from tests.multiprocess.test_conversion import read_safetensors_dir
 
 # TPxPP[xEP[xETP]]; 4x1: more TP ranks than KV heads (QKV biases split inside a KV group)
@@ -88,33 +89,10 @@ def test_export_is_bitwise_the_original(converted):
         assert torch.equal(model(tokens).logits, reference(tokens).logits)
 
 
-# The fp32 rounding of the logits, from the arithmetic: in the probabilistic model of Higham & Mary
-# (SIAM J. Sci. Comput. 2019) a sum of n fp32 terms errs by about LAMBDA * sqrt(n) * u of its terms'
-# scale, u = 2**-24; a forward of L layers chains S = 6 L + 1 such reductions (QKV, scores, scores x V,
-# output projection, gate/up, down per layer, then the head), whose independent errors add in
-# quadrature: LAMBDA * sqrt(S * n) * u * max |logit|, n the longest reduction. Reduction order (TP
-# splits, another CPU's kernels) moves the error within that bound, not past it: transformers' own
-# fp32 logits are held to it too, against the same float64 reference. Multi-head latent attention
-# chains three more per layer (q and kv each down then up: 4 products where QKV is one), and its widest
-# reductions can be the output projection's n x v_head_dim or the latent ranks.
-UNIT_ROUNDOFF = 2.0**-24
-LAMBDA = 2.0
-
-
-def fp32_logit_bound(hf, tokens, max_logit):
-    import json
-
-    config = json.loads((hf / "config.json").read_text())
-    widths = [config["hidden_size"], config["intermediate_size"], config.get("moe_intermediate_size", 0)]
-    widths += [config.get("moe_intermediate_size", 0) * config.get("n_shared_experts", 0)]
-    per_layer = 6
-    if config.get("kv_lora_rank"):  # MLA
-        widths += [config["q_lora_rank"] or 0, config["kv_lora_rank"]]
-        widths += [config["num_attention_heads"] * config["v_head_dim"], config["qk_nope_head_dim"]]
-        per_layer += 3
-    longest = max(*widths, config["head_dim"], tokens.shape[1])
-    reductions = per_layer * config["num_hidden_layers"] + 1
-    return LAMBDA * (reductions * longest) ** 0.5 * UNIT_ROUNDOFF * max_logit
+# The fp32 rounding of the logits, from the arithmetic (tests/fp32_bounds.py: LAMBDA sqrt(S n) u max|logit|,
+# S = 6 L + 1 chained reductions, n the longest; multi-head latent attention chains 3 more per layer).
+# Reduction order (TP splits, another CPU's kernels) moves the error within that bound, not past it:
+# transformers' own fp32 logits are held to it too, against the same float64 reference.
 
 
 def float64_model(hf, family):
@@ -200,7 +178,7 @@ def test_logits_match_transformers(converted):
         reference = model(tokens).logits
     max_logit = reference.abs().max().item()
     assert max_logit > 5  # a real signal, not near-zero logits
-    bound = fp32_logit_bound(hf, tokens, max_logit)
+    bound = fp32_logit_bound(read_config(hf), tokens.shape[1], max_logit)
     moe = family.startswith("qwen3_moe") or family in SIGMOID_ROUTED
     kwargs = dict(experts_implementation="eager") if moe else {}
     hf32 = (hf_logits(hf, tokens, **kwargs).double() - reference).abs().max().item()

@@ -17,6 +17,8 @@ from megarl.checkpointing.dist_checkpoint_reader import DistCheckpointReader
 from megarl.checkpointing.megatron_checkpoint import read_spec
 from megarl.convert.megatron_to_hf import hf_tensors
 from tests.conftest import make_tiny_family, run_ranks, run_tool
+from tests.fp32_bounds import fp32_gradient_bound as shared_gradient_bound
+from tests.fp32_bounds import read_config
 from tests.rl_batch import CASES, make_samples, moe_router_terms, reference_grads, save_samples, with_random_routes
 
 pytestmark = pytest.mark.slow
@@ -83,28 +85,17 @@ def test_fused_expert_split_is_the_checkpoints(moe):
         assert torch.equal(split[name], tensor), name
 
 
-# The fp32 rounding of a gradient, from the arithmetic (the model test_conversion_families.py uses for
-# logits): a sum of n fp32 terms errs by about LAMBDA * sqrt(n) * u of its terms' scale (Higham & Mary,
-# SIAM J. Sci. Comput. 2019), u = 2**-24. A weight's gradient chains the forward's 6 L + 1 reductions
-# (QKV, scores, scores x V, output projection, gate/up, down per layer, then the head), as many again
-# back to that layer (each GEMM's input gradient), and the sum over the batch's positions for the
-# weight gradient itself: S = 2 (6 L + 1) + 1, n the longest of them (the widths, the positions). Both
-# sides are fp32 (Megatron at its layout, transformers in its order), their independent errors adding in
-# quadrature: sqrt(2) LAMBDA sqrt(S n) u of the gradient's scale. This bounds the whole gradient's
-# relative error; the worst single tensor is held to twice it, as before, the max over some 40 tensors
-# of errors of that one scale. A wrong router setting, expert index or a lost reduction moves the
-# gradient by 1e-2 and more: some 1000x the bound.
-UNIT_ROUNDOFF = 2.0**-24
-LAMBDA = 2.0
+# The fp32 rounding of a gradient, from the arithmetic (tests/fp32_bounds.py, the model
+# test_conversion_families.py uses for logits): S = 2 (6 L + 1) + 1 chained reductions (the forward, back
+# to each layer, the sum over the batch's positions), n the longest; Megatron at its layout and
+# transformers in its order differ by sqrt(2) LAMBDA sqrt(S n) u of the gradient's norm, the worst single
+# tensor by twice it. A wrong router setting, expert index or a lost reduction moves the gradient by 1e-2
+# and more: some 1000x the bound.
 
 
 def fp32_gradient_bound(hf, samples) -> float:
-    config = json.loads((hf / "config.json").read_text())
     positions = sum(len(s.prompt_tokens) + len(s.response_tokens) - 1 for s in samples)
-    widths = [config["hidden_size"], config["intermediate_size"], config.get("moe_intermediate_size", 0)]
-    longest = max(*widths, config["head_dim"], positions)
-    reductions = 2 * (6 * config["num_hidden_layers"] + 1) + 1
-    return 2**0.5 * LAMBDA * (reductions * longest) ** 0.5 * UNIT_ROUNDOFF
+    return shared_gradient_bound(read_config(hf), positions)
 
 
 def errors(ours: dict, ref: dict):

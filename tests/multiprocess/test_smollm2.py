@@ -8,24 +8,14 @@ import pytest
 import torch
 
 from tests.conftest import run_ranks
+from tests.fp32_bounds import fp32_logit_bound
 
 pytestmark = pytest.mark.slow
 
-# The fp32 rounding of the logits, from the arithmetic (as tests/multiprocess/test_conversion_families.py
-# derives it): in the probabilistic model of Higham & Mary (SIAM J. Sci. Comput. 2019) a sum of n fp32
-# terms errs by about LAMBDA * sqrt(n) * u of its terms' scale, u = 2**-24; a forward of L layers chains
-# S = 6 L + 1 such reductions (QKV, scores, scores x V, output projection, gate/up, down per layer, then
-# the head), whose independent errors add in quadrature: LAMBDA * sqrt(S * n) * u * max |logit|, n the
-# longest reduction. Reduction order (TP splits, another CPU's kernels) moves the error within it.
-UNIT_ROUNDOFF = 2.0**-24
-LAMBDA = 2.0
-
-
-def fp32_logit_bound(config, seq_len: int, max_logit: float) -> float:
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    longest = max(config.hidden_size, config.intermediate_size, head_dim, seq_len)
-    reductions = 6 * config.num_hidden_layers + 1
-    return LAMBDA * (reductions * longest) ** 0.5 * UNIT_ROUNDOFF * max_logit
+# The fp32 rounding of the logits, from the arithmetic (tests/fp32_bounds.py, as
+# tests/multiprocess/test_conversion_families.py uses it): LAMBDA sqrt(S n) u max|logit|, S = 6 L + 1
+# chained reductions, n the longest. Reduction order (TP splits, another CPU's kernels) moves the error
+# within it.
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +83,7 @@ def test_logits_match_transformers_at_tp1_and_tp3(converted, smollm2_hf, tmp_pat
     with torch.no_grad():
         reference = model(tokens).logits
     max_logit = reference.abs().max().item()
-    bound = fp32_logit_bound(model.config, tokens.shape[1], max_logit)
+    bound = fp32_logit_bound(model.config.to_dict(), tokens.shape[1], max_logit)
     for layout in ("1x1", "3x1"):
         ours = torch.load(tmp_path / f"logits_{layout}.pt")
         diff = (ours.double() - reference).abs().max().item()

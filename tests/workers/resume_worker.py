@@ -6,7 +6,11 @@
 At --save-layout: train 1 step, save a training checkpoint (weights + distributed
 Adam state), train 2 more steps, save the weights as "unbroken". Then for each
 resume layout: build a fresh model and optimizer, load the training checkpoint,
-train the same 2 steps, save the weights as "resumed_<layout>".
+train the same 2 steps, save the weights as "resumed_<layout>". Then the state's round trip
+through another layout: load the training checkpoint at each resume layout other than the save
+layout and save it again untrained ("resharded_<layout>"), load that at the save layout, train the
+same 2 steps, save the weights as "round_trip_<layout>" (the same arithmetic as the unbroken run:
+equal bitwise unless the state changed on the way).
 """
 
 import argparse
@@ -79,6 +83,18 @@ def main():
         records[f"resumed_{name}"] = run_steps(ddp, optimizer, spec, 2)
         records[f"adam_steps_{name}"] = adam_step_counts(optimizer)
         save_model(unwrap(ddp), os.path.join(args.out, f"resumed_{name}"), spec)
+    for name in args.resume_layouts:
+        if name == args.save_layout:
+            continue
+        resharded = os.path.join(args.out, f"resharded_{name}")
+        spec, ddp, optimizer = fresh(args.checkpoint, parse_layout(name))
+        loop_state = load_training_state(unwrap(ddp), optimizer, train_ckpt)
+        save_training_state(unwrap(ddp), optimizer, resharded, spec, iteration=1, loop_state=loop_state)
+        spec, ddp, optimizer = fresh(args.checkpoint, parse_layout(args.save_layout))
+        load_training_state(unwrap(ddp), optimizer, resharded)
+        fuse_torch_adam_on_cpu(optimizer)
+        records[f"round_trip_{name}"] = run_steps(ddp, optimizer, spec, 2)
+        save_model(unwrap(ddp), os.path.join(args.out, f"round_trip_{name}"), spec)
     if dist.get_rank() == 0:
         with open(os.path.join(args.out, "records.json"), "w") as f:
             json.dump(records, f, indent=1)
