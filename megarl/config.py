@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import importlib.util
 import json
+import math
 import re
 import typing
 from dataclasses import dataclass, field
@@ -367,8 +368,22 @@ class Config:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def _check_finite(self) -> None:
+        """No number field takes nan or an infinity: YAML reads `.nan` / `.inf` as floats, and a nan
+        temperature or learning rate passes every `>` check and trains garbage (no field means
+        "unbounded" by inf; those that mean "off" take 0)."""
+        for section in dataclasses.fields(self):
+            value = getattr(self, section.name)
+            if not dataclasses.is_dataclass(value):
+                continue
+            for f in dataclasses.fields(value):
+                v = getattr(value, f.name)
+                if isinstance(v, float) and not math.isfinite(v):
+                    raise ConfigError(f"{section.name}.{f.name}: must be a finite number, got {v}")
+
     def validate(self) -> "Config":
         t, g, r = self.trainer, self.generator, self.rollout
+        self._check_finite()
         _choice("run.mode", self.run.mode)
         _choice("generator.backend", g.backend)
         _choice("model.dtype", self.model.dtype)
@@ -1085,7 +1100,9 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Co
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"--config {path}: no such file")
-        data = _read_file(p) or {}
+        data = _read_file(p)
+        if data is None:  # empty, or only comments: most likely the wrong file, not a wish for every default
+            raise ConfigError(f"{path}: holds no settings (empty or only comments); write {{}} to run every default")
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: expected a mapping of sections at the top level")
     for item in overrides:

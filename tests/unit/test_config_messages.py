@@ -44,3 +44,23 @@ def test_an_error_in_the_file_still_names_the_file(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("trainer:\n  tp: two\n")
     assert _error(str(bad), ["run.steps=3"]) == f"{bad}: trainer.tp: expected an integer, got 'two'"
+
+
+@pytest.mark.parametrize(
+    "override, field, shown",
+    [("rollout.temperature=nan", "rollout.temperature", "nan"), ("optimizer.lr=inf", "optimizer.lr", "inf"),
+     ("optimizer.lr=.inf", "optimizer.lr", "inf"), ("health.reward_drop=-.inf", "health.reward_drop", "-inf")],
+)  # fmt: skip
+def test_nan_and_infinities_are_refused_by_field(override, field, shown):
+    assert _error(TINY, [override]) == f"override {override}: {field}: must be a finite number, got {shown}"
+    load_config(TINY, [override.split("=")[0] + "=0.5"])  # the same field with a finite value is accepted
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n", "\n\n"])
+def test_an_empty_config_file_is_refused_not_run_on_defaults(tmp_path, text):
+    empty = tmp_path / "empty.yaml"
+    empty.write_text(text)
+    assert _error(str(empty)) == f"{empty}: holds no settings (empty or only comments); write {{}} to run every default"
+    braces = tmp_path / "defaults.yaml"
+    braces.write_text("{}\n")
+    assert load_config(str(braces)).run.steps == load_config(None).run.steps  # {}: every default, as said
