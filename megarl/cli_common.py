@@ -44,4 +44,9 @@ def run_tool(main: Callable[[], None]) -> int:
     except MegarlError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
+    except KeyboardInterrupt:
+        # Ctrl-C before the ranks started (or in a command without them): nothing to save yet. Once
+        # ranks run, Ctrl-C saves a checkpoint at the next step boundary (runtime/preemption.py)
+        print("megarl: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+        return 130
     return 0

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 import time
 from typing import Optional
@@ -346,9 +345,9 @@ class Controller:
 
 
 def run_rank(cfg_dict: dict, prepared) -> None:
-    # SIGUSR1 (and SIGTERM when this process is its own launcher): checkpoint at the next step
-    # boundary and exit 0
-    preemption.install(signals=(signal.SIGUSR1,) if "RANK" in os.environ else preemption.SIGNALS)
+    # SIGUSR1 and Ctrl-C's SIGINT (and SIGTERM when this process is its own launcher): checkpoint at the
+    # next step boundary and exit 0
+    preemption.install(signals=preemption.RANK_SIGNALS if "RANK" in os.environ else preemption.SIGNALS)
     controller = Controller(wire_rank(concrete_config(cfg_dict), prepared))
     try:
         controller.run()

@@ -11,7 +11,10 @@ or a rank -- the ranks end up with a flag set:
 - a launcher forwards the signal to its ranks as SIGUSR1. A rank started by a
   launcher handles SIGUSR1 only: SIGTERM stays the launchers' way to end a rank
   at once (the local launcher and torchrun send it to the survivors when a rank fails);
-- a second signal to the same process ends it at once (exit 128 + signal number).
+- a second signal to the same process ends it at once (exit 128 + signal number);
+- Ctrl-C (SIGINT) is a request like SIGTERM. The terminal sends it to the launcher and to every rank
+  of its process group at once, so a rank gets it twice over (its own SIGINT and the launcher's
+  SIGUSR1, in either order): that pair counts as one request, and a second Ctrl-C ends the job at once.
 
 The same agreement carries ``run.time_budget_min``: the trainer's first rank (rank 0)
 owns the budget's clock and says at each step boundary whether it is spent; the
@@ -30,9 +33,14 @@ import signal
 import sys
 from typing import Callable, Optional
 
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+# what a rank started by a launcher handles: the launcher's SIGUSR1, and Ctrl-C's SIGINT that reaches
+# the rank directly (SIGTERM stays the launchers' way to end a rank at once)
+RANK_SIGNALS = (signal.SIGUSR1, signal.SIGINT)
+_ONE_CTRL_C = {"SIGINT", "SIGUSR1"}
 
 _requested: Optional[str] = None  # the name of the first signal received
+_paired = False  # a Ctrl-C's SIGINT and its forwarded SIGUSR1 both arrived: still one request
 
 
 def requested() -> Optional[str]:
@@ -44,9 +52,12 @@ def install(forward: Optional[Callable[[int], None]] = None, signals=SIGNALS) ->
     way to pass the request to its ranks."""
 
     def handler(signum, frame):
-        global _requested
+        global _requested, _paired
         name = signal.Signals(signum).name
         who = f"megarl: rank {os.environ['RANK']}" if "RANK" in os.environ else "megarl"
+        if _requested is not None and not _paired and {_requested, name} == _ONE_CTRL_C and forward is None:
+            _paired = True  # the other half of one Ctrl-C in a rank
+            return
         if _requested is not None:
             print(f"{who}: second signal ({name}) after {_requested}: exiting now", file=sys.stderr, flush=True)
             os._exit(128 + signum)

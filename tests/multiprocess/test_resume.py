@@ -196,3 +196,30 @@ def test_a_stopped_rank_ends_the_job_naming_it(tmp_path, rank, role):
     assert proc.returncode != 0
     assert f"rank {rank} ({role}, pid {stopped}" in err and "made no progress for" in err, err[-3000:]
     assert ("its process stopped running too" if rank else "it hosts the job's store") in err, err[-3000:]
+
+
+def test_ctrl_c_saves_a_checkpoint_like_sigterm(tmp_path):
+    """Ctrl-C at a terminal: SIGINT to the launcher and every rank of its process group at once (an async
+    run: a trainer and a generator rank beside the launcher). The job saves at the step boundary and
+    exits 0, no traceback; before, it exited 130 with one traceback per process and no checkpoint."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        train_cmd(out) + ["run.mode=async", "run.steps=50"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+    )
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    stopped_at = len(records(out, "metrics.jsonl"))
+    assert 1 <= stopped_at < 50
+    assert f"checkpoint of step {stopped_at} saved in {out / 'checkpoints'}" in err
