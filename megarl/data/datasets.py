@@ -12,6 +12,7 @@ reaches the reward function as keyword arguments.
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import os
@@ -55,6 +56,9 @@ class TokenizedPrompt:
     record: PromptRecord
 
 
+BUILT_IN_SPECS = ("arithmetic", "arithmetic-ood", "repeat", "random")
+
+
 def load_records(spec: str) -> List[PromptRecord]:
     """The records a data spec names: ``arithmetic:...``, ``arithmetic-ood:...`` and ``repeat:...`` (built in,
     megarl/data/arithmetic.py, arithmetic_ood.py, repeat_words.py) or a .jsonl / .parquet file. ``random:...`` specs
@@ -87,6 +91,15 @@ def load_prompts(path) -> List[PromptRecord]:
     """Every record of a .jsonl or .parquet prompt file; ConfigError naming file:line on a bad one."""
     path = os.fspath(path)
     if not os.path.isfile(path):
+        kind, colon, _ = path.partition(":")
+        if colon and "/" not in kind and not os.path.exists(kind):  # a built-in spec's name, misspelled
+            near = difflib.get_close_matches(kind, BUILT_IN_SPECS, n=1)
+            hint = f"did you mean {near[0]}:...? " if near else ""
+            raise ConfigError(
+                f"{path}: neither a prompt file nor a built-in data spec ({kind!r} is not one of "
+                f"{', '.join(BUILT_IN_SPECS)}); {hint}"
+                "specs are arithmetic:<n>:<seed>, arithmetic-ood:<n>:<seed>, repeat:<n>:<seed>, random:..."
+            )
         raise ConfigError(f"{path}: prompt file does not exist")
     if path.endswith(".jsonl"):
         records = list(_read_jsonl(path))
@@ -100,11 +113,17 @@ def load_prompts(path) -> List[PromptRecord]:
 
 
 def _read_jsonl(path: str) -> Iterator[PromptRecord]:
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with open(path, "rb") as f:  # bytes, decoded line by line: a byte that is not UTF-8 is named by its line
+        for lineno, data in enumerate(f, start=1):
+            where = f"{path}:{lineno}"
+            try:
+                line = data.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ConfigError(
+                    f"{where}: not UTF-8 (byte 0x{data[exc.start]:02x} at column {exc.start + 1})"
+                ) from None
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 raw = json.loads(line)
             except json.JSONDecodeError as exc:

@@ -18,6 +18,7 @@ from megarl.data import (
     tokenize_prompts,
     write_jsonl,
 )
+from megarl.data.datasets import load_records
 from megarl.errors import ConfigError
 
 # -- arithmetic ---------------------------------------------------------------------------------
@@ -308,3 +309,20 @@ def test_the_ood_arithmetic_set_shares_nothing_with_the_training_generator():
         assert math_reward(response.replace("-39", "39"), "-39") == 0.0, response
     with pytest.raises(ConfigError, match="arithmetic-ood:<n>:<seed>"):
         ood_records("arithmetic-ood:0:1")
+
+
+def test_a_misspelled_built_in_spec_is_named_with_the_nearest_kind_not_called_a_missing_file():
+    with pytest.raises(
+        ConfigError,
+        match=r"^arithmetc:10:1: neither a prompt file nor a built-in data spec .*did you mean arithmetic:\.\.\.\?",
+    ):
+        load_records("arithmetc:10:1")
+    with pytest.raises(ConfigError, match=r"^nothing\.jsonl: prompt file does not exist$"):
+        load_records("nothing.jsonl")  # a path without a spec's colon: still the missing file
+
+
+def test_a_byte_that_is_not_utf8_is_named_by_file_and_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"prompt": "a", "answer": "1"}\n{"prompt": "b\xff", "answer": "2"}\n')
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(bad))}:2: not UTF-8 \(byte 0xff at column 14\)$"):
+        load_records(str(bad))
