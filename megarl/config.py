@@ -333,6 +333,8 @@ CHOICES: Dict[str, tuple] = {
     "trainer.recompute_granularity": (None, "selective", "full"),
     "trainer.recompute_method": (None, "uniform", "block"),
     "trainer.kl_estimator": ("k1", "k2", "k3"),
+    # megarl/trainer/advantages.py's ESTIMATORS (tests/unit/test_config_messages.py keeps the two equal)
+    "trainer.advantage_estimator": ("group_mean", "rloo"),
     "trainer.overlong": ("none", "mask", "penalty"),
     # seq_aux_loss treats Megatron's sequence (megarl's packed row of several samples) as one;
     # global_aux_loss keeps counts across steps; sinkhorn routes differently from the family's
@@ -473,6 +475,13 @@ class Config:
         _choice("trainer.recompute_granularity", t.recompute_granularity)
         _choice("trainer.recompute_method", t.recompute_method)
         _choice("trainer.kl_estimator", t.kl_estimator)
+        _choice("trainer.advantage_estimator", t.advantage_estimator)
+        if self.rollout.samples_per_prompt == 1:
+            # a group of one sample is its own baseline: every advantage is 0 and nothing is learned
+            raise ConfigError(
+                f"rollout.samples_per_prompt: 1 makes every advantage 0 (trainer.advantage_estimator="
+                f"{t.advantage_estimator} compares a sample with its group's others); use 2 or more"
+            )
         self._validate_moe_training()
         if t.recompute_granularity == "full":
             if t.recompute_method is None or t.recompute_num_layers is None:

@@ -64,3 +64,16 @@ def test_an_empty_config_file_is_refused_not_run_on_defaults(tmp_path, text):
     braces = tmp_path / "defaults.yaml"
     braces.write_text("{}\n")
     assert load_config(str(braces)).run.steps == load_config(None).run.steps  # {}: every default, as said
+
+
+def test_the_advantage_estimator_is_checked_before_any_rank_and_a_group_of_one_is_refused():
+    from megarl.config import CHOICES
+    from megarl.trainer.advantages import ESTIMATORS
+
+    assert set(CHOICES["trainer.advantage_estimator"]) == set(ESTIMATORS)  # the config's list is the trainer's
+    assert _error(TINY, ["trainer.advantage_estimator=grpo"]) == (
+        "override trainer.advantage_estimator=grpo: trainer.advantage_estimator: 'grpo' is not one of "
+        "['group_mean', 'rloo']"
+    )
+    assert "rollout.samples_per_prompt: 1 makes every advantage 0" in _error(TINY, ["rollout.samples_per_prompt=1"])
+    load_config(TINY, ["rollout.samples_per_prompt=2", "trainer.advantage_estimator=rloo"])
