@@ -72,7 +72,7 @@ def test_an_unknown_mode_or_backend_is_refused_by_its_field(mode, backend, field
 COPIES = {
     "a world size summed from the trainer's and the generators'": re.compile(r"world_size\s*\+\s*[\w.()]*world_size"),
     "sync mode's lag bound": re.compile(r"updates_per_batch\s*-\s*1\b"),
-    "run.mode compared (config.py validates it; the rest ask the layout)": re.compile(r"\.mode\s*(==|!=|\bin\b)"),
+    "run.mode compared (config.py validates it; the rest ask the layout)": re.compile(r"\brun\.mode\s*(==|!=|\bin\b)"),
 }
 MODE_READERS = {"megarl/config.py"}  # where comparing run.mode is validation, not layout
 
