@@ -11,12 +11,14 @@ Standard library only: megarl is not importable here (``-I``). Before the model'
      so no socket reaches any interface, not even the host's loopback;
    - every mount made read-only (``mount_setattr(AT_RECURSIVE)``) but a fresh tmpfs of
      ``scratch_mb`` on the scratch directory: writes anywhere else fail with EROFS;
-   - a job run as root: the program runs as ``nobody`` (65534), so it reads only world-readable
-     files; any other user: its capabilities in the new user namespace dropped, so it cannot undo
-     the mounts;
+   - every capability dropped, so the mounts cannot be undone (a job run as root keeps root's
+     uid, and reads what root reads: switching to ``nobody`` left the interpreter under /root
+     unreadable);
    - RLIMIT_NPROC 1 (no process and no thread can be created: fork, clone, posix_spawn, vfork all
      fail with EAGAIN) where it binds, i.e. not for uid 0;
-   - no_new_privs, so no exec can gain privileges;
+   - no_new_privs, then a seccomp filter (x86_64) refusing process and thread creation, exec,
+     sockets, signals to other processes, ptrace and mount calls: what holds uid 0, which
+     RLIMIT_NPROC does not;
 3. writes the layer line (``\\0megarl-sandbox LAYERS\\n``) to stderr for the parent;
 4. installs an audit hook (PEP 578) refusing sockets, process creation, ctypes and limit changes: a
    clear error for ordinary attempts, and the only block left where the kernel steps did not take.
