@@ -385,7 +385,6 @@ class Config:
 
     def validate(self) -> "Config":
         t, g, r = self.trainer, self.generator, self.rollout
-        self._check_finite()
         _choice("run.mode", self.run.mode)
         _choice("generator.backend", g.backend)
         _choice("model.dtype", self.model.dtype)
@@ -468,6 +467,7 @@ class Config:
                 f"trainer.max_tokens_per_microbatch={t.max_tokens_per_microbatch} cannot hold the "
                 f"longest sample (data.max_prompt_tokens + rollout.max_new_tokens - 1 = {longest})"
             )
+        self._check_finite()  # last: a field's own check, where it has one, names what it expects
         return self
 
     def _validate_trainer(self) -> None:
