@@ -17,6 +17,8 @@ import json
 import tempfile
 import time
 
+from megarl.bench.timing import synchronize
+
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -44,17 +46,16 @@ def main(argv=None) -> dict:
     model = AutoModelForCausalLM.from_config(LlamaConfig(**preset_config(preset)), dtype=dtype).to(device).eval()
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, model.config.vocab_size, (batch, a.prompt), generator=g)
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
     result = {"preset": preset, "device": torch.cuda.get_device_name() if cuda else "cpu", "batch": batch}
     result.update(prompt_tokens=a.prompt, new_tokens=new)
 
     with torch.no_grad():
         ids = prompts.to(device)
         model.generate(ids[:1], max_new_tokens=2, do_sample=False, pad_token_id=0)  # warm-up
-        sync()
+        synchronize(device)
         start = time.perf_counter()
         out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
-        sync()
+        synchronize(device)
         hf_s = time.perf_counter() - start
     hf_tokens = out[:, a.prompt :].tolist()
 
@@ -69,11 +70,11 @@ def main(argv=None) -> dict:
     sampling = SamplingParams(temperature=0.0, max_new_tokens=new)
     engine.submit([GenerationRequest("warm", prompts[0].tolist(), SamplingParams(temperature=0.0, max_new_tokens=2))])
     engine.run_until_idle()
-    sync()
+    synchronize(device)
     engine.submit([GenerationRequest(str(i), row, sampling) for i, row in enumerate(prompts.tolist())])
     start = time.perf_counter()
     done = engine.run_until_idle()
-    sync()
+    synchronize(device)
     engine_s = time.perf_counter() - start
     engine_tokens = {c.request_id: c.output_ids for c in done}
     got = [engine_tokens[str(i)] for i in range(batch)]

@@ -21,7 +21,8 @@ import importlib.metadata
 import json
 import platform
 import sys
-import time
+
+from megarl.bench.timing import best_seconds
 
 
 def _version(dist: str, module: str):
@@ -57,29 +58,16 @@ def versions() -> dict:
     return out
 
 
-def _best_seconds(fn, sync, reps: int) -> float:
-    fn()
-    sync()
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        sync()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def matmul_tflops(device: str, sizes, reps: int = 5) -> dict:
     """bf16 n x n x n matmul TFLOP/s per size (2 n^3 per call, best call)."""
     import torch
 
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     out = {}
     for n in sizes:
         a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
         b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
         c = torch.empty(n, n, device=device, dtype=torch.bfloat16)
-        seconds = _best_seconds(lambda a=a, b=b, c=c: torch.matmul(a, b, out=c), sync, reps)
+        seconds = best_seconds(lambda a=a, b=b, c=c: torch.matmul(a, b, out=c), device, reps)
         out[n] = 2.0 * n**3 / seconds / 1e12
     return out
 
@@ -88,14 +76,13 @@ def copy_rates(device: str, nbytes: int, reps: int = 5) -> dict:
     """GB/s of a device-to-device copy (2 x bytes: read and write) and of pinned host <-> device."""
     import torch
 
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
     dst = torch.empty_like(src)
-    out = {"copy_GB_per_s": 2 * nbytes / _best_seconds(lambda: dst.copy_(src), sync, reps) / 1e9}
+    out = {"copy_GB_per_s": 2 * nbytes / best_seconds(lambda: dst.copy_(src), device, reps) / 1e9}
     if device == "cuda":
         host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        out["h2d_GB_per_s"] = nbytes / _best_seconds(lambda: src.copy_(host, non_blocking=True), sync, reps) / 1e9
-        out["d2h_GB_per_s"] = nbytes / _best_seconds(lambda: host.copy_(src, non_blocking=True), sync, reps) / 1e9
+        out["h2d_GB_per_s"] = nbytes / best_seconds(lambda: src.copy_(host, non_blocking=True), device, reps) / 1e9
+        out["d2h_GB_per_s"] = nbytes / best_seconds(lambda: host.copy_(src, non_blocking=True), device, reps) / 1e9
     return out
 
 

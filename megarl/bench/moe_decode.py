@@ -19,14 +19,13 @@ One JSON line; the ratios are loop time / device-routed time (above 1: the new p
 from __future__ import annotations
 
 import json
-import statistics
-import time
 from dataclasses import dataclass
-from typing import Callable, Dict, Tuple
+from typing import Dict, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from megarl.bench.timing import median_ms_alternated
 from megarl.generator.torch_engine import moe
 from megarl.generator.torch_engine.model import KVCache, Segment, SglangLayoutModel
 from megarl.models.presets import preset_config
@@ -83,23 +82,6 @@ def random_params(spec: ModelSpec, dtype: torch.dtype, device: str) -> Dict[str,
     return params
 
 
-def _timed(calls: Dict[str, Callable[[], object]], reps: int, device: str) -> Dict[str, float]:
-    """Median ms of each call, alternated (drift on a shared machine hits both), after a warm-up."""
-    times = {name: [] for name in calls}
-    for call in calls.values():
-        call()
-    for _ in range(reps):
-        for name, call in calls.items():
-            if device == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            call()
-            if device == "cuda":
-                torch.cuda.synchronize()
-            times[name].append(time.perf_counter() - start)
-    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
-
-
 def bench_layer(spec: ModelSpec, params, batch: int, reps: int, device: str) -> dict:
     p = f"model.layers.{spec.moe.layers[0]}."
     gate, w13, w2 = (params[p + n] for n in ("mlp.gate.weight", "mlp.experts.w13_weight", "mlp.experts.w2_weight"))
@@ -115,7 +97,7 @@ def bench_layer(spec: ModelSpec, params, batch: int, reps: int, device: str) -> 
         with _OpCounter() as counter:
             out[name] = layer(path)
         counts[name] = (counter.ops, counter.host_reads)
-    ms = _timed({name: (lambda path=path: layer(path)) for name, path in paths.items()}, reps, device)
+    ms = median_ms_alternated({name: (lambda path=path: layer(path)) for name, path in paths.items()}, reps, device)
     return {
         "loop_ms": ms["loop"],
         "device_routed_ms": ms["device_routed"],
@@ -144,7 +126,7 @@ def bench_step(spec: ModelSpec, params, batch: int, context: int, reps: int, dev
         return logits, model.routes.cpu()  # the engine's one copy of the step's routes
 
     out = {name: step(model) for name, model in models.items()}
-    ms = _timed({name: (lambda model=model: step(model)) for name, model in models.items()}, reps, device)
+    ms = median_ms_alternated({name: (lambda model=model: step(model)) for name, model in models.items()}, reps, device)
     return {
         "loop_ms": ms["loop"],
         "device_routed_ms": ms["device_routed"],

@@ -20,22 +20,8 @@ import argparse
 import dataclasses
 import json
 import statistics
-import time
 
-
-def _sync(device: str) -> None:
-    import torch
-
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def _timed(fn, device: str) -> float:
-    _sync(device)
-    start = time.perf_counter()
-    fn()
-    _sync(device)
-    return time.perf_counter() - start
+from megarl.bench.timing import seconds
 
 
 def random_engine_params(spec, dtype, device: str, seed: int = 0) -> dict:
@@ -68,16 +54,16 @@ def engine_decode(spec, device: str, batch: int, prompt: int, steps: int) -> dic
     tokens = torch.randint(0, spec.vocab_size, (batch * prompt,), generator=g).to(device)
     positions = torch.arange(prompt, device=device).repeat(batch)
     segments = [Segment(i, 0, prompt, i * prompt) for i in range(batch)]
-    prefill_s = _timed(lambda: model.forward(tokens, positions, segments, cache), device)
+    prefill_s = seconds(lambda: model.forward(tokens, positions, segments, cache), device)
     times = []
     for t in range(steps):
         new = torch.randint(0, spec.vocab_size, (batch,), generator=g).to(device)
         pos = torch.full((batch,), prompt + t, device=device)
         step_segments = [Segment(i, prompt + t, 1, i) for i in range(batch)]
-        times.append(_timed(lambda: model.forward(new, pos, step_segments, cache), device))
+        times.append(seconds(lambda: model.forward(new, pos, step_segments, cache), device))
     layer = spec.moe.layers[-1]
     h = torch.randn(batch, spec.hidden_size, dtype=dtype, device=device, generator=None) * 0.5
-    moe_s = [_timed(lambda: model._experts(h, f"model.layers.{layer}.", layer), device) for _ in range(max(3, steps))]
+    moe_s = [seconds(lambda: model._experts(h, f"model.layers.{layer}.", layer), device) for _ in range(max(3, steps))]
     return {
         "engine_batch": batch,
         "engine_prefill_s": prefill_s,
@@ -116,8 +102,8 @@ def megatron_moe_layer(spec, device: str, tokens: int, reps: int) -> dict:
         out = out[0] if isinstance(out, tuple) else out
         out.float().square().mean().backward()
 
-    first = _timed(fwd_bwd, device)
-    steady = [_timed(fwd_bwd, device) for _ in range(reps)]
+    first = seconds(fwd_bwd, device)
+    steady = [seconds(fwd_bwd, device) for _ in range(reps)]
     return {
         "megatron_moe_module": type(moe).__name__,
         "megatron_experts_module": type(moe.experts).__name__,
